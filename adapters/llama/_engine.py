@@ -1,0 +1,167 @@
+"""One loaded GGUF model, shared by every context opened on it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvrt._backend import ModelFacts
+from kvrt._config import EngineConfig
+from kvrt._errors import EngineError, ModelLoadError
+from kvrt._model import GgufMetadata, file_digest, read_gguf_metadata, resolve_model_path
+from native_bridge import BridgeError
+from native_bridge.llama import LlamaModel, kv_type_row_bytes
+
+from ._context import LlamaEngineContext
+from ._errors import translate_errors
+
+__all__ = ["LlamaEngine"]
+
+
+class LlamaEngine:
+    """A GGUF model loaded by llama.cpp; open one :class:`LlamaEngineContext` per session.
+
+    >>> engine = LlamaEngine.open(EngineConfig())           # the embedded SmolLM2
+    >>> ctx = engine.open_context(512)
+    >>> logits = ctx.prefill(engine.tokenize("Hello"))
+    >>> ctx.close(); engine.close()
+    """
+
+    backend = "llama"
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, facts: ModelFacts) -> None:
+        self._model = model
+        self.config = config
+        self._facts = facts
+
+    @classmethod
+    def open(cls, config: EngineConfig) -> LlamaEngine:
+        path = resolve_model_path(config.model)
+        meta = read_gguf_metadata(path)
+        with translate_errors(f"loading {path}"):
+            model = LlamaModel(str(path))
+        try:
+            facts = cls._facts_for(model, meta, config, str(path))
+        except BaseException:
+            model.close()
+            raise
+        return cls(model, config, facts)
+
+    @staticmethod
+    def _facts_for(
+        model: LlamaModel, meta: GgufMetadata, config: EngineConfig, path: str
+    ) -> ModelFacts:
+        if model.n_layer <= 0 or model.n_head_kv <= 0 or model.n_head <= 0:
+            raise ModelLoadError(f"{path} has no attention layers kvrt can page")
+        head_dim_k = meta.head_dim_k or model.n_embd // model.n_head
+        head_dim_v = meta.head_dim_v or head_dim_k
+        try:
+            row = kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_k)
+            row += kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_v)
+        except BridgeError as exc:
+            raise ModelLoadError(
+                f"KV type {config.kv_type} does not fit this model: {exc}"
+            ) from exc
+        digest = file_digest(Path(path))
+        layout = (
+            f"{digest}|{meta.architecture}|layers={model.n_layer}|kv_heads={model.n_head_kv}"
+            f"|k={head_dim_k}|v={head_dim_v}|kv={config.kv_type}|rope_type={model.rope_type}"
+            f"|rope_base={meta.rope_freq_base}|swa={model.n_swa}"
+        )
+        return ModelFacts(
+            backend="llama",
+            path=path,
+            name=meta.name,
+            architecture=meta.architecture,
+            fingerprint=hashlib.sha256(layout.encode()).hexdigest()[:32],
+            n_layers=model.n_layer,
+            n_head=model.n_head,
+            n_head_kv=model.n_head_kv,
+            head_dim=head_dim_k,
+            n_vocab=model.n_vocab,
+            trained_context=model.n_ctx_train,
+            sliding_window=meta.sliding_window,
+            sliding_window_live=model.n_swa or None,
+            sliding_window_pattern=meta.sliding_window_pattern,
+            # Two sequences in one unified cache: llama.cpp keeps windowed layers full size.
+            swa_full=True,
+            rope_freq_base=meta.rope_freq_base,
+            kv_type=config.kv_type,
+            kv_bytes_per_token=row * model.n_layer,
+            weight_bytes=model.size_bytes,
+            file_bytes=meta.file_bytes,
+        )
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    @property
+    def closed(self) -> bool:
+        return self._model.closed
+
+    # -- text --
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """Token ids for ``text``; ``add_special`` adds the model's BOS where it uses one."""
+        with translate_errors("tokenizing"):
+            return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_tokens(tokens)
+        with translate_errors("detokenizing"):
+            return self._model.detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token, for streaming text (may split a UTF-8 character)."""
+        self._check_tokens([token])
+        with translate_errors("detokenizing"):
+            return self._model.token_piece(token)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        self._check_tokens([token])
+        with translate_errors("reading the vocabulary"):
+            return self._model.is_end_of_generation(token)
+
+    def apply_chat_template(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``(role, content)`` pairs with the model's own chat template."""
+        with translate_errors("applying the chat template"):
+            return self._model.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        LlamaEngineContext.check_tokens(tokens, self._facts.n_vocab)
+
+    # -- contexts --
+
+    def open_context(self, n_ctx: int, *, n_batch: int | None = None) -> LlamaEngineContext:
+        """A new KV window of ``n_ctx`` cells on this model."""
+        if self._model.closed:
+            raise EngineError("the engine is closed")
+        return LlamaEngineContext.create(
+            self._model,
+            self._facts,
+            n_ctx=n_ctx,
+            n_batch=n_batch or self.config.batch,
+            n_threads=self.config.threads or _physical_cores(),
+        )
+
+    def close(self) -> None:
+        with translate_errors("closing the model"):
+            self._model.close()
+
+
+def _physical_cores() -> int:
+    try:
+        import psutil
+
+        return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except Exception:
+        return os.cpu_count() or 1

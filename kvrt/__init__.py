@@ -1,0 +1,45 @@
+"""kvrt: lossless long context for local LLM engines.
+
+Tokens that do not fit an engine's KV memory (the hot window) are parked as KV bytes in a
+host-RAM cold store and paged back, bit-exactly where positions allow, when an agent sends
+them again. This module is the whole public surface; everything else is private.
+"""
+
+from ._backend import AdmitMode as AdmitMode
+from ._backend import Capabilities as Capabilities
+from ._backend import ColdBlock as ColdBlock
+from ._backend import ColdBlockMeta as ColdBlockMeta
+from ._backend import Counters as Counters
+from ._backend import Engine as Engine
+from ._backend import EngineContext as EngineContext
+from ._backend import EvictMode as EvictMode
+from ._backend import ModelFacts as ModelFacts
+from ._backend import SamplingParams as SamplingParams
+from ._capacity import Capacity as Capacity
+from ._capacity import CapacityInputs as CapacityInputs
+from ._capacity import LayerProfile as LayerProfile
+from ._capacity import Limit as Limit
+from ._capacity import MemoryPolicy as MemoryPolicy
+from ._capacity import MemoryReading as MemoryReading
+from ._capacity import resolve_capacity as resolve_capacity
+from ._config import Config as Config
+from ._config import EngineConfig as EngineConfig
+from ._config import MemoryConfig as MemoryConfig
+from ._config import load_config as load_config
+from ._describe import ModelInfo as ModelInfo
+from ._describe import describe_model as describe_model
+from ._engines import open_engine as open_engine
+from ._errors import ColdBlockMismatchError as ColdBlockMismatchError
+from ._errors import ConfigError as ConfigError
+from ._errors import EngineError as EngineError
+from ._errors import HotWindowFullError as HotWindowFullError
+from ._errors import InvalidRangeError as InvalidRangeError
+from ._errors import InvalidTokenError as InvalidTokenError
+from ._errors import KvrtError as KvrtError
+from ._errors import ModelLoadError as ModelLoadError
+from ._memory import read_memory as read_memory
+from ._model import embedded_model_path as embedded_model_path
+from ._sampling import Sampler as Sampler
+from ._units import parse_size as parse_size
+
+__version__ = "0.1.0"

@@ -1,0 +1,187 @@
+"""The engine backend protocol kvrt's runtime drives, and the values that cross it.
+
+Adapters (``adapters.llama``, later ``adapters.openvino``) implement :class:`Engine` (one
+loaded model, shared) and :class:`EngineContext` (one KV window, owned by one session).
+Both are synchronous: the runtime calls them from worker threads, one call at a time per
+context. Positions are the engine's token positions; a hot window holds one token per
+position, in increasing order, possibly with gaps left by gap eviction.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "AdmitMode",
+    "Capabilities",
+    "Checkpoint",
+    "ColdBlock",
+    "ColdBlockMeta",
+    "Counters",
+    "Engine",
+    "EngineContext",
+    "EvictMode",
+    "ModelFacts",
+    "SamplingParams",
+]
+
+Logits = npt.NDArray[np.float32]
+Checkpoint = Callable[[], None]
+"""Called between chunks of long engine work; raising from it stops the work cleanly."""
+
+
+class EvictMode(enum.StrEnum):
+    GAP = "gap"
+    """Remove the range; every other token keeps its position."""
+    SLIDE = "slide"
+    """Remove the range and shift the tail down to close the hole."""
+
+
+class AdmitMode(enum.StrEnum):
+    IN_PLACE = "in_place"
+    """Back at the block's original positions (bit-exact)."""
+    TAIL = "tail"
+    """After the last resident token, keys re-rotated by the position delta."""
+
+
+class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine knows about its loaded model and KV layout."""
+
+    backend: str
+    path: str
+    name: str | None
+    architecture: str
+    fingerprint: str
+    n_layers: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    trained_context: int
+    sliding_window: int | None
+    """From the model file's metadata."""
+    sliding_window_live: int | None
+    """As the loaded engine reports it (``llama_model_n_swa``)."""
+    sliding_window_pattern: int | None
+    swa_full: bool
+    rope_freq_base: float | None
+    kv_type: str
+    kv_bytes_per_token: int
+    weight_bytes: int
+    file_bytes: int
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine context can do with its KV cache, stated honestly."""
+
+    remove_middle: bool
+    position_shift: bool
+    exact_in_place: bool
+    """An in-place admit gives logits bit-identical to never evicting."""
+    exact_tail: bool
+    """A tail admit after a shift is bit-identical (false where keys are re-rotated)."""
+    sliding_window: int | None
+    kv_type: str
+    notes: tuple[str, ...] = ()
+
+
+class Counters(msgspec.Struct, kw_only=True):
+    """Cumulative work done by one engine context."""
+
+    prefill_tokens: int = 0
+    """Tokens the engine computed KV for from scratch (prompt processing)."""
+    decode_tokens: int = 0
+    """Tokens generated and fed back one at a time."""
+    evicted_tokens: int = 0
+    exported_tokens: int = 0
+    exported_bytes: int = 0
+    admitted_tokens: int = 0
+    admitted_bytes: int = 0
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Token choice; ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    """0 keeps every token."""
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to check cold KV bytes before they go back into an engine."""
+
+    fingerprint: str
+    """Model digest plus KV layout: bytes only fit an engine with the same one."""
+    kv_type: str
+    start: int
+    """Position of the first token when the block was exported."""
+    tokens: tuple[int, ...]
+    n_bytes: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ColdBlock:
+    """Immutable KV bytes of a token range, with their metadata."""
+
+    meta: ColdBlockMeta
+    data: npt.NDArray[np.uint8]
+
+
+class EngineContext(Protocol):
+    """One KV window of one model, driven synchronously by one owner at a time."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def positions(self) -> Sequence[int]: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def next_position(self) -> int: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def prefill(self, tokens: Sequence[int], *, checkpoint: Checkpoint | None = None) -> Logits: ...
+    def logits(self) -> Logits: ...
+    def sample(self, logits: Logits, params: SamplingParams) -> int: ...
+    def evict(self, start: int, end: int, mode: EvictMode) -> int: ...
+    def export(self, start: int, end: int) -> ColdBlock: ...
+    def admit(self, block: ColdBlock, mode: AdmitMode) -> int: ...
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    """One loaded model, shared by every context opened on it."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]: ...
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+    def apply_chat_template(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> str: ...
+    def open_context(self, n_ctx: int) -> EngineContext: ...
+    def close(self) -> None: ...

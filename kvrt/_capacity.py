@@ -1,0 +1,263 @@
+"""Capacity: how many tokens the hot window holds and how far the planner context reaches.
+
+The derivation, with every quantity that may be unknown degrading to "not a limit" plus a
+note instead of an exception::
+
+    reserve = max(reserve asked for (default 5 % of total), floor)
+    usable  = min(free - reserve, user cap - reserve) * (1 - headroom)
+    hot     = min(trained context, request, hot cap,
+                  (usable - cold when hot and cold share host RAM - weights - overhead)
+                  / kv bytes per token)
+    planner = min(hot + cold budget / kv bytes per token, trained context, request)
+
+Sliding-window layers cost at most ``window`` tokens each, unless the engine keeps them at
+full size. ``effective_context`` is the dense window (the hot window) kept for
+compatibility with engines that have no cold store.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_HEADROOM",
+    "DEFAULT_HOST_COLD_FRACTION",
+    "DEFAULT_RESERVE_FRACTION",
+    "FALLBACK_CONTEXT",
+    "RESERVE_FLOOR_BYTES",
+    "Capacity",
+    "CapacityInputs",
+    "LayerProfile",
+    "Limit",
+    "MemoryPolicy",
+    "MemoryReading",
+    "resolve_capacity",
+    "tokens_for_bytes",
+]
+
+DEFAULT_HEADROOM = 0.10
+DEFAULT_HOST_COLD_FRACTION = 0.25
+DEFAULT_RESERVE_FRACTION = 0.05
+RESERVE_FLOOR_BYTES = 256 * 1024**2
+# Used only when neither the model, the request nor memory bounds the hot window.
+FALLBACK_CONTEXT = 4096
+
+
+class Limit(enum.StrEnum):
+    """What bounded a context size."""
+
+    TRAINED_CONTEXT = "trained_context"
+    REQUEST = "request"
+    HOT_CAP = "hot_cap"
+    MEMORY = "memory"
+    COLD_BUDGET = "cold_budget"
+    FALLBACK = "fallback"
+
+
+class LayerProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """Which layers attend over the whole context and which over a sliding window."""
+
+    n_layers: int
+    n_swa_layers: int = 0
+    sliding_window: int | None = None
+    # True when the engine sizes windowed layers like dense ones (llama.cpp does with
+    # several sequences in one unified cache), so the window saves no memory.
+    swa_full: bool = False
+
+    @property
+    def windowed(self) -> bool:
+        return (
+            self.n_swa_layers > 0
+            and self.sliding_window is not None
+            and self.sliding_window > 0
+            and not self.swa_full
+        )
+
+
+class MemoryReading(msgspec.Struct, frozen=True, kw_only=True):
+    """Live memory figures; ``None`` where the source could not be read."""
+
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+    host_free_bytes: int | None = None
+    host_total_bytes: int | None = None
+    # The hot window lives in host RAM (CPU engines): hot and cold draw on one pool.
+    hot_in_host_memory: bool = True
+
+
+class MemoryPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """The user's memory policy; ``None`` means "derive from live memory"."""
+
+    max_bytes: int | None = None
+    reserve_bytes: int | None = None
+    headroom: float | None = None
+    host_cold_bytes: int | None = None
+    overhead_bytes: int = 0
+
+
+class CapacityInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the derivation reads; any model figure may be unknown."""
+
+    trained_context: int | None = None
+    kv_bytes_per_token: int | None = None
+    weight_bytes: int | None = None
+    layers: LayerProfile | None = None
+    request_context: int | None = None
+    hot_cap_tokens: int | None = None
+    # Model-native sparse attention that can attend past the trained context.
+    sparse_beyond_trained: bool = False
+    memory: MemoryReading = msgspec.field(default_factory=MemoryReading)
+    policy: MemoryPolicy = msgspec.field(default_factory=MemoryPolicy)
+
+
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+    """The resolved sizes, with what limited each of them and why."""
+
+    hot_context_tokens: int
+    planner_effective_context: int
+    effective_context: int
+    cold_store_tokens: int
+    host_cold_budget_bytes: int
+    usable_bytes: int | None
+    reserve_bytes: int | None
+    headroom: float
+    kv_bytes_per_token: int | None
+    hot_limited_by: tuple[Limit, ...]
+    planner_limited_by: tuple[Limit, ...]
+    notes: tuple[str, ...] = ()
+
+
+def tokens_for_bytes(budget: int, kv_bytes_per_token: int, layers: LayerProfile | None) -> int:
+    """How many tokens of KV fit in ``budget`` bytes, honouring sliding-window layers."""
+    if budget <= 0 or kv_bytes_per_token <= 0:
+        return 0
+    if layers is None or not layers.windowed or layers.n_layers <= 0:
+        return budget // kv_bytes_per_token
+    assert layers.sliding_window is not None
+    per_layer = kv_bytes_per_token / layers.n_layers
+    swa = min(layers.n_swa_layers, layers.n_layers)
+    dense = layers.n_layers - swa
+    window = layers.sliding_window
+    full_window_cost = kv_bytes_per_token * window
+    if budget < full_window_cost:
+        return budget // kv_bytes_per_token
+    if dense == 0:
+        # Every layer is windowed: memory stops growing once the window is full.
+        return 2**62
+    return window + int((budget - full_window_cost) // (per_layer * dense))
+
+
+def _reserve(policy: MemoryPolicy, total: int | None, notes: list[str]) -> int:
+    asked = policy.reserve_bytes
+    if asked is None:
+        asked = int(total * DEFAULT_RESERVE_FRACTION) if total is not None else 0
+    floor = RESERVE_FLOOR_BYTES if total is None else min(RESERVE_FLOOR_BYTES, total // 4)
+    if asked < floor:
+        notes.append(f"reserve raised to its floor of {floor} bytes")
+        return floor
+    return asked
+
+
+def _headroom(policy: MemoryPolicy) -> float:
+    return DEFAULT_HEADROOM if policy.headroom is None else policy.headroom
+
+
+def _usable(inputs: CapacityInputs, reserve: int, notes: list[str]) -> int | None:
+    mem, policy = inputs.memory, inputs.policy
+    bounds: list[int] = []
+    if mem.free_bytes is not None:
+        bounds.append(mem.free_bytes - reserve)
+    if policy.max_bytes is not None:
+        bounds.append(policy.max_bytes - reserve)
+    if not bounds:
+        notes.append(
+            "free memory unknown and no memory cap set: memory does not bound the hot window"
+        )
+        return None
+    return max(0, int(min(bounds) * (1.0 - _headroom(policy))))
+
+
+def _host_cold(inputs: CapacityInputs, notes: list[str]) -> int:
+    asked = inputs.policy.host_cold_bytes
+    if asked is not None:
+        return asked
+    free = inputs.memory.host_free_bytes
+    if free is None:
+        notes.append("free host memory unknown: no host cold budget by default")
+        return 0
+    return int(free * DEFAULT_HOST_COLD_FRACTION)
+
+
+def _minimum(candidates: dict[Limit, int | None]) -> tuple[int | None, tuple[Limit, ...]]:
+    known = {k: v for k, v in candidates.items() if v is not None}
+    if not known:
+        return None, ()
+    low = min(known.values())
+    return low, tuple(k for k, v in known.items() if v == low)
+
+
+def resolve_capacity(inputs: CapacityInputs) -> Capacity:
+    """Derive the hot window and the planner context from model, memory and policy."""
+    notes: list[str] = []
+    mem, policy = inputs.memory, inputs.policy
+    kvpt = inputs.kv_bytes_per_token if inputs.kv_bytes_per_token else None
+    reserve = _reserve(policy, mem.total_bytes, notes)
+    usable = _usable(inputs, reserve, notes)
+    cold_bytes = _host_cold(inputs, notes)
+
+    memory_tokens: int | None = None
+    if usable is not None and kvpt is not None:
+        budget = usable - (inputs.weight_bytes or 0) - policy.overhead_bytes
+        if inputs.weight_bytes is None:
+            notes.append("weight size unknown: counted as zero")
+        if mem.hot_in_host_memory and cold_bytes:
+            budget -= cold_bytes
+        memory_tokens = tokens_for_bytes(budget, kvpt, inputs.layers)
+        if memory_tokens == 0:
+            notes.append("memory leaves no room for a hot window")
+    elif kvpt is None:
+        notes.append("KV bytes per token unknown: memory does not bound the hot window")
+
+    hot, hot_by = _minimum(
+        {
+            Limit.TRAINED_CONTEXT: inputs.trained_context,
+            Limit.REQUEST: inputs.request_context,
+            Limit.HOT_CAP: inputs.hot_cap_tokens,
+            Limit.MEMORY: memory_tokens,
+        }
+    )
+    if hot is None:
+        hot, hot_by = FALLBACK_CONTEXT, (Limit.FALLBACK,)
+        notes.append(f"no model, request or memory bound known: hot window falls back to {hot}")
+    hot = max(0, hot)
+
+    cold_tokens = cold_bytes // kvpt if kvpt is not None else 0
+    if kvpt is None and cold_bytes:
+        notes.append("KV bytes per token unknown: the cold budget cannot be counted in tokens")
+    trained = None if inputs.sparse_beyond_trained else inputs.trained_context
+    planner, planner_by = _minimum(
+        {
+            Limit.COLD_BUDGET: hot + cold_tokens,
+            Limit.TRAINED_CONTEXT: trained,
+            Limit.REQUEST: inputs.request_context,
+        }
+    )
+    assert planner is not None  # the cold-budget candidate is always known
+    planner = max(planner, hot)
+
+    return Capacity(
+        hot_context_tokens=hot,
+        planner_effective_context=planner,
+        effective_context=hot,
+        cold_store_tokens=cold_tokens,
+        host_cold_budget_bytes=cold_bytes,
+        usable_bytes=usable,
+        reserve_bytes=reserve,
+        headroom=_headroom(policy),
+        kv_bytes_per_token=kvpt,
+        hot_limited_by=hot_by,
+        planner_limited_by=planner_by,
+        notes=tuple(notes),
+    )

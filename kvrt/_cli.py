@@ -1,0 +1,120 @@
+"""The ``kvrt`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from ._config import SETTINGS, Config, load_config
+from ._describe import ModelInfo, describe_model
+from ._errors import KvrtError
+from ._units import format_size
+
+__all__ = ["main"]
+
+_HELP = {
+    "cold": "host-RAM cold store budget, e.g. 2GiB (default: 25%% of free RAM)",
+    "max": "cap on memory kvrt plans for, e.g. 8GiB",
+    "reserve": "memory left for everything else, e.g. 1GiB",
+    "headroom": "fraction of usable memory kept free, e.g. 0.1 or 10%%",
+    "overhead": "fixed per-context overhead to plan for",
+    "backend": "engine backend (llama)",
+    "model": "path of a GGUF model (default: the embedded SmolLM2-135M-Instruct)",
+    "kv_type": "KV cache type: f32, f16, bf16, q8_0, ...",
+    "threads": "engine threads (default: physical cores)",
+    "context": "logical context a request asks for (caps hot and planner context)",
+    "hot_tokens": "cap on the hot window in tokens",
+    "batch": "prefill batch size in tokens",
+}
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH", help="TOML or JSON config file (or $KVRT_CONFIG)")
+    group = parser.add_argument_group("settings (override the config file and KVRT_* variables)")
+    for s in SETTINGS:
+        group.add_argument(s.flag, dest=f"set_{s.name}", metavar="VALUE", help=_HELP.get(s.name))
+
+
+def _config_from(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
+    flags = {s.name: getattr(args, f"set_{s.name}") for s in SETTINGS}
+    flags.update({k: v for k, v in (extra or {}).items() if v is not None})
+    return load_config(args.config, flags=flags)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrt",
+        description="Lossless long context for local LLM engines.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    describe = sub.add_parser(
+        "describe", help="show a model's KV shape and the capacity kvrt resolves for it"
+    )
+    describe.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file (default: embedded)")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _common(describe)
+    return parser
+
+
+def _print_info(info: ModelInfo) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = info.model, info.capacity
+    table = Table(title=f"kvrt describe — {m.name or m.architecture}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    swa = "none"
+    if m.sliding_window or m.sliding_window_live:
+        swa = f"GGUF {m.sliding_window or '—'}, live {m.sliding_window_live or '—'}"
+    rows = [
+        ("model", m.path),
+        ("backend", m.backend),
+        ("architecture", m.architecture),
+        ("layers", str(m.n_layers)),
+        ("heads / KV heads", f"{m.n_head} / {m.n_head_kv}"),
+        ("head dim", str(m.head_dim)),
+        ("vocabulary", str(m.n_vocab)),
+        ("trained context", f"{m.trained_context} tokens"),
+        ("sliding window", swa),
+        ("KV type", m.kv_type),
+        ("KV bytes per token", f"{m.kv_bytes_per_token:,}"),
+        ("weights", format_size(m.weight_bytes)),
+        ("fingerprint", m.fingerprint),
+        ("free host memory", format_size(info.memory.host_free_bytes)),
+        ("usable for kvrt", format_size(c.usable_bytes)),
+        ("host cold budget", f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)"),
+        ("hot context", f"{c.hot_context_tokens:,} tokens (limited by {', '.join(c.hot_limited_by)})"),
+        (
+            "planner context",
+            f"{c.planner_effective_context:,} tokens (limited by {', '.join(c.planner_limited_by)})",
+        ),
+        ("effective context", f"{c.effective_context:,} tokens (dense)"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    for note in c.notes:
+        table.add_row("note", note)
+    Console().print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "describe":
+            config = _config_from(args, {"model": args.model_path})
+            info = describe_model(config)
+            if args.json:
+                sys.stdout.write(msgspec.json.format(msgspec.json.encode(info)).decode() + "\n")
+            else:
+                _print_info(info)
+    except KvrtError as exc:
+        print(f"kvrt: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,230 @@
+"""Configuration: a msgspec Struct read from a file, then ``KVRT_*`` variables, then flags.
+
+Later sources win: file < environment < command-line flags. Sizes accept ``512MiB``,
+``8GiB`` or a byte count; fractions accept ``0.1`` or ``10%``. A bad value raises one
+:class:`~kvrt.ConfigError` that names the field and where the value came from.
+
+>>> cfg = load_config(env={"KVRT_MEM_COLD": "2GiB"}, flags={"kv_type": "q8_0"})
+>>> cfg.memory.cold, cfg.engine.kv_type
+(2147483648, 'q8_0')
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from ._errors import ConfigError
+from ._units import parse_size
+
+__all__ = [
+    "CONFIG_ENV",
+    "SETTINGS",
+    "Config",
+    "EngineConfig",
+    "KvType",
+    "MemoryConfig",
+    "Setting",
+    "load_config",
+]
+
+Size = Annotated[int, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
+BackendName = Literal["llama"]
+
+CONFIG_ENV = "KVRT_CONFIG"
+
+
+class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Memory policy. ``None`` derives the value from live memory."""
+
+    cold: Size | None = None
+    """Host-RAM cold store budget (default: 25 % of free host RAM)."""
+    max: Size | None = None
+    """Cap on the memory kvrt may plan for (default: no cap beyond free memory)."""
+    reserve: Size | None = None
+    """Memory left for everything else (default: 5 % of total, with a floor)."""
+    headroom: Fraction | None = None
+    """Fraction of usable memory kept free (default: 0.10)."""
+    overhead: Size = 0
+    """Fixed per-context overhead to plan for besides weights and KV."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which engine and model, and how the engine's contexts are built."""
+
+    backend: BackendName = "llama"
+    model: str | None = None
+    """Path of a GGUF model; ``None`` means the embedded SmolLM2-135M-Instruct."""
+    kv_type: KvType = "f16"
+    threads: Positive | None = None
+    context: Positive | None = None
+    """The logical context a request asks for (caps both hot and planner context)."""
+    hot_tokens: Positive | None = None
+    """A cap on the hot window, below what memory allows."""
+    batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """kvrt's whole configuration."""
+
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+
+
+class Setting(msgspec.Struct, frozen=True):
+    """One configurable field, its environment variable and its command-line flag."""
+
+    section: str
+    name: str
+    env: str
+    kind: Literal["size", "fraction", "value"] = "value"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.env.removeprefix("KVRT_").lower().replace("_", "-")
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("memory", "cold", "KVRT_MEM_COLD", "size"),
+    Setting("memory", "max", "KVRT_MEM_MAX", "size"),
+    Setting("memory", "reserve", "KVRT_MEM_RESERVE", "size"),
+    Setting("memory", "headroom", "KVRT_MEM_HEADROOM", "fraction"),
+    Setting("memory", "overhead", "KVRT_MEM_OVERHEAD", "size"),
+    Setting("engine", "backend", "KVRT_BACKEND"),
+    Setting("engine", "model", "KVRT_MODEL"),
+    Setting("engine", "kv_type", "KVRT_KV_TYPE"),
+    Setting("engine", "threads", "KVRT_THREADS"),
+    Setting("engine", "context", "KVRT_CONTEXT"),
+    Setting("engine", "hot_tokens", "KVRT_HOT_TOKENS"),
+    Setting("engine", "batch", "KVRT_BATCH"),
+)
+_BY_PATH = {s.path: s for s in SETTINGS}
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _fraction(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            return float(value.strip()[:-1]) / 100.0
+        except ValueError:
+            raise ValueError(f"expected a fraction such as 0.1 or '10%', got {value!r}") from None
+    return value
+
+
+def _normalize(layer: dict[str, Any], source: Mapping[str, str]) -> None:
+    """Turn size and percent strings into numbers in place, naming the source on error."""
+    for path, setting in _BY_PATH.items():
+        section = layer.get(setting.section)
+        if not isinstance(section, dict) or setting.name not in section:
+            continue
+        value = section[setting.name]
+        try:
+            if setting.kind == "size" and isinstance(value, (str, int)) and value is not None:
+                section[setting.name] = parse_size(value)
+            elif setting.kind == "fraction":
+                section[setting.name] = _fraction(value)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {path} from {source.get(path, 'config')}: {exc}") from None
+
+
+def _validate(layer: dict[str, Any], source: Mapping[str, str], default: str) -> None:
+    _normalize(layer, source)
+    try:
+        msgspec.convert(layer, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        where = default
+        head, sep, at = message.rpartition(" - at `$.")
+        if sep:
+            path = at.rstrip("`")
+            where = source.get(path, default)
+            message = f"invalid {path} from {where}: {head}"
+        else:
+            message = f"invalid configuration from {where}: {message}"
+        raise ConfigError(message) from None
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        if path.suffix.lower() == ".toml":
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+        elif path.suffix.lower() == ".json":
+            data = msgspec.json.decode(raw)
+        else:
+            raise ConfigError(f"config file {path} must end in .toml or .json")
+    except (tomllib.TOMLDecodeError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections")
+    return data
+
+
+def _layer(values: Mapping[str, Any], describe: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    layer: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, value in values.items():
+        setting = _BY_NAME.get(key) or _BY_PATH.get(key)
+        if setting is None:
+            raise ConfigError(f"unknown setting {key!r}")
+        layer.setdefault(setting.section, {})[setting.name] = value
+        source[setting.path] = describe(setting)
+    return layer, source
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration from a file, the environment and flags, later winning.
+
+    ``path`` defaults to ``$KVRT_CONFIG``; ``env`` defaults to ``os.environ``; ``flags``
+    maps setting names (``"cold"``, ``"kv_type"``) or paths (``"memory.cold"``) to values,
+    ``None`` values being ignored.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+
+    file_path = path if path is not None else (env.get(CONFIG_ENV) or None)
+    if file_path is not None:
+        file_layer = _read_file(Path(file_path))
+        file_source = {p: f"config file {file_path}" for p in _BY_PATH}
+        _validate(file_layer, file_source, f"config file {file_path}")
+        _merge(merged, file_layer)
+
+    env_values = {s.path: env[s.env] for s in SETTINGS if env.get(s.env, "").strip()}
+    env_layer, env_source = _layer(env_values, lambda s: f"environment variable {s.env}")
+    _validate(env_layer, env_source, "the environment")
+    _merge(merged, env_layer)
+
+    flag_values = {k: v for k, v in (flags or {}).items() if v is not None}
+    flag_layer, flag_source = _layer(flag_values, lambda s: f"flag {s.flag}")
+    _validate(flag_layer, flag_source, "the command line")
+    _merge(merged, flag_layer)
+
+    return msgspec.convert(merged, Config, strict=False)

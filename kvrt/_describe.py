@@ -1,0 +1,79 @@
+"""``describe``: a model's KV shape and the capacity kvrt resolves for it."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ._backend import ModelFacts
+from ._capacity import Capacity, CapacityInputs, LayerProfile, MemoryPolicy, MemoryReading, resolve_capacity
+from ._config import Config
+from ._engines import open_engine
+from ._memory import read_memory
+
+__all__ = ["ModelInfo", "capacity_inputs", "describe_model"]
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A loaded model's facts with the capacity resolved for it."""
+
+    model: ModelFacts
+    capacity: Capacity
+    memory: MemoryReading
+
+    @property
+    def hot_context_tokens(self) -> int:
+        return self.capacity.hot_context_tokens
+
+    @property
+    def planner_effective_context(self) -> int:
+        return self.capacity.planner_effective_context
+
+
+def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) -> CapacityInputs:
+    """The capacity derivation's inputs for a model under a configuration."""
+    n_swa_layers = 0
+    if facts.sliding_window_live:
+        pattern = facts.sliding_window_pattern
+        # A pattern of p means p-1 windowed layers out of every p.
+        n_swa_layers = facts.n_layers - facts.n_layers // pattern if pattern else facts.n_layers
+    mem = config.memory
+    return CapacityInputs(
+        trained_context=facts.trained_context,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        weight_bytes=facts.weight_bytes,
+        layers=LayerProfile(
+            n_layers=facts.n_layers,
+            n_swa_layers=n_swa_layers,
+            sliding_window=facts.sliding_window_live,
+            swa_full=facts.swa_full,
+        ),
+        request_context=config.engine.context,
+        hot_cap_tokens=config.engine.hot_tokens,
+        memory=memory,
+        policy=MemoryPolicy(
+            max_bytes=mem.max,
+            reserve_bytes=mem.reserve,
+            headroom=mem.headroom,
+            host_cold_bytes=mem.cold,
+            overhead_bytes=mem.overhead,
+        ),
+    )
+
+
+def describe_model(config: Config | None = None) -> ModelInfo:
+    """Load the configured model (default: the embedded SmolLM2) and resolve its capacity.
+
+    >>> info = describe_model()
+    >>> info.model.kv_bytes_per_token, info.hot_context_tokens <= info.model.trained_context
+    (23040, True)
+    """
+    config = config or Config()
+    engine = open_engine(config.engine)
+    try:
+        facts = engine.facts
+    finally:
+        engine.close()
+    memory = read_memory()
+    return ModelInfo(
+        model=facts, capacity=resolve_capacity(capacity_inputs(facts, config, memory)), memory=memory
+    )

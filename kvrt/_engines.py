@@ -1,0 +1,26 @@
+"""Engines by name: kvrt imports an adapter only when it is asked for."""
+
+from __future__ import annotations
+
+import importlib
+from typing import cast
+
+from ._backend import Engine
+from ._config import EngineConfig
+from ._errors import ConfigError
+
+__all__ = ["BACKENDS", "open_engine"]
+
+BACKENDS: dict[str, str] = {
+    "llama": "adapters.llama:LlamaEngine",
+}
+
+
+def open_engine(config: EngineConfig) -> Engine:
+    """Load the model named by ``config`` on the backend it names."""
+    target = BACKENDS.get(config.backend)
+    if target is None:
+        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
+    module_name, _, class_name = target.partition(":")
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    return cast(Engine, engine_class.open(config))

@@ -1,0 +1,52 @@
+"""kvrt's one exception hierarchy.
+
+Every failure a user can cause or meet surfaces as a :class:`KvrtError` subclass with a
+message that names what was wrong. Engine errors are translated at the adapter boundary
+with ``raise ... from exc``; native code is never allowed to see an argument that could
+abort the process.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ColdBlockMismatchError",
+    "ConfigError",
+    "EngineError",
+    "HotWindowFullError",
+    "InvalidRangeError",
+    "InvalidTokenError",
+    "KvrtError",
+    "ModelLoadError",
+]
+
+
+class KvrtError(Exception):
+    """Base class of every error kvrt raises on purpose."""
+
+
+class ConfigError(KvrtError, ValueError):
+    """A configuration value is invalid; the message names the field and its source."""
+
+
+class ModelLoadError(KvrtError):
+    """A model file is missing, unreadable or not a model the engine can load."""
+
+
+class EngineError(KvrtError):
+    """The engine refused or failed an operation that passed kvrt's own checks."""
+
+
+class InvalidRangeError(KvrtError, ValueError):
+    """A token or position range lies outside what the hot window holds."""
+
+
+class InvalidTokenError(KvrtError, ValueError):
+    """A token id lies outside the model's vocabulary."""
+
+
+class HotWindowFullError(KvrtError):
+    """The hot window has no room for the tokens asked for; evict first."""
+
+
+class ColdBlockMismatchError(KvrtError, ValueError):
+    """Cold KV bytes do not belong to this model, KV layout or position."""

@@ -1,0 +1,46 @@
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ._backend import SamplingParams
+from ._errors import ConfigError
+
+__all__ = ["Sampler"]
+
+
+class Sampler:
+    """Stateful token chooser; the same seed and logits give the same tokens.
+
+    >>> Sampler(SamplingParams()).choose(np.array([0.1, 2.0, -1.0], dtype=np.float32))
+    1
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        if not params.temperature >= 0.0:
+            raise ConfigError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {params.top_k}")
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def choose(self, logits: npt.NDArray[np.float32]) -> int:
+        p = self.params
+        if p.temperature == 0.0 or p.top_k == 1:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / p.temperature
+        order = np.argsort(-scaled, kind="stable")
+        if p.top_k:
+            order = order[: p.top_k]
+        kept = scaled[order]
+        probs = np.exp(kept - kept[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            cutoff = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            order, probs = order[:cutoff], probs[:cutoff] / probs[:cutoff].sum()
+        return int(order[self._rng.choice(len(order), p=probs)])

@@ -1,0 +1,506 @@
+"""Thin synchronous wrappers over llama.cpp's C API (through llama_cpp's ctypes bindings).
+
+One :class:`LlamaModel` (weights) is shared by many :class:`LlamaContext` objects (KV
+caches). Each context holds sequence 0 (the hot window) and a scratch sequence used to
+move token ranges in and out as KV bytes; it is built with ``n_seq_max=2`` and
+``kv_unified=True``, without which a partial copy between sequences aborts the process.
+
+Nothing here decides anything: it checks arguments, calls C, checks results.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import BridgeArgumentError, BridgeCallError, BridgeLoadError
+
+__all__ = [
+    "KV_TYPES",
+    "MAIN_SEQ",
+    "SCRATCH_SEQ",
+    "LlamaContext",
+    "LlamaModel",
+    "kv_type_row_bytes",
+    "recent_log",
+]
+
+MAIN_SEQ: Final = 0
+SCRATCH_SEQ: Final = 1
+_N_SEQ: Final = 2
+
+# ggml type ids and (elements per block, bytes per block) of the KV cache types kvrt offers.
+KV_TYPES: Final[dict[str, tuple[int, int, int]]] = {
+    "f32": (llama_cpp.GGML_TYPE_F32, 1, 4),
+    "f16": (llama_cpp.GGML_TYPE_F16, 1, 2),
+    "bf16": (30, 1, 2),  # GGML_TYPE_BF16 (not exported by llama_cpp),
+    "q8_0": (llama_cpp.GGML_TYPE_Q8_0, 32, 34),
+    "q5_1": (llama_cpp.GGML_TYPE_Q5_1, 32, 24),
+    "q5_0": (llama_cpp.GGML_TYPE_Q5_0, 32, 22),
+    "q4_1": (llama_cpp.GGML_TYPE_Q4_1, 32, 20),
+    "q4_0": (llama_cpp.GGML_TYPE_Q4_0, 32, 18),
+}
+
+_DECODE_ERRORS: Final = {
+    1: "no free KV slot for the batch",
+    2: "the computation was aborted",
+    -1: "the engine rejected the batch",
+}
+
+
+def kv_type_row_bytes(kv_type: str, n_elements: int) -> int:
+    """Bytes one row of ``n_elements`` takes in a KV cache of ``kv_type``."""
+    _, block, size = KV_TYPES[kv_type]
+    if n_elements % block:
+        raise BridgeArgumentError(f"KV type {kv_type} needs rows that are a multiple of {block}")
+    return n_elements // block * size
+
+
+# --- logging: keep llama.cpp's recent lines for error messages instead of printing them ---
+
+_LOG: collections.deque[str] = collections.deque(maxlen=40)
+_LOG_ECHO = os.environ.get("KVRT_NATIVE_LOG", "") not in ("", "0")
+
+
+@llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    line = text.decode("utf-8", "replace")
+    if level >= 3:  # warnings and errors; continuation lines (5) follow their head
+        _LOG.append(line.rstrip("\n"))
+    if _LOG_ECHO:
+        print(line, end="", file=sys.stderr, flush=True)
+
+
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+llama_cpp.llama_backend_init()
+
+
+def recent_log(n: int = 5) -> str:
+    """The last ``n`` warning or error lines llama.cpp logged."""
+    lines = [line for line in list(_LOG)[-n:] if line.strip()]
+    return " | ".join(lines)
+
+
+def _failure(what: str) -> BridgeCallError:
+    tail = recent_log()
+    return BridgeCallError(f"{what}" + (f" (llama.cpp: {tail})" if tail else ""))
+
+
+def _int32_array(values: Sequence[int]) -> npt.NDArray[np.int32]:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int64)).astype(np.int32)
+
+
+class LlamaModel:
+    """Loaded weights and vocabulary, shared by every context opened on them."""
+
+    def __init__(self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+        if not os.path.isfile(path):
+            raise BridgeLoadError(f"model file not found: {path}")
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = use_mmap
+        _LOG.clear()
+        ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        if not ptr:
+            tail = recent_log()
+            raise BridgeLoadError(
+                f"llama.cpp could not load {path}" + (f": {tail}" if tail else "")
+            )
+        self._ptr: Any = ptr
+        self._vocab: Any = llama_cpp.llama_model_get_vocab(ptr)
+        self._contexts: set[LlamaContext] = set()
+        self.path = path
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_layer: int = llama_cpp.llama_model_n_layer(ptr)
+        self.n_head: int = llama_cpp.llama_model_n_head(ptr)
+        self.n_head_kv: int = llama_cpp.llama_model_n_head_kv(ptr)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
+        self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(ptr)
+        self.n_swa: int = llama_cpp.llama_model_n_swa(ptr)
+        self.size_bytes: int = llama_cpp.llama_model_size(ptr)
+        self.rope_type: int = llama_cpp.llama_model_rope_type(ptr)
+
+    # -- lifetime --
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def _live(self) -> Any:
+        if self._ptr is None:
+            raise BridgeArgumentError("the model is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        """Free the weights; every context must be closed first."""
+        if self._ptr is None:
+            return
+        if self._contexts:
+            raise BridgeArgumentError(
+                f"close the model's {len(self._contexts)} open contexts first"
+            )
+        llama_cpp.llama_model_free(self._ptr)
+        self._ptr = None
+
+    # -- metadata --
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as llama.cpp read it, or ``None``."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._live(), key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._live(), key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._live(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    # -- vocabulary --
+
+    def check_tokens(self, tokens: npt.NDArray[np.int32] | Sequence[int]) -> None:
+        """Refuse token ids outside the vocabulary (llama.cpp would assert on some paths)."""
+        arr = np.asarray(tokens)
+        if arr.size == 0:
+            return
+        if arr.dtype.kind not in "iu":
+            raise BridgeArgumentError(f"token ids must be integers, got {arr.dtype}")
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0 or high >= self.n_vocab:
+            bad = low if low < 0 else high
+            raise BridgeArgumentError(
+                f"token id {bad} is outside the vocabulary [0, {self.n_vocab})"
+            )
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(
+                self._vocab if self._live() else None,
+                data,
+                len(data),
+                buf,
+                capacity,
+                add_special,
+                parse_special,
+            )
+            if n >= 0:
+                return list(buf[:n])
+            if -n <= capacity:
+                raise _failure("tokenization failed")
+            capacity = -n
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character)."""
+        self._live()
+        self.check_tokens([token])
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[: max(n, 0)]
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        self._live()
+        arr = _int32_array(tokens)
+        self.check_tokens(arr)
+        c_tokens = arr.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        capacity = max(64, arr.size * 8)
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama_cpp.llama_detokenize(
+                self._vocab, c_tokens, arr.size, buf, capacity, not special, special
+            )
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            capacity = -n
+
+    def is_end_of_generation(self, token: int) -> bool:
+        self._live()
+        self.check_tokens([token])
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def bos_token(self) -> int | None:
+        tok = llama_cpp.llama_vocab_bos(self._vocab if self._live() else None)
+        return None if tok < 0 else int(tok)
+
+    def chat_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self._live(), None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def apply_chat_template(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool
+    ) -> str:
+        template = llama_cpp.llama_model_chat_template(self._live(), None)
+        if not template:
+            raise BridgeArgumentError("the model has no chat template")
+        # Keep the encoded strings alive for the duration of the call.
+        encoded = [(role.encode(), content.encode()) for role, content in messages]
+        chat = (llama_cpp.llama_chat_message * len(encoded))()
+        for slot, (role, content) in zip(chat, encoded, strict=True):
+            slot.role, slot.content = role, content
+        capacity = sum(len(r) + len(c) for r, c in encoded) * 2 + 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama_cpp.llama_chat_apply_template(
+                template, chat, len(encoded), add_generation_prompt, buf, capacity
+            )
+            if n < 0:
+                raise BridgeArgumentError("llama.cpp does not support this model's chat template")
+            if n <= capacity:
+                return buf.raw[:n].decode("utf-8", "replace")
+            capacity = n
+        raise _failure("applying the chat template failed")
+
+
+class LlamaContext:
+    """One KV cache on a shared model: sequence 0 plus a scratch sequence."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        n_ctx: int,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        kv_type: str = "f16",
+        flash_attn: bool | None = None,
+    ) -> None:
+        model_ptr = model._live()
+        if kv_type not in KV_TYPES:
+            raise BridgeArgumentError(f"unknown KV type {kv_type!r}; known: {', '.join(KV_TYPES)}")
+        if not 1 <= n_ctx <= 1 << 24:
+            raise BridgeArgumentError(f"n_ctx must be in [1, {1 << 24}], got {n_ctx}")
+        if not 1 <= n_batch <= 8192:
+            raise BridgeArgumentError(f"n_batch must be in [1, 8192], got {n_batch}")
+        if n_threads is not None and not 1 <= n_threads <= 1024:
+            raise BridgeArgumentError(f"n_threads must be in [1, 1024], got {n_threads}")
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        # A quantized V cache needs flash attention; otherwise follow llama_cpp.Llama's default.
+        if flash_attn is None:
+            flash_attn = kv_type not in ("f32", "f16", "bf16")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = _N_SEQ
+        params.kv_unified = True
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.type_k = params.type_v = KV_TYPES[kv_type][0]
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.no_perf = True
+        _LOG.clear()
+        ptr = llama_cpp.llama_init_from_model(model_ptr, params)
+        if not ptr:
+            raise _failure(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self._ptr: Any = ptr
+        self._mem: Any = llama_cpp.llama_get_memory(ptr)
+        self._model = model
+        self._busy = threading.Lock()
+        self.kv_type = kv_type
+        self.flash_attn = flash_attn
+        self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
+        self.n_batch: int = llama_cpp.llama_n_batch(ptr)
+        self.can_shift: bool = bool(llama_cpp.llama_memory_can_shift(self._mem))
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._b_token = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._b_nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        self._b_logits = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        self._b_seq = -1
+        model._contexts.add(self)
+
+    @property
+    def model(self) -> LlamaModel:
+        return self._model
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    @contextmanager
+    def _use(self) -> Iterator[Any]:
+        if self._ptr is None:
+            raise BridgeArgumentError("the context is closed")
+        if not self._busy.acquire(blocking=False):
+            raise BridgeArgumentError("the context is in use by another thread")
+        try:
+            yield self._ptr
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        with self._use():
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ptr)
+            self._ptr = None
+            self._model._contexts.discard(self)
+
+    # -- checks --
+
+    @staticmethod
+    def _check_seq(seq: int) -> None:
+        if seq not in (MAIN_SEQ, SCRATCH_SEQ):
+            raise BridgeArgumentError(f"sequence id must be {MAIN_SEQ} or {SCRATCH_SEQ}, got {seq}")
+
+    @staticmethod
+    def _check_range(p0: int, p1: int) -> None:
+        if not 0 <= p0 <= p1 < 1 << 31:
+            raise BridgeArgumentError(f"position range [{p0}, {p1}) is not a valid range")
+
+    # -- compute --
+
+    def decode(
+        self, tokens: Sequence[int] | npt.NDArray[np.int32], start: int, *, seq: int = MAIN_SEQ
+    ) -> None:
+        """Run the model over ``tokens`` at positions ``start, start+1, ...`` in ``seq``.
+
+        At most ``n_batch`` tokens per call; logits are kept for the last token only.
+        The batch must continue the sequence: ``start`` is one past its last position.
+        """
+        arr = _int32_array(tokens)
+        n = arr.size
+        if not 1 <= n <= self.n_batch:
+            raise BridgeArgumentError(f"a batch holds 1 to {self.n_batch} tokens, got {n}")
+        self._check_seq(seq)
+        self._model.check_tokens(arr)
+        if start < 0 or start + n >= 1 << 31:
+            raise BridgeArgumentError(f"start position {start} is out of range")
+        with self._use() as ctx:
+            last = llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
+            if last >= 0 and start != last + 1:
+                raise BridgeArgumentError(
+                    f"positions must continue the sequence: it ends at {last}, batch starts at {start}"
+                )
+            if self._b_seq != seq:
+                for i in range(self.n_batch):
+                    self._batch.seq_id[i][0] = seq
+                self._b_seq = seq
+            self._b_token[:n] = arr
+            self._b_pos[:n] = np.arange(start, start + n, dtype=np.int32)
+            self._b_nseq[:n] = 1
+            self._b_logits[:n] = 0
+            self._b_logits[n - 1] = 1
+            self._batch.n_tokens = n
+            _LOG.clear()
+            rc = llama_cpp.llama_decode(ctx, self._batch)
+            if rc != 0:
+                raise _failure(f"llama_decode failed ({rc}: {_DECODE_ERRORS.get(rc, 'error')})")
+
+    def logits(self) -> npt.NDArray[np.float32]:
+        """A copy of the logits of the last decoded token."""
+        with self._use() as ctx:
+            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+            if not ptr:
+                raise _failure("no logits: nothing has been decoded yet")
+            return np.ctypeslib.as_array(ptr, shape=(self._model.n_vocab,)).copy()
+
+    # -- memory --
+
+    def pos_min(self, seq: int = MAIN_SEQ) -> int:
+        self._check_seq(seq)
+        with self._use():
+            return int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
+
+    def pos_max(self, seq: int = MAIN_SEQ) -> int:
+        self._check_seq(seq)
+        with self._use():
+            return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        self._check_seq(seq)
+        self._check_range(p0, p1)
+        with self._use():
+            if not llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                raise _failure(f"llama.cpp could not remove [{p0}, {p1}) from sequence {seq}")
+
+    def seq_clear(self, seq: int) -> None:
+        """Remove every token of ``seq`` (never fails)."""
+        self._check_seq(seq)
+        with self._use():
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self._check_seq(src)
+        self._check_seq(dst)
+        self._check_range(p0, p1)
+        if src == dst:
+            raise BridgeArgumentError("source and destination sequences must differ")
+        with self._use():
+            llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions in [p0, p1) by ``delta`` (keys are re-rotated by llama.cpp)."""
+        self._check_seq(seq)
+        self._check_range(p0, p1)
+        if not self.can_shift:
+            raise BridgeArgumentError("this model's KV cache cannot shift positions")
+        if p0 + delta < 0:
+            raise BridgeArgumentError(f"shifting [{p0}, {p1}) by {delta} gives negative positions")
+        with self._use():
+            llama_cpp.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def clear(self) -> None:
+        with self._use():
+            llama_cpp.llama_memory_clear(self._mem, False)
+
+    # -- state bytes --
+
+    def state_size(self, seq: int) -> int:
+        self._check_seq(seq)
+        with self._use() as ctx:
+            return int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+
+    def state_get(self, seq: int) -> npt.NDArray[np.uint8]:
+        """The KV bytes of ``seq``, written by llama.cpp straight into a fresh buffer."""
+        self._check_seq(seq)
+        with self._use() as ctx:
+            size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+            buf = np.empty(size, dtype=np.uint8)
+            written = llama_cpp.llama_state_seq_get_data(
+                ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq
+            )
+            if written != size:
+                raise _failure(f"llama.cpp wrote {written} of {size} state bytes")
+            return buf
+
+    def state_set(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
+        """Load KV bytes into ``seq``, which must be empty."""
+        self._check_seq(seq)
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+            raise BridgeArgumentError("state bytes must be a contiguous 1-D uint8 array")
+        if data.size == 0:
+            raise BridgeArgumentError("state bytes are empty")
+        with self._use() as ctx:
+            if llama_cpp.llama_memory_seq_pos_max(self._mem, seq) >= 0:
+                raise BridgeArgumentError(f"sequence {seq} must be empty before loading state")
+            _LOG.clear()
+            read = llama_cpp.llama_state_seq_set_data(
+                ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, seq
+            )
+            if read != data.size:
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                raise _failure(f"llama.cpp rejected the state bytes (read {read} of {data.size})")
