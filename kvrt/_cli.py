@@ -33,7 +33,9 @@ _HELP = {
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="PATH", help="TOML or JSON config file (or $KVRT_CONFIG)")
+    parser.add_argument(
+        "--config", metavar="PATH", help="TOML or JSON config file (or $KVRT_CONFIG)"
+    )
     group = parser.add_argument_group("settings (override the config file and KVRT_* variables)")
     for s in SETTINGS:
         group.add_argument(s.flag, dest=f"set_{s.name}", metavar="VALUE", help=_HELP.get(s.name))
@@ -54,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     describe = sub.add_parser(
         "describe", help="show a model's KV shape and the capacity kvrt resolves for it"
     )
-    describe.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file (default: embedded)")
+    describe.add_argument(
+        "model_path", nargs="?", metavar="MODEL", help="GGUF file (default: embedded)"
+    )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _common(describe)
     return parser
@@ -87,8 +91,14 @@ def _print_info(info: ModelInfo) -> None:
         ("fingerprint", m.fingerprint),
         ("free host memory", format_size(info.memory.host_free_bytes)),
         ("usable for kvrt", format_size(c.usable_bytes)),
-        ("host cold budget", f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)"),
-        ("hot context", f"{c.hot_context_tokens:,} tokens (limited by {', '.join(c.hot_limited_by)})"),
+        (
+            "host cold budget",
+            f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)",
+        ),
+        (
+            "hot context",
+            f"{c.hot_context_tokens:,} tokens (limited by {', '.join(c.hot_limited_by)})",
+        ),
         (
             "planner context",
             f"{c.planner_effective_context:,} tokens (limited by {', '.join(c.planner_limited_by)})",

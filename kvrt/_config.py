@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -150,10 +151,20 @@ def _validate(layer: dict[str, Any], source: Mapping[str, str], default: str) ->
         if sep:
             path = at.rstrip("`")
             where = source.get(path, default)
-            message = f"invalid {path} from {where}: {head}"
+            message = f"invalid {path} from {where}: {head}{_choices(path)}"
         else:
             message = f"invalid configuration from {where}: {message}"
         raise ConfigError(message) from None
+
+
+def _choices(path: str) -> str:
+    section, _, name = path.partition(".")
+    struct = {"memory": MemoryConfig, "engine": EngineConfig}.get(section)
+    if struct is None or not name:
+        return ""
+    hint = typing.get_type_hints(struct).get(name)
+    allowed = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+    return f" (expected one of: {', '.join(map(str, allowed))})" if allowed else ""
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:

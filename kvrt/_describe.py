@@ -5,7 +5,14 @@ from __future__ import annotations
 import msgspec
 
 from ._backend import ModelFacts
-from ._capacity import Capacity, CapacityInputs, LayerProfile, MemoryPolicy, MemoryReading, resolve_capacity
+from ._capacity import (
+    Capacity,
+    CapacityInputs,
+    LayerProfile,
+    MemoryPolicy,
+    MemoryReading,
+    resolve_capacity,
+)
 from ._config import Config
 from ._engines import open_engine
 from ._memory import read_memory
@@ -75,5 +82,7 @@ def describe_model(config: Config | None = None) -> ModelInfo:
         engine.close()
     memory = read_memory()
     return ModelInfo(
-        model=facts, capacity=resolve_capacity(capacity_inputs(facts, config, memory)), memory=memory
+        model=facts,
+        capacity=resolve_capacity(capacity_inputs(facts, config, memory)),
+        memory=memory,
     )

@@ -9,6 +9,8 @@ __all__ = ["read_memory"]
 
 def read_memory(*, hot_in_host_memory: bool = True) -> MemoryReading:
     """Free and total host RAM now; ``None`` fields where psutil cannot tell."""
+    free: int | None
+    total: int | None
     try:
         import psutil
 

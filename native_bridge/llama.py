@@ -96,8 +96,7 @@ def _failure(what: str) -> BridgeCallError:
     return BridgeCallError(f"{what}" + (f" (llama.cpp: {tail})" if tail else ""))
 
 
-def _int32_array(values: Sequence[int]) -> npt.NDArray[np.int32]:
-    return np.ascontiguousarray(np.asarray(values, dtype=np.int64)).astype(np.int32)
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 class LlamaModel:
@@ -141,10 +140,13 @@ class LlamaModel:
             raise BridgeArgumentError("the model is closed")
         return self._ptr
 
-    def close(self) -> None:
-        """Free the weights; every context must be closed first."""
+    def close(self, *, close_contexts: bool = False) -> None:
+        """Free the weights; contexts must be closed first, or with ``close_contexts``."""
         if self._ptr is None:
             return
+        if close_contexts:
+            for ctx in list(self._contexts):
+                ctx.close()
         if self._contexts:
             raise BridgeArgumentError(
                 f"close the model's {len(self._contexts)} open contexts first"
@@ -172,14 +174,24 @@ class LlamaModel:
 
     # -- vocabulary --
 
-    def check_tokens(self, tokens: npt.NDArray[np.int32] | Sequence[int]) -> None:
-        """Refuse token ids outside the vocabulary (llama.cpp would assert on some paths)."""
-        arr = np.asarray(tokens)
-        if arr.size == 0:
-            return
-        if arr.dtype.kind not in "iu":
+    def token_array(self, tokens: TokenIds) -> npt.NDArray[np.int32]:
+        """Token ids as a contiguous int32 array, refusing any outside the vocabulary.
+
+        Checked before narrowing to int32, so no id can wrap into the vocabulary.
+        """
+        try:
+            arr = np.asarray(tokens)
+        except (OverflowError, ValueError) as exc:
+            raise BridgeArgumentError(f"token ids must be integers: {exc}") from None
+        if arr.ndim != 1:
+            raise BridgeArgumentError(f"token ids must be a flat sequence, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
             raise BridgeArgumentError(f"token ids must be integers, got {arr.dtype}")
-        low, high = int(arr.min()), int(arr.max())
+        if arr.size:
+            self._check_bounds(int(arr.min()), int(arr.max()))
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _check_bounds(self, low: int, high: int) -> None:
         if low < 0 or high >= self.n_vocab:
             bad = low if low < 0 else high
             raise BridgeArgumentError(
@@ -209,7 +221,7 @@ class LlamaModel:
     def token_piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character)."""
         self._live()
-        self.check_tokens([token])
+        self._check_bounds(token, token)
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -217,10 +229,9 @@ class LlamaModel:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
 
-    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+    def detokenize(self, tokens: TokenIds, *, special: bool = False) -> str:
         self._live()
-        arr = _int32_array(tokens)
-        self.check_tokens(arr)
+        arr = self.token_array(tokens)
         c_tokens = arr.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
         capacity = max(64, arr.size * 8)
         while True:
@@ -234,7 +245,7 @@ class LlamaModel:
 
     def is_end_of_generation(self, token: int) -> bool:
         self._live()
-        self.check_tokens([token])
+        self._check_bounds(token, token)
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def bos_token(self) -> int | None:
@@ -373,20 +384,17 @@ class LlamaContext:
 
     # -- compute --
 
-    def decode(
-        self, tokens: Sequence[int] | npt.NDArray[np.int32], start: int, *, seq: int = MAIN_SEQ
-    ) -> None:
+    def decode(self, tokens: TokenIds, start: int, *, seq: int = MAIN_SEQ) -> None:
         """Run the model over ``tokens`` at positions ``start, start+1, ...`` in ``seq``.
 
         At most ``n_batch`` tokens per call; logits are kept for the last token only.
         The batch must continue the sequence: ``start`` is one past its last position.
         """
-        arr = _int32_array(tokens)
+        arr = self._model.token_array(tokens)
         n = arr.size
         if not 1 <= n <= self.n_batch:
             raise BridgeArgumentError(f"a batch holds 1 to {self.n_batch} tokens, got {n}")
         self._check_seq(seq)
-        self._model.check_tokens(arr)
         if start < 0 or start + n >= 1 << 31:
             raise BridgeArgumentError(f"start position {start} is out of range")
         with self._use() as ctx:

@@ -49,8 +49,9 @@ def _as_index(value: object, name: str) -> int:
 class LlamaEngineContext:
     """A hot window on a shared :class:`~native_bridge.llama.LlamaModel`."""
 
-    def __init__(self, ctx: LlamaContext, facts: ModelFacts) -> None:
+    def __init__(self, ctx: LlamaContext, facts: ModelFacts, budget: int) -> None:
         self._ctx = ctx
+        self._budget = budget
         self._model: LlamaModel = ctx.model
         self._facts = facts
         self._positions: list[int] = []
@@ -77,14 +78,14 @@ class LlamaEngineContext:
                 n_threads=n_threads,
                 kv_type=facts.kv_type,
             )
-        return cls(ctx, facts)
+        return cls(ctx, facts, n_ctx)
 
     # -- state --
 
     @property
     def n_ctx(self) -> int:
-        """KV cells this context holds: the most tokens that can be resident."""
-        return self._ctx.n_ctx
+        """The most tokens that may be resident (llama.cpp may allocate a few more cells)."""
+        return self._budget
 
     @property
     def positions(self) -> Sequence[int]:
@@ -220,6 +221,8 @@ class LlamaEngineContext:
 
     def _resync(self) -> None:
         # A failed decode leaves none of its batch behind; keep the record matching.
+        if self._ctx.closed:
+            return
         last = self._ctx.pos_max(MAIN_SEQ)
         while self._positions and self._positions[-1] > last:
             self._positions.pop()
@@ -387,6 +390,10 @@ class LlamaEngineContext:
         self._positions.clear()
         self._tokens.clear()
         self._logits_pos = None
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx.closed
 
     def close(self) -> None:
         if not self._ctx.closed:

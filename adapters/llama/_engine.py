@@ -154,8 +154,9 @@ class LlamaEngine:
         )
 
     def close(self) -> None:
+        """Close every context still open on this engine, then free the model."""
         with translate_errors("closing the model"):
-            self._model.close()
+            self._model.close(close_contexts=True)
 
 
 def _physical_cores() -> int:

@@ -1,0 +1,36 @@
+"""Shared fixtures: the real embedded model on the real llama.cpp engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from adapters.llama import LlamaEngine
+from kvrt import EngineConfig
+
+STORY = (
+    "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "
+    "colour of the sky, the height of the waves and the names of the ships that passed. "
+    "In the winter of the great storm, the lamp failed twice, and twice she climbed the "
+    "tower with a lantern in her hand. "
+)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[LlamaEngine]:
+    eng = LlamaEngine.open(EngineConfig())
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def engine_q8() -> Iterator[LlamaEngine]:
+    eng = LlamaEngine.open(EngineConfig(kv_type="q8_0"))
+    yield eng
+    eng.close()
+
+
+def words(engine: LlamaEngine, text: str) -> list[int]:
+    """Tokens of ``text`` without BOS, for splicing into a longer sequence."""
+    return engine.tokenize(text, add_special=False)

@@ -1,0 +1,153 @@
+"""Evict, export and admit on real llama.cpp with the embedded model: exact where promised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adapters.llama import LlamaEngine
+from kvrt import AdmitMode, EvictMode
+
+from .conftest import STORY, words
+
+
+def _prompt(engine: LlamaEngine) -> list[int]:
+    return engine.tokenize(STORY * 2)
+
+
+@pytest.mark.parametrize("engine_name", ["engine", "engine_q8"])
+def test_gap_evict_then_in_place_admit_is_bit_exact(
+    engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    engine: LlamaEngine = request.getfixturevalue(engine_name)
+    tokens = _prompt(engine)
+    probe = words(engine, " She")
+    n = len(tokens)
+    a, b = 30, 70
+
+    ref = engine.open_context(512)
+    ref.prefill(tokens)
+    expected = ref.prefill(probe)
+    ref.close()
+
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    block = ctx.export(a, b)
+    assert block.meta.tokens == tuple(tokens[a:b]) and block.meta.start == a
+    assert ctx.evict(a, b, EvictMode.GAP) == b - a
+    assert list(ctx.positions) == [*range(a), *range(b, n)]
+
+    while_evicted = ctx.prefill(probe)
+    ctx.evict(n, n + 1)  # take the probe back out
+    assert ctx.admit(block, AdmitMode.IN_PLACE) == a
+    assert list(ctx.positions) == list(range(n)) and list(ctx.tokens) == tokens
+    restored = ctx.prefill(probe)
+    ctx.close()
+
+    assert not np.array_equal(while_evicted, expected), "evicting must change the logits"
+    assert np.array_equal(restored, expected), f"max |Δ| {np.abs(restored - expected).max()}"
+
+
+def test_tail_evict_then_admit_keeps_greedy_continuation(engine: LlamaEngine) -> None:
+    tokens = _prompt(engine)
+    n = len(tokens)
+    ref = engine.open_context(512)
+    ref.prefill(tokens)
+    expected = ref.generate(24, stop_at_end=False)
+    ref.close()
+
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    block = ctx.export(n - 40, n)
+    ctx.evict(n - 40, n)
+    assert ctx.next_position == n - 40
+    ctx.admit(block, AdmitMode.IN_PLACE)
+    # Restoring computes nothing, so no logits follow the restored last token: recompute
+    # that one token (bit-exact, since everything before it is the same KV).
+    ctx.evict(n - 1, n)
+    logits = ctx.prefill(tokens[-1:])
+    assert np.array_equal(logits, ref_logits(engine, tokens))
+    assert ctx.generate(24, stop_at_end=False) == expected
+    ctx.close()
+
+
+def ref_logits(engine: LlamaEngine, tokens: list[int]) -> np.ndarray:
+    ctx = engine.open_context(512)
+    try:
+        return ctx.prefill(tokens)
+    finally:
+        ctx.close()
+
+
+def test_slide_evict_then_tail_admit_matches_fresh_prefill_argmax(engine: LlamaEngine) -> None:
+    head = _prompt(engine)
+    middle = words(
+        engine, " The keeper's daughter painted the door of the tower bright red that spring."
+    )
+    tail = words(engine, " Ships from the north saw the red door before they saw the lamp.")
+    probe = words(engine, " The")
+    ctx = engine.open_context(512)
+    ctx.prefill(head + middle + tail)
+    a, b = len(head), len(head) + len(middle)
+    block = ctx.export(a, b)
+    ctx.evict(a, b, EvictMode.SLIDE)
+    assert list(ctx.positions) == list(range(len(head) + len(tail)))
+    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
+    assert list(ctx.tokens) == head + tail + middle
+    got = ctx.prefill(probe)
+    ctx.close()
+
+    fresh = ref_logits(engine, head + tail + middle + probe)
+    delta = float(np.abs(got - fresh).max())
+    print(f"\nslide evict + tail admit vs fresh prefill: max |Δlogit| = {delta:.4f}")
+    assert int(got.argmax()) == int(fresh.argmax())
+    assert ctx.capabilities.exact_tail is False  # reported honestly: not bit-exact
+
+
+def test_export_leaves_window_unchanged_and_counts(engine: LlamaEngine) -> None:
+    tokens = _prompt(engine)
+    ctx = engine.open_context(512)
+    before = ctx.prefill(tokens)
+    block = ctx.export(10, 50)
+    assert list(ctx.positions) == list(range(len(tokens)))
+    assert np.array_equal(ctx.logits(), before)
+    assert not block.data.flags.writeable
+    assert block.meta.n_bytes == block.data.size
+    # One KV row per token per layer plus a small header: close to the model's figure.
+    per_token = block.meta.n_bytes / 40
+    assert engine.facts.kv_bytes_per_token <= per_token < engine.facts.kv_bytes_per_token * 1.05
+    c = ctx.counters
+    assert (c.prefill_tokens, c.exported_tokens, c.exported_bytes) == (
+        len(tokens),
+        40,
+        block.meta.n_bytes,
+    )
+    ctx.evict(10, 50)
+    ctx.admit(block)
+    assert (ctx.counters.evicted_tokens, ctx.counters.admitted_tokens) == (40, 40)
+    assert ctx.counters.prefill_tokens == len(tokens)  # restoring computed nothing
+    ctx.close()
+
+
+def test_block_serves_another_context_on_the_same_model(engine: LlamaEngine) -> None:
+    tokens = _prompt(engine)
+    probe = words(engine, " She")
+    one = engine.open_context(512)
+    one.prefill(tokens)
+    block = one.export(0, len(tokens))
+    expected = one.prefill(probe)
+    one.close()
+
+    two = engine.open_context(512)
+    two.admit(block, AdmitMode.IN_PLACE)
+    assert np.array_equal(two.prefill(probe), expected)
+    assert two.counters.prefill_tokens == len(probe)
+    two.close()
+
+
+def test_capabilities(engine: LlamaEngine) -> None:
+    ctx = engine.open_context(64)
+    caps = ctx.capabilities
+    ctx.close()
+    assert caps.remove_middle and caps.position_shift and caps.exact_in_place
+    assert caps.kv_type == "f16" and caps.sliding_window is None

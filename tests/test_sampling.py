@@ -1,0 +1,42 @@
+"""The token sampler on synthetic logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvrt import ConfigError, Sampler, SamplingParams
+
+logits_st = arrays(np.float32, st.integers(2, 64), elements=st.floats(-20, 20, width=32))
+
+
+@given(logits_st)
+def test_greedy_is_argmax(logits: np.ndarray) -> None:
+    assert Sampler(SamplingParams()).choose(logits) == int(np.argmax(logits))
+
+
+@given(logits_st, st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_top_k_only_picks_among_the_k_best(logits: np.ndarray, k: int, seed: int) -> None:
+    token = Sampler(SamplingParams(temperature=1.0, top_k=k, seed=seed)).choose(logits)
+    assert logits[token] >= np.sort(logits)[::-1][min(k, logits.size) - 1]
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    logits = np.array([10.0, 9.9, -10.0, -10.0], dtype=np.float32)
+    picks = {
+        Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=s)).choose(logits)
+        for s in range(50)
+    }
+    assert picks == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=-1.0), SamplingParams(top_p=0.0), SamplingParams(top_k=-2)],
+)
+def test_bad_params(params: SamplingParams) -> None:
+    with pytest.raises(ConfigError):
+        Sampler(params)
