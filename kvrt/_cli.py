@@ -29,6 +29,12 @@ _HELP = {
     "context": "logical context a request asks for (caps hot and planner context)",
     "hot_tokens": "cap on the hot window in tokens",
     "batch": "prefill batch size in tokens",
+    "parallel": "engine calls that may run at once across sessions",
+    "block_tokens": "tokens per cold-store block",
+    "sink_tokens": "leading tokens that never leave the hot window",
+    "recent_tokens": "trailing tokens that never leave the hot window",
+    "hot_eviction": "hot eviction policy by name (class_lru, score_lru)",
+    "cold_victim": "cold victim policy by name (class_lru)",
 }
 
 

@@ -30,6 +30,8 @@ __all__ = [
     "EngineConfig",
     "KvType",
     "MemoryConfig",
+    "PolicyConfig",
+    "SessionConfig",
     "Setting",
     "load_config",
 ]
@@ -71,6 +73,30 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hot_tokens: Positive | None = None
     """A cap on the hot window, below what memory allows."""
     batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
+    parallel: Positive | None = None
+    """Engine calls that may run at once across sessions (default: cores / threads)."""
+
+
+class SessionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How sessions cut context into blocks and which tokens never leave the hot window."""
+
+    block_tokens: Annotated[int, msgspec.Meta(ge=8, le=4096)] = 128
+    """Segments are split into blocks of at most this many tokens."""
+    sink_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
+    """Blocks overlapping the first ``sink_tokens`` stay hot (attention sinks)."""
+    recent_tokens: Annotated[int, msgspec.Meta(ge=1)] = 128
+    """Blocks overlapping the last ``recent_tokens`` stay hot."""
+    mailbox: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    """Commands a session queues before callers wait."""
+    stream_buffer: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    """Generated pieces buffered before generation waits for the reader."""
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Policies by registered name (see ``policies.names(kind)``)."""
+
+    hot_eviction: str = "class_lru"
+    cold_victim: str = "class_lru"
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,6 +104,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    policies: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
 
 
 class Setting(msgspec.Struct, frozen=True):
@@ -110,6 +138,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "context", "KVRT_CONTEXT"),
     Setting("engine", "hot_tokens", "KVRT_HOT_TOKENS"),
     Setting("engine", "batch", "KVRT_BATCH"),
+    Setting("engine", "parallel", "KVRT_PARALLEL"),
+    Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
+    Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
+    Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),
+    Setting("policies", "hot_eviction", "KVRT_HOT_EVICTION"),
+    Setting("policies", "cold_victim", "KVRT_COLD_VICTIM"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -159,7 +193,7 @@ def _validate(layer: dict[str, Any], source: Mapping[str, str], default: str) ->
 
 def _choices(path: str) -> str:
     section, _, name = path.partition(".")
-    struct = {"memory": MemoryConfig, "engine": EngineConfig}.get(section)
+    struct = {"memory": MemoryConfig, "engine": EngineConfig, "session": SessionConfig}.get(section)
     if struct is None or not name:
         return ""
     hint = typing.get_type_hints(struct).get(name)

@@ -17,7 +17,7 @@ from ._config import Config
 from ._engines import open_engine
 from ._memory import read_memory
 
-__all__ = ["ModelInfo", "capacity_inputs", "describe_model"]
+__all__ = ["ModelInfo", "capacity_inputs", "describe_model", "model_info"]
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +80,11 @@ def describe_model(config: Config | None = None) -> ModelInfo:
         facts = engine.facts
     finally:
         engine.close()
+    return model_info(facts, config)
+
+
+def model_info(facts: ModelFacts, config: Config) -> ModelInfo:
+    """Facts of a loaded model with the capacity resolved from live memory now."""
     memory = read_memory()
     return ModelInfo(
         model=facts,

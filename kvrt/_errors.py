@@ -11,12 +11,16 @@ from __future__ import annotations
 __all__ = [
     "ColdBlockMismatchError",
     "ConfigError",
+    "ContextTooLargeError",
     "EngineError",
     "HotWindowFullError",
     "InvalidRangeError",
     "InvalidTokenError",
     "KvrtError",
     "ModelLoadError",
+    "OperationCancelledError",
+    "SessionClosedError",
+    "UnknownSegmentError",
 ]
 
 
@@ -50,3 +54,22 @@ class HotWindowFullError(KvrtError):
 
 class ColdBlockMismatchError(KvrtError, ValueError):
     """Cold KV bytes do not belong to this model, KV layout or position."""
+
+
+class ContextTooLargeError(KvrtError, ValueError):
+    """The context asked for does not fit the session's planner context."""
+
+
+class UnknownSegmentError(KvrtError, KeyError):
+    """No segment of that name is in the session's context."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionClosedError(KvrtError):
+    """The session (or its runtime) is closed."""
+
+
+class OperationCancelledError(KvrtError):
+    """A session call was cancelled; whatever it had done is kept consistent."""

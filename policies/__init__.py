@@ -1,6 +1,21 @@
 """Pluggable decision objects: pure, synchronous, no I/O, no clock reads.
 
-Each policy answers one question (which block to evict next, whether a block earns a
-KV-byte slot, whether restoring beats recomputing) from a frozen snapshot handed to it,
-and is registered here by name so configuration can pick it.
+Each policy answers one question from a frozen snapshot handed to it and is registered by
+name, so configuration can pick it:
+
+>>> import policies
+>>> policies.get("hot_eviction", "class_lru")
+<policies.hot_eviction.ClassThenLRU object at ...>
 """
+
+from . import cold_victim as cold_victim
+from . import hot_eviction as hot_eviction
+from ._registry import get as get
+from ._registry import names as names
+from ._registry import register as register
+from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
+from .hot_eviction import ClassThenLRU as ClassThenLRU
+from .hot_eviction import ScoreThenLRU as ScoreThenLRU
+
+DEFAULT_HOT_EVICTION = "class_lru"
+DEFAULT_COLD_VICTIM = "class_lru"

@@ -105,6 +105,11 @@ class LlamaEngineContext:
         return self._positions[-1] + 1 if self._positions else 0
 
     @property
+    def logits_position(self) -> int | None:
+        """Position of the token whose logits :meth:`logits` returns, if still resident."""
+        return self._logits_pos
+
+    @property
     def counters(self) -> Counters:
         return self._counters
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from kvrt._backend import ModelFacts
 from kvrt._config import EngineConfig
 from kvrt._errors import EngineError, ModelLoadError
 from kvrt._model import GgufMetadata, file_digest, read_gguf_metadata, resolve_model_path
+from kvrt._util import physical_cores
 from native_bridge import BridgeError
 from native_bridge.llama import LlamaModel, kv_type_row_bytes
 
@@ -150,19 +150,10 @@ class LlamaEngine:
             self._facts,
             n_ctx=n_ctx,
             n_batch=n_batch or self.config.batch,
-            n_threads=self.config.threads or _physical_cores(),
+            n_threads=self.config.threads or physical_cores(),
         )
 
     def close(self) -> None:
         """Close every context still open on this engine, then free the model."""
         with translate_errors("closing the model"):
             self._model.close(close_contexts=True)
-
-
-def _physical_cores() -> int:
-    try:
-        import psutil
-
-        return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except Exception:
-        return os.cpu_count() or 1

@@ -1,0 +1,460 @@
+"""A session's actor task: the only writer of its engine context.
+
+Commands arrive over a bounded mailbox and run one at a time. Engine work runs in worker
+threads behind the runtime's limiter; between engine calls the actor consults the
+synchronous :class:`~kvrt._residency.HotWindow`. Ordering rules that make cancellation safe:
+
+- a block leaves the hot window only after its cold copy is committed (or the cold store
+  refused it, which makes it "dropped": tokens kept, KV to be recomputed);
+- a restore lands whole or not at all (the adapter's admit is all-or-nothing);
+- whatever a cancelled command leaves half-done (a partly prefilled block) is cleared in
+  a shielded clean-up before the next command runs.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ._backend import AdmitMode, Engine, EngineContext, EvictMode, SamplingParams
+from ._cold_store import ColdEntry, ColdStore
+from ._config import SessionConfig
+from ._errors import (
+    ContextTooLargeError,
+    HotWindowFullError,
+    InvalidRangeError,
+    KvrtError,
+    OperationCancelledError,
+    SessionClosedError,
+)
+from ._reports import ContextStatus, Piece, SessionCounters
+from ._residency import Block, HotWindow, Segment
+from ._sampling import Sampler
+from ._types import BlockView, CacheClass, Residency
+
+__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
+
+T = TypeVar("T")
+Order = Callable[[Sequence[BlockView]], list[int]]
+
+
+# -- commands --
+
+
+@dataclass(frozen=True, slots=True)
+class Ensure:
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    max_tokens: int
+    sampling: SamplingParams
+    segment: str
+    cache_class: CacheClass
+    stop_at_end: bool
+    out: MemoryObjectSendStream[Piece]
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    target: str | tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    target: str | tuple[int, int]
+
+
+Command = Ensure | Generate | Evict | Admit
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """A command in flight and the caller's side of its reply."""
+
+    command: Command
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    scope: anyio.CancelScope | None = None
+    abandoned: bool = False
+
+    def abandon(self) -> None:
+        """The caller gave up: skip the command, or cancel it where it stands."""
+        self.abandoned = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+@dataclass(slots=True)
+class _Tally:
+    reused: int = 0
+    restored: int = 0
+    prefilled: int = 0
+    evicted: int = 0
+
+
+class Actor:
+    """Owns one engine context and one hot window; runs commands from its mailbox."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        ctx: EngineContext,
+        window: HotWindow,
+        cold: ColdStore,
+        limiter: anyio.CapacityLimiter,
+        order: Order,
+        config: SessionConfig,
+    ) -> None:
+        self.engine = engine
+        self.ctx = ctx
+        self.window = window
+        self.cold = cold
+        self.limiter = limiter
+        self.order = order
+        self.config = config
+        self.counters = SessionCounters()
+        self.send, self.receive = anyio.create_memory_object_stream[Call](config.mailbox)
+        self.finished = anyio.Event()
+        self.current: Call | None = None
+        self.fault: Callable[[str], None] | None = None
+        """Test hook, called with a label before every await point of a command."""
+        self._tally = _Tally()
+
+    # -- the task --
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            async with self.receive:
+                async for call in self.receive:
+                    await self._run_one(call)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.ctx.close, limiter=self.limiter)
+            self.finished.set()
+
+    async def _run_one(self, call: Call) -> None:
+        if call.abandoned:
+            self.counters.cancelled_calls += 1
+            call.error = OperationCancelledError("the call was cancelled before it started")
+            call.done.set()
+            return
+        self.current = call
+        # Stays the answer only if something outside this call stops the actor midway.
+        call.error = SessionClosedError("the session stopped before the call finished")
+        try:
+            with anyio.CancelScope() as scope:
+                call.scope = scope
+                try:
+                    call.result = await self._dispatch(call.command)
+                    call.error = None
+                except Exception as exc:
+                    call.error = exc
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await self._tidy()
+                        except KvrtError as exc:
+                            call.error = call.error or exc
+            if scope.cancelled_caught:
+                self.counters.cancelled_calls += 1
+                call.error = OperationCancelledError("the call was cancelled")
+        finally:
+            self.current = None
+            call.done.set()
+
+    async def _dispatch(self, command: Command) -> Any:
+        match command:
+            case Ensure(segments):
+                return await self._ensure(segments)
+            case Generate():
+                return await self._generate(command)
+            case Evict(target):
+                return await self._evict_target(target)
+            case Admit(target):
+                return await self._admit_target(target)
+
+    # -- engine access --
+
+    async def _engine(self, label: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self.fault is not None:
+            self.fault(label)
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self.limiter)
+
+    def resident(self) -> dict[int, int]:
+        return HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+
+    def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
+        return self.window.residency(
+            block, self.resident() if resident is None else resident, self.cold
+        )
+
+    async def _tidy(self) -> None:
+        """Remove resident tokens that belong to no whole block (half-done work)."""
+        for start, end in self.window.strays(self.resident()):
+            await anyio.to_thread.run_sync(
+                partial(self.ctx.evict, start, end, EvictMode.GAP), limiter=self.limiter
+            )
+
+    # -- moving single blocks --
+
+    async def _evict_block(self, block: Block) -> None:
+        """Commit the block's KV to the cold store, then drop it from the window."""
+        resident = self.resident()
+        if self.state(block, resident) is not Residency.HOT:
+            return
+        key = block.key(self.window.fingerprint)
+        if key not in self.cold:
+            exported = await self._engine("export", self.ctx.export, block.start, block.end)
+            if self.fault is not None:
+                self.fault("cold put")
+            await self.cold.put(ColdEntry(key, block.cache_class, exported))
+        await self._engine("evict", self.ctx.evict, block.start, block.end, EvictMode.GAP)
+        self._tally.evicted += block.n_tokens
+
+    async def _make_room(self, need: int, keep: set[int]) -> None:
+        """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
+        while self.window.budget - self.ctx.n_resident < need:
+            resident = self.resident()
+            shielded = self.window.protected() | keep
+            candidates = [
+                b
+                for b in self.window.blocks
+                if b.id not in shielded and self.state(b, resident) is Residency.HOT
+            ]
+            if not candidates:
+                raise HotWindowFullError(
+                    f"the hot window ({self.window.budget} tokens) cannot make room for {need} more: "
+                    "every resident block is protected (sinks, the recent window or in use)"
+                )
+            await self._evict_block(self.window.eviction_order(candidates, self.order)[0])
+
+    def _worth_restoring(self, block: Block) -> bool:
+        if self.window.budget - self.ctx.n_resident >= block.n_tokens:
+            return True
+        if block.id in self.window.protected():
+            return True
+        resident = self.resident()
+        shielded = self.window.protected()
+        candidates = [
+            b
+            for b in self.window.blocks
+            if b.id not in shielded and self.state(b, resident) is Residency.HOT
+        ]
+        ranked = self.window.eviction_order([*candidates, block], self.order)
+        return bool(ranked) and ranked[0] is not block
+
+    async def _restore(self, block: Block, keep: set[int]) -> bool:
+        entry = self.cold.lookup(block.key(self.window.fingerprint))
+        if entry is None:
+            return False
+        await self._make_room(block.n_tokens, keep | {block.id})
+        await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.IN_PLACE)
+        self._tally.restored += block.n_tokens
+        return True
+
+    async def _prefill(self, block: Block, keep: set[int]) -> None:
+        await self._make_room(block.n_tokens, keep | {block.id})
+        await self._engine(
+            "prefill",
+            self.ctx.prefill,
+            block.tokens,
+            start=block.start,
+            checkpoint=anyio.from_thread.check_cancelled,
+        )
+        self._tally.prefilled += block.n_tokens
+
+    async def _truncate_from(self, position: int) -> None:
+        """Clear every resident token at ``position`` or later, committing whole blocks first."""
+        for block in [b for b in self.window.blocks if b.start >= position]:
+            await self._evict_block(block)
+        await self._tidy()
+        tail = [p for p in self.ctx.positions if p >= position]
+        if tail:
+            await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+
+    # -- commands --
+
+    def _tokenize(self, segments: Sequence[Segment]) -> list[tuple[Segment, list[int]]]:
+        out = []
+        for i, seg in enumerate(segments):
+            if not isinstance(seg, Segment):
+                raise ContextTooLargeError(f"expected kvrt.Segment, got {type(seg).__name__}")
+            toks = self.engine.tokenize(
+                seg.text, add_special=i == 0, parse_special=seg.parse_special
+            )
+            out.append((seg, toks))
+        if not any(toks for _, toks in out):
+            raise ContextTooLargeError("the context is empty")
+        return [(seg, toks) for seg, toks in out if toks]
+
+    async def _ensure(self, segments: Sequence[Segment]) -> ContextStatus:
+        self.counters.ensure_calls += 1
+        self._tally = tally = _Tally()
+        tokenized = await anyio.to_thread.run_sync(self._tokenize, segments)
+        layout, stale = self.window.plan_layout(tokenized)
+        resident = self.resident()
+        tally.reused = sum(
+            b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
+        )
+        for block in sorted(stale, key=lambda b: b.start):
+            await self._evict_block(block)
+        self.window.adopt(layout)
+        await self._tidy()
+        await self._place(layout)
+        await self._last_logits()
+        return self._status(tally)
+
+    async def _place(self, layout: list[Block]) -> None:
+        """Bring the layout's blocks in, left to right, keeping the window within budget.
+
+        Before the first block that must be computed, cold blocks come back only when the
+        policy ranks them above what they would displace. From that block on, every block is
+        placed in order, because llama.cpp only computes at the tail of the window.
+        """
+        i, computing = 0, False
+        while i < len(layout):
+            block = layout[i]
+            pred = {layout[i - 1].id} if i else set()
+            state = self.state(block)
+            if state is Residency.HOT:
+                i += 1
+                continue
+            if state is Residency.COLD:
+                if computing or self._worth_restoring(block):
+                    restored = await self._restore(block, pred)
+                    if not restored:
+                        continue  # dropped from the store meanwhile: look again
+                i += 1
+                continue
+            if not computing:
+                j = i
+                while j > 0 and self.state(layout[j - 1]) is Residency.DROPPED:
+                    j -= 1
+                await self._truncate_from(layout[j].start)
+                if j > 0 and self.state(layout[j - 1]) is Residency.COLD:
+                    await self._restore(layout[j - 1], set())
+                computing, i = True, j
+                continue
+            await self._prefill(block, pred)
+            i += 1
+
+    async def _last_logits(self) -> None:
+        """Make sure logits follow the context's last token (recompute it if it was restored)."""
+        last = self.window.length - 1
+        if last < 0 or self.ctx.logits_position == last:
+            return
+        token = self.window.blocks[-1].tokens[-1]
+        if self.resident().get(last) == token:
+            await self._engine("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
+        await self._make_room(1, {self.window.blocks[-1].id})
+        await self._engine("prefill", self.ctx.prefill, [token], start=last)
+        self._tally.prefilled += 1
+
+    def _status(self, tally: _Tally) -> ContextStatus:
+        c = self.counters
+        c.reused_tokens += tally.reused
+        c.restored_tokens += tally.restored
+        c.prefilled_tokens += tally.prefilled
+        c.evicted_tokens += tally.evicted
+        sizes = self.residency_tokens()
+        return ContextStatus(
+            reused_tokens=tally.reused,
+            restored_tokens=tally.restored,
+            prefilled_tokens=tally.prefilled,
+            evicted_tokens=tally.evicted,
+            hot_tokens=self.ctx.n_resident,
+            logical_tokens=self.window.length,
+            cold_tokens=sizes[Residency.COLD],
+            dropped_tokens=sizes[Residency.DROPPED],
+        )
+
+    def residency_tokens(self) -> dict[str, int]:
+        resident = self.resident()
+        sizes = dict.fromkeys(Residency, 0)
+        for b in self.window.blocks:
+            sizes[self.window.residency(b, resident, self.cold)] += b.n_tokens
+        return {str(k): v for k, v in sizes.items()}
+
+    async def _generate(self, cmd: Generate) -> int:
+        self.counters.generate_calls += 1
+        self._tally = tally = _Tally()
+        sampler = Sampler(cmd.sampling)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        produced = 0
+        async with cmd.out:
+            if self.window.length == 0:
+                raise InvalidRangeError("nothing to continue: call ensure_context first")
+            await self._last_logits()
+            logits = await self._engine("logits", self.ctx.logits)
+            while produced < cmd.max_tokens:
+                token = sampler.choose(logits)
+                if cmd.stop_at_end and self.engine.is_end_of_generation(token):
+                    break
+                if self.window.length >= self.window.planner_context:
+                    break
+                last = self.window.blocks[-1]
+                await self._make_room(1, {last.id})
+                logits = await self._engine("step", self.ctx.step, token)
+                self.window.append_token(token, cmd.segment, cmd.cache_class)
+                produced += 1
+                self.counters.generated_tokens += 1
+                text = decoder.decode(self.engine.token_bytes(token))
+                if self.fault is not None:
+                    self.fault("stream")
+                try:
+                    await cmd.out.send(Piece(text=text, token=token, index=produced - 1))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    break  # the reader went away: stop, keeping what was generated
+        self._status(tally)
+        return produced
+
+    # -- explicit control --
+
+    def _target_blocks(self, target: str | tuple[int, int]) -> list[Block]:
+        if isinstance(target, str):
+            return self.window.segment_blocks(target)
+        start, end = target
+        blocks = self.window.range_blocks(start, end)
+        if not blocks:
+            raise InvalidRangeError(f"range [{start}, {end}) covers no whole block of this session")
+        return blocks
+
+    async def _evict_target(self, target: str | tuple[int, int]) -> int:
+        blocks = self._target_blocks(target)
+        if blocks[-1] is self.window.blocks[-1]:
+            raise InvalidRangeError(
+                f"{target!r} holds the context's last token, which generation continues from; "
+                "it stays hot"
+            )
+        self._tally = tally = _Tally()
+        for block in blocks:
+            await self._evict_block(block)
+        self._status(tally)
+        return tally.evicted
+
+    async def _admit_target(self, target: str | tuple[int, int]) -> int:
+        blocks = self._target_blocks(target)
+        self._tally = tally = _Tally()
+        for block in blocks:
+            state = self.state(block)
+            if state is Residency.DROPPED:
+                raise KvrtError(
+                    f"block {block.index} of {block.segment!r} has no KV bytes left; "
+                    "send it again with ensure_context to recompute it"
+                )
+            if state is Residency.COLD:
+                await self._restore(block, set())
+        self._status(tally)
+        return tally.restored

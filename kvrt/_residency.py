@@ -1,0 +1,239 @@
+"""The hot-window bookkeeping of one session: segments, blocks and where each block lives.
+
+Everything here is synchronous and free of ``await``: the session actor calls it between
+engine operations. Residency is never stored; it is derived from the engine context's own
+record of resident tokens and from the cold store, so a cancelled operation can never
+leave the bookkeeping believing something that is not so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from ._cold_store import ColdKey, token_digest
+from ._errors import ContextTooLargeError, UnknownSegmentError
+from ._types import BlockView, CacheClass, Residency
+
+__all__ = ["Block", "HotWindow", "Segment"]
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """A named piece of context the agent sends.
+
+    >>> Segment("system", "You are a careful reviewer.", cache_class=CacheClass.TASK_PINNED)
+    Segment(name='system', text='You are a careful reviewer.', cache_class=...)
+    """
+
+    name: str
+    text: str
+    cache_class: CacheClass = CacheClass.VOLATILE
+    parse_special: bool = False
+    """Read chat-template markup such as ``<|im_start|>`` as special tokens."""
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """A token range of one segment: the unit of residency."""
+
+    id: int
+    segment: str
+    index: int
+    cache_class: CacheClass
+    start: int
+    tokens: list[int]
+    prefix: str
+    """Digest of every logical token before ``start``."""
+    last_used: int
+    _key: ColdKey | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def key(self, fingerprint: str) -> ColdKey:
+        if self._key is None or self._key.fingerprint != fingerprint:
+            self._key = ColdKey(fingerprint, self.prefix, token_digest(self.tokens), self.start)
+        return self._key
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self._key = None
+
+
+class HotWindow:
+    """One session's logical context as blocks, and the rules for what may leave the window."""
+
+    def __init__(
+        self,
+        *,
+        fingerprint: str,
+        budget: int,
+        planner_context: int,
+        block_tokens: int,
+        sink_tokens: int,
+        recent_tokens: int,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.budget = budget
+        self.planner_context = planner_context
+        self.block_tokens = block_tokens
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.blocks: list[Block] = []
+        self._next_id = 0
+        self.clock = 0
+
+    # -- layout --
+
+    @property
+    def length(self) -> int:
+        return self.blocks[-1].end if self.blocks else 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def plan_layout(
+        self, segments: Sequence[tuple[Segment, list[int]]]
+    ) -> tuple[list[Block], list[Block]]:
+        """Blocks for ``segments`` (reusing matching blocks) and the current blocks dropped."""
+        names = [seg.name for seg, _ in segments]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ContextTooLargeError(f"segment name {dup!r} appears twice; names must be unique")
+        total = sum(len(toks) for _, toks in segments)
+        if total > self.planner_context:
+            biggest = max(segments, key=lambda s: len(s[1]))
+            raise ContextTooLargeError(
+                f"the context needs {total} tokens but the session's planner context is "
+                f"{self.planner_context} (largest segment {biggest[0].name!r}: {len(biggest[1])} tokens)"
+            )
+        current = {(b.prefix, b.start, tuple(b.tokens)): b for b in self.blocks}
+        now = self.tick()
+        layout: list[Block] = []
+        prefix, pos = token_digest(()), 0
+        for seg, toks in segments:
+            for index, k in enumerate(range(0, len(toks), self.block_tokens)):
+                chunk = toks[k : k + self.block_tokens]
+                block = current.pop((prefix, pos, tuple(chunk)), None)
+                if (
+                    block is None
+                    or block.segment != seg.name
+                    or block.cache_class != seg.cache_class
+                ):
+                    self._next_id += 1
+                    block = Block(
+                        self._next_id,
+                        seg.name,
+                        index,
+                        seg.cache_class,
+                        pos,
+                        list(chunk),
+                        prefix,
+                        now,
+                    )
+                block.last_used = now
+                block.index = index
+                layout.append(block)
+                prefix = token_digest(chunk, prefix.encode())
+                pos += len(chunk)
+        return layout, list(current.values())
+
+    def adopt(self, layout: list[Block]) -> None:
+        self.blocks = layout
+
+    def append_token(self, token: int, segment: str, cache_class: CacheClass) -> Block:
+        """Record a generated token at the end of the context (a new block when full)."""
+        last = self.blocks[-1] if self.blocks else None
+        if last is None or last.segment != segment or last.n_tokens >= self.block_tokens:
+            prefix = token_digest(())
+            if last is not None:
+                prefix = token_digest(last.tokens, last.prefix.encode())
+            index = last.index + 1 if last is not None and last.segment == segment else 0
+            self._next_id += 1
+            last = Block(
+                self._next_id, segment, index, cache_class, self.length, [], prefix, self.tick()
+            )
+            self.blocks.append(last)
+        last.append(token)
+        last.last_used = self.clock
+        return last
+
+    def segment_blocks(self, name: str) -> list[Block]:
+        blocks = [b for b in self.blocks if b.segment == name]
+        if not blocks:
+            known = ", ".join(dict.fromkeys(b.segment for b in self.blocks)) or "none"
+            raise UnknownSegmentError(
+                f"no segment named {name!r} in this session (segments: {known})"
+            )
+        return blocks
+
+    def range_blocks(self, start: int, end: int) -> list[Block]:
+        return [b for b in self.blocks if b.start >= start and b.end <= end]
+
+    # -- residency (derived) --
+
+    @staticmethod
+    def resident_map(positions: Sequence[int], tokens: Sequence[int]) -> dict[int, int]:
+        return dict(zip(positions, tokens, strict=True))
+
+    def residency(
+        self, block: Block, resident: Mapping[int, int], cold: Container[ColdKey]
+    ) -> Residency:
+        if all(resident.get(block.start + i) == t for i, t in enumerate(block.tokens)):
+            return Residency.HOT
+        if block.key(self.fingerprint) in cold:
+            return Residency.COLD
+        return Residency.DROPPED
+
+    def strays(self, resident: Mapping[int, int]) -> list[tuple[int, int]]:
+        """Resident position ranges that belong to no fully resident block."""
+        owned: set[int] = set()
+        for b in self.blocks:
+            if all(resident.get(b.start + i) == t for i, t in enumerate(b.tokens)):
+                owned.update(range(b.start, b.end))
+        loose = sorted(p for p in resident if p not in owned)
+        ranges: list[tuple[int, int]] = []
+        for p in loose:
+            if ranges and ranges[-1][1] == p:
+                ranges[-1] = (ranges[-1][0], p + 1)
+            else:
+                ranges.append((p, p + 1))
+        return ranges
+
+    # -- eviction rules --
+
+    def protected(self) -> set[int]:
+        """Ids of blocks that never leave the window: sinks and the recent window."""
+        length = self.length
+        keep = set()
+        for b in self.blocks:
+            if b.start < self.sink_tokens or b.end > length - self.recent_tokens:
+                keep.add(b.id)
+        return keep
+
+    def eviction_order(
+        self,
+        candidates: Sequence[Block],
+        order: Callable[[Sequence[BlockView]], list[int]],
+    ) -> list[Block]:
+        """``candidates`` in the order the hot-eviction policy would evict them."""
+        by_id = {b.id: b for b in candidates}
+        views = [
+            BlockView(
+                id=b.id,
+                cache_class=b.cache_class,
+                start=b.start,
+                n_tokens=b.n_tokens,
+                last_used=b.last_used,
+            )
+            for b in candidates
+        ]
+        return [by_id[i] for i in order(views) if i in by_id]

@@ -1,0 +1,61 @@
+"""Plain values shared by the runtime and the policies: cache classes and snapshots."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = ["BlockView", "CacheClass", "ColdEntryView", "Residency"]
+
+
+class CacheClass(enum.StrEnum):
+    """How readily a segment's blocks leave the hot window (and the cold store).
+
+    ``VOLATILE`` goes before ``REPO_MAP``, which goes before ``TASK_PINNED``.
+    """
+
+    VOLATILE = "volatile"
+    REPO_MAP = "repo_map"
+    TASK_PINNED = "task_pinned"
+
+    @property
+    def rank(self) -> int:
+        """Lower ranks are evicted first."""
+        return _RANK[self]
+
+
+_RANK = {CacheClass.VOLATILE: 0, CacheClass.REPO_MAP: 1, CacheClass.TASK_PINNED: 2}
+
+
+class Residency(enum.StrEnum):
+    """Where a block's KV lives."""
+
+    HOT = "hot"
+    """In the engine's KV cache, attended to."""
+    COLD = "cold"
+    """KV bytes in the cold store; restorable without compute."""
+    DROPPED = "dropped"
+    """Tokens only: bringing it back means prefilling it again."""
+
+
+class BlockView(msgspec.Struct, frozen=True, kw_only=True):
+    """What a hot-eviction policy sees of one resident block."""
+
+    id: int
+    cache_class: CacheClass
+    start: int
+    n_tokens: int
+    last_used: int
+    """A logical clock: larger is more recent."""
+    score: float | None = None
+    """Optional importance (e.g. attention mass); higher is more important."""
+
+
+class ColdEntryView(msgspec.Struct, frozen=True, kw_only=True):
+    """What a cold-victim policy sees of one cold-store entry."""
+
+    id: int
+    cache_class: CacheClass
+    n_bytes: int
+    last_used: int

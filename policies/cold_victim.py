@@ -1,0 +1,22 @@
+"""Which cold-store entry is dropped first when the store is over budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvrt._types import ColdEntryView
+
+from ._registry import register
+
+__all__ = ["ColdClassThenLRU"]
+
+KIND = "cold_victim"
+
+
+@register(KIND, "class_lru")
+class ColdClassThenLRU:
+    """Lowest cache class first, then least recently used."""
+
+    def order(self, entries: Sequence[ColdEntryView]) -> list[int]:
+        ranked = sorted(entries, key=lambda e: (e.cache_class.rank, e.last_used, e.id))
+        return [e.id for e in ranked]
