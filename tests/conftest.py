@@ -34,3 +34,9 @@ def engine_q8() -> Iterator[LlamaEngine]:
 def words(engine: LlamaEngine, text: str) -> list[int]:
     """Tokens of ``text`` without BOS, for splicing into a longer sequence."""
     return engine.tokenize(text, add_special=False)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every anyio test runs on asyncio and on trio."""
+    return str(request.param)

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvrt._backend import ModelFacts
 from kvrt._config import EngineConfig
 from kvrt._errors import EngineError, ModelLoadError
-from kvrt._model import GgufMetadata, file_digest, read_gguf_metadata, resolve_model_path
+from kvrt._model import GgufMetadata, file_digest, resolve_model_path
 from kvrt._util import physical_cores
 from native_bridge import BridgeError
 from native_bridge.llama import LlamaModel, kv_type_row_bytes
@@ -18,6 +18,37 @@ from ._context import LlamaEngineContext
 from ._errors import translate_errors
 
 __all__ = ["LlamaEngine"]
+
+
+def _header(model: LlamaModel, path: Path) -> GgufMetadata:
+    """The GGUF header fields kvrt needs, as llama.cpp read them while loading."""
+
+    def number(key: str) -> float | None:
+        raw = model.meta(key)
+        try:
+            return float(raw) if raw not in (None, "") else None
+        except ValueError:
+            return None
+
+    def integer(key: str) -> int | None:
+        value = number(key)
+        return int(value) if value is not None else None
+
+    arch = model.meta("general.architecture") or "unknown"
+    return GgufMetadata(
+        architecture=arch,
+        name=model.meta("general.name"),
+        n_layers=integer(f"{arch}.block_count"),
+        n_head=integer(f"{arch}.attention.head_count"),
+        n_head_kv=integer(f"{arch}.attention.head_count_kv"),
+        head_dim_k=integer(f"{arch}.attention.key_length"),
+        head_dim_v=integer(f"{arch}.attention.value_length"),
+        trained_context=integer(f"{arch}.context_length"),
+        sliding_window=integer(f"{arch}.attention.sliding_window") or None,
+        sliding_window_pattern=integer(f"{arch}.attention.sliding_window_pattern"),
+        rope_freq_base=number(f"{arch}.rope.freq_base"),
+        file_bytes=path.stat().st_size,
+    )
 
 
 class LlamaEngine:
@@ -39,11 +70,10 @@ class LlamaEngine:
     @classmethod
     def open(cls, config: EngineConfig) -> LlamaEngine:
         path = resolve_model_path(config.model)
-        meta = read_gguf_metadata(path)
         with translate_errors(f"loading {path}"):
             model = LlamaModel(str(path))
         try:
-            facts = cls._facts_for(model, meta, config, str(path))
+            facts = cls._facts_for(model, _header(model, path), config, str(path))
         except BaseException:
             model.close()
             raise

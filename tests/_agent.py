@@ -1,0 +1,29 @@
+"""Context pieces for session tests: a system prompt, a repo map, files and questions."""
+
+from __future__ import annotations
+
+import kvrt
+
+SYSTEM = "You are a careful code reviewer. Answer in one or two sentences."
+REPO_MAP = "Repository map:\n" + "".join(
+    f"- src/module_{i}.py: helpers for task {i}\n" for i in range(12)
+)
+FILE_A = "# file a.py\n" + "".join(
+    f"def add_{i}(a, b):\n    return a + b + {i}\n\n" for i in range(14)
+)
+FILE_B = "# file b.py\n" + "".join(
+    f"def mul_{i}(a, b):\n    return a * b * {i}\n\n" for i in range(14)
+)
+
+
+def context(*files: tuple[str, str], question: str) -> list[kvrt.Segment]:
+    return [
+        kvrt.Segment("system", SYSTEM, cache_class=kvrt.CacheClass.TASK_PINNED),
+        kvrt.Segment("repo_map", REPO_MAP, cache_class=kvrt.CacheClass.REPO_MAP),
+        *(kvrt.Segment(name, text) for name, text in files),
+        kvrt.Segment("user", question),
+    ]
+
+
+async def greedy(session: kvrt.Session, n: int) -> list[int]:
+    return [p.token async for p in session.generate(n, stop_at_end=False)]

@@ -1,0 +1,152 @@
+"""Sessions on the real engine and model, on asyncio and on trio."""
+
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+import kvrt
+from kvrt import Config, MemoryConfig, Residency
+
+from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_resent_evicted_segment_is_restored_exactly() -> None:
+    ctx = context(("file:a.py", FILE_A), question="What does add_3 return?")
+    async with kvrt.open_runtime() as rt:
+        async with rt.open_session(hot_tokens=1024) as never:
+            await never.ensure_context(ctx)
+            expected = await greedy(never, 24)
+        async with rt.open_session(hot_tokens=1024) as s:
+            first = await s.ensure_context(ctx)
+            assert first.prefilled_tokens == first.logical_tokens
+            evicted = await s.evict("file:a.py")
+            assert evicted > 0
+            blocks = s.explain().blocks
+            assert {b.residency for b in blocks if b.segment == "file:a.py"} == {Residency.COLD}
+            again = await s.ensure_context(ctx)
+            assert again.restored_tokens == evicted
+            assert again.prefilled_tokens == 0
+            assert again.reused_tokens == first.logical_tokens - evicted
+            assert {b.residency for b in s.explain().blocks} == {Residency.HOT}
+            assert await greedy(s, 24) == expected
+
+
+async def test_file_pushed_out_by_another_comes_back_from_cold() -> None:
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+        await s.ensure_context(context(("file:a.py", FILE_A), question="Explain add_1."))
+        await greedy(s, 8)
+        second = await s.ensure_context(context(("file:b.py", FILE_B), question="Explain mul_2."))
+        assert second.evicted_tokens > 0  # a.py's blocks went to the cold store first
+        question = "What does add_3 return?"
+        third = await s.ensure_context(context(("file:a.py", FILE_A), question=question))
+        n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
+        n_question = len(rt.engine.tokenize(question, add_special=False))
+        assert third.restored_tokens == n_file
+        assert third.prefilled_tokens == n_question  # nothing of a.py was computed again
+        report = s.explain()
+        assert report.consistent, report.problems
+        assert report.cold_store.exact_hits >= 1
+        got = await greedy(s, 16)
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as fresh:
+        await fresh.ensure_context(context(("file:a.py", FILE_A), question=question))
+        assert await greedy(fresh, 16) == got
+
+
+async def test_greedy_output_equals_llama_cpp_python() -> None:
+    async with kvrt.open_runtime() as rt:
+        prompt = rt.engine.apply_chat_template(
+            [("system", SYSTEM), ("user", "Why is the sky blue?")]
+        )
+        async with rt.open_session(hot_tokens=1024) as s:
+            await s.ensure_context([kvrt.Segment("chat", prompt, parse_special=True)])
+            ours = await greedy(s, 40)
+        tokens = rt.engine.tokenize(prompt, add_special=True, parse_special=True)
+        path = rt.model_info.model.path
+    llm = llama_cpp.Llama(path, n_ctx=1024, verbose=False)
+    theirs: list[int] = []
+    for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
+        theirs.append(token)
+        if len(theirs) >= 40:
+            break
+    llm.close()
+    assert ours == theirs
+
+
+async def test_generation_goes_past_the_hot_budget() -> None:
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+        status = await s.ensure_context(
+            context(question="Write a long list of numbered review notes.")
+        )
+        peak = 0
+        n = 0
+        async for _piece in s.generate(480, stop_at_end=False):
+            n += 1
+            peak = max(peak, s.explain().hot_tokens)
+        report = s.explain()
+        assert n == 480
+        assert peak <= 512 and report.hot_tokens <= 512
+        assert report.logical_tokens == status.logical_tokens + 480 > 512
+        assert report.counters.evicted_tokens > 0
+        assert report.residency_tokens["cold"] > 0 and report.residency_tokens["dropped"] == 0
+        assert report.consistent, report.problems
+        # The sinks and the recent window stayed hot throughout.
+        assert all(b.residency is Residency.HOT for b in report.blocks if b.protected)
+
+
+async def test_two_sessions_share_one_model_and_cold_store() -> None:
+    ctx = context(("file:a.py", FILE_A), question="What does add_5 return?")
+    async with kvrt.open_runtime() as rt:
+        async with (
+            rt.open_session(hot_tokens=1024, name="one") as one,
+            rt.open_session(hot_tokens=1024, name="two") as two,
+        ):
+            await one.ensure_context(ctx)
+            evicted = await one.evict("file:a.py")
+            hits = rt.cold_stats().exact_hits
+            status = await two.ensure_context(ctx)
+            assert status.restored_tokens == evicted > 0
+            assert status.prefilled_tokens == status.logical_tokens - evicted
+            assert rt.cold_stats().exact_hits > hits
+            await one.ensure_context(ctx)
+            assert await greedy(one, 12) == await greedy(two, 12)
+
+
+async def test_bad_input() -> None:
+    small = Config(memory=MemoryConfig(cold=23040 * 512))
+    async with kvrt.open_runtime(config=small) as rt:
+        async with rt.open_session(hot_tokens=512) as s:
+            assert s.explain().planner_context == 1024
+            with pytest.raises(
+                kvrt.ContextTooLargeError,
+                match=r"needs \d+ tokens but the session's planner context is 1024 \(largest segment 'huge'",
+            ):
+                await s.ensure_context([kvrt.Segment("huge", FILE_A * 4)])
+            with pytest.raises(kvrt.ContextTooLargeError, match="segment name 'x' appears twice"):
+                await s.ensure_context([kvrt.Segment("x", "a"), kvrt.Segment("x", "b")])
+            await s.ensure_context(context(question="Hello?"))
+            with pytest.raises(
+                kvrt.UnknownSegmentError,
+                match=r"no segment named 'file:zz.py' in this session \(segments: system, repo_map, user\)",
+            ):
+                await s.evict("file:zz.py")
+            with pytest.raises(kvrt.InvalidRangeError, match="holds the context's last token"):
+                await s.evict("user")
+            assert s.explain().consistent
+        with pytest.raises(kvrt.SessionClosedError, match="is closed"):
+            await s.ensure_context(context(question="Again?"))
+        with pytest.raises(kvrt.ConfigError, match="hot_tokens must be between 512"):
+            async with rt.open_session(hot_tokens=100):
+                pass
+    with pytest.raises(kvrt.ConfigError, match="the host cold budget is 0 bytes"):
+        async with kvrt.open_runtime(config=Config(memory=MemoryConfig(cold=0))):
+            pass
+    with pytest.raises(
+        kvrt.ConfigError, match="invalid policies.hot_eviction: no hot_eviction policy named 'fifo'"
+    ):
+        async with kvrt.open_runtime(
+            config=kvrt.load_config(env={}, flags={"hot_eviction": "fifo"})
+        ):
+            pass
