@@ -98,20 +98,20 @@ async def test_generation_goes_past_the_hot_budget() -> None:
 
 async def test_two_sessions_share_one_model_and_cold_store() -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_5 return?")
-    async with kvrt.open_runtime() as rt:
-        async with (
-            rt.open_session(hot_tokens=1024, name="one") as one,
-            rt.open_session(hot_tokens=1024, name="two") as two,
-        ):
-            await one.ensure_context(ctx)
-            evicted = await one.evict("file:a.py")
-            hits = rt.cold_stats().exact_hits
-            status = await two.ensure_context(ctx)
-            assert status.restored_tokens == evicted > 0
-            assert status.prefilled_tokens == status.logical_tokens - evicted
-            assert rt.cold_stats().exact_hits > hits
-            await one.ensure_context(ctx)
-            assert await greedy(one, 12) == await greedy(two, 12)
+    async with (
+        kvrt.open_runtime() as rt,
+        rt.open_session(hot_tokens=1024, name="one") as one,
+        rt.open_session(hot_tokens=1024, name="two") as two,
+    ):
+        await one.ensure_context(ctx)
+        evicted = await one.evict("file:a.py")
+        hits = rt.cold_stats().exact_hits
+        status = await two.ensure_context(ctx)
+        assert status.restored_tokens == evicted > 0
+        assert status.prefilled_tokens == status.logical_tokens - evicted
+        assert rt.cold_stats().exact_hits > hits
+        await one.ensure_context(ctx)
+        assert await greedy(one, 12) == await greedy(two, 12)
 
 
 async def test_bad_input() -> None:
@@ -144,7 +144,8 @@ async def test_bad_input() -> None:
         async with kvrt.open_runtime(config=Config(memory=MemoryConfig(cold=0))):
             pass
     with pytest.raises(
-        kvrt.ConfigError, match="invalid policies.hot_eviction: no hot_eviction policy named 'fifo'"
+        kvrt.ConfigError,
+        match=r"invalid policies\.hot_eviction: no hot_eviction policy named 'fifo'",
     ):
         async with kvrt.open_runtime(
             config=kvrt.load_config(env={}, flags={"hot_eviction": "fifo"})
