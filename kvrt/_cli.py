@@ -67,6 +67,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _common(describe)
+
+    run = sub.add_parser(
+        "run",
+        help="the main demo: concurrent agent sessions whose context outgrows the hot window",
+    )
+    run.add_argument(
+        "--sessions",
+        type=int,
+        default=3,
+        choices=range(1, 5),
+        metavar="N",
+        help="sessions at once (1-4, default 3)",
+    )
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="tokens generated per turn (default 32)",
+    )
+    run.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _common(run)
     return parser
 
 
@@ -118,10 +140,77 @@ def _print_info(info: ModelInfo) -> None:
     Console().print(table)
 
 
+def _run(args: argparse.Namespace) -> None:
+    import anyio
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ._demo import run_demo
+
+    config = _config_from(args)
+    hot = config.engine.hot_tokens or 512
+    console = Console(stderr=args.json)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{args.sessions} sessions x 3 turns", total=args.sessions * 3)
+        report = anyio.run(
+            lambda: run_demo(
+                config,
+                sessions=args.sessions,
+                hot_tokens=hot,
+                max_tokens=args.max_tokens,
+                on_progress=lambda name, turn: progress.advance(task),
+            )
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(report)).decode() + "\n")
+        return
+    out = Console()
+    for session in report.sessions:
+        table = Table(title=f"session {session.name} (hot window {session.hot_budget} tokens)")
+        for column in (
+            "turn",
+            "file",
+            "context",
+            "reused",
+            "restored",
+            "prefilled",
+            "evicted",
+            "hot",
+            "cold",
+            "seconds",
+        ):
+            table.add_column(column, justify="left" if column == "file" else "right")
+        for t in session.turns:
+            st = t.status
+            table.add_row(
+                str(t.turn),
+                t.file,
+                str(st.logical_tokens),
+                str(st.reused_tokens),
+                str(st.restored_tokens),
+                str(st.prefilled_tokens),
+                str(st.evicted_tokens),
+                str(st.hot_tokens),
+                str(st.cold_tokens),
+                f"{t.seconds:.1f}",
+            )
+        out.print(table)
+        for t in session.turns:
+            out.print(f"  [bold]turn {t.turn}[/bold]: {t.text!r}", highlight=False)
+    out.print(
+        f"{len(report.sessions)} sessions, {report.combined_logical_tokens} context tokens in all over hot "
+        f"windows of {report.hot_tokens}; cold store: {report.cold_entries} blocks, "
+        f"{format_size(report.cold_bytes)}; {report.seconds:.1f} s"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "describe":
+        if args.command == "run":
+            _run(args)
+        elif args.command == "describe":
             config = _config_from(args, {"model": args.model_path})
             info = describe_model(config)
             if args.json:

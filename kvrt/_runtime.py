@@ -19,8 +19,9 @@ from ._config import Config, EngineConfig, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
 from ._errors import ConfigError, SessionClosedError
-from ._residency import HotWindow
+from ._residency import HotWindow, Segment
 from ._session import Session
+from ._types import CacheClass
 from ._util import NoPublicConstructor, physical_cores
 
 __all__ = ["Runtime", "open_runtime"]
@@ -60,6 +61,25 @@ class Runtime(metaclass=NoPublicConstructor):
 
     def cold_stats(self) -> ColdStats:
         return self._cold.stats()
+
+    def chat_segment(
+        self,
+        name: str,
+        role: str,
+        content: str,
+        *,
+        cache_class: CacheClass = CacheClass.VOLATILE,
+        generation_prompt: bool = False,
+    ) -> Segment:
+        """A segment holding one chat message in the model's own chat template.
+
+        ``generation_prompt`` appends the assistant header, for the last message before
+        generating.
+        """
+        text = self._engine.apply_chat_template(
+            [(role, content)], add_generation_prompt=generation_prompt
+        )
+        return Segment(name, text, cache_class=cache_class, parse_special=True)
 
     @asynccontextmanager
     async def open_session(

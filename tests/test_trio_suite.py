@@ -1,0 +1,46 @@
+"""kvrt inside a trio test suite (pytest-trio), with trio's own nurseries and timeouts."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import kvrt
+
+from ._agent import FILE_A, FILE_B, context, greedy
+
+
+@pytest.mark.trio
+async def test_concurrent_sessions_in_a_nursery() -> None:
+    answers: dict[str, list[int]] = {}
+    async with kvrt.open_runtime() as rt:
+
+        async def agent(name: str, question: str) -> None:
+            async with rt.open_session(hot_tokens=512, name=name) as session:
+                files = (("file:a.py", FILE_A), ("file:b.py", FILE_B))
+                status = await session.ensure_context(context(*files, question=question))
+                assert status.logical_tokens > 512 >= status.hot_tokens
+                answers[name] = await greedy(session, 12)
+                assert session.explain().consistent
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent, "adder", "What does add_2 do?")
+            nursery.start_soon(agent, "multiplier", "What does mul_2 do?")
+        assert rt.cold_stats().puts > 0  # both windows overflowed into the shared store
+    assert set(answers) == {"adder", "multiplier"}
+    assert all(len(tokens) == 12 for tokens in answers.values())
+
+
+@pytest.mark.trio
+async def test_trio_timeout_leaves_session_usable() -> None:
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as session:
+        await session.ensure_context(context(question="Count to one hundred."))
+        with trio.move_on_after(0.3) as scope:
+            async for _piece in session.generate(400, stop_at_end=False):
+                pass
+        assert scope.cancelled_caught
+        report = session.explain()
+        assert report.consistent, report.problems
+        assert report.counters.generated_tokens > 0
+        more = await greedy(session, 4)
+        assert len(more) == 4
