@@ -240,21 +240,6 @@ class Actor:
                 )
             await self._evict_block(self.window.eviction_order(candidates, self.order)[0])
 
-    def _worth_restoring(self, block: Block) -> bool:
-        if self.window.budget - self.ctx.n_resident >= block.n_tokens:
-            return True
-        if block.id in self.window.protected():
-            return True
-        resident = self.resident()
-        shielded = self.window.protected()
-        candidates = [
-            b
-            for b in self.window.blocks
-            if b.id not in shielded and self.state(b, resident) is Residency.HOT
-        ]
-        ranked = self.window.eviction_order([*candidates, block], self.order)
-        return bool(ranked) and ranked[0] is not block
-
     async def _restore(self, block: Block, keep: set[int]) -> bool:
         entry = self.cold.lookup(block.key(self.window.fingerprint))
         if entry is None:
@@ -319,10 +304,12 @@ class Actor:
     async def _place(self, layout: list[Block]) -> None:
         """Bring the layout's blocks in, left to right, keeping the window within budget.
 
-        Before the first block that must be computed, cold blocks come back only when the
-        policy ranks them above what they would displace. From that block on, every block is
-        placed in order, because llama.cpp only computes at the tail of the window.
+        Cold blocks come back when the plan (the policy applied to the whole context) keeps
+        them hot. llama.cpp computes only at the tail of the window, so from the first block
+        that must be computed on, blocks are placed in order and a computed block's
+        predecessor is made resident first.
         """
+        planned = self.window.plan_hot(self.order)
         i, computing = 0, False
         while i < len(layout):
             block = layout[i]
@@ -332,10 +319,11 @@ class Actor:
                 i += 1
                 continue
             if state is Residency.COLD:
-                if computing or self._worth_restoring(block):
-                    restored = await self._restore(block, pred)
-                    if not restored:
-                        continue  # dropped from the store meanwhile: look again
+                # Restore what the plan keeps hot, and a block the next one is computed after.
+                after = layout[i + 1] if i + 1 < len(layout) else None
+                feeds = computing and after is not None and self.state(after) is Residency.DROPPED
+                if (block.id in planned or feeds) and not await self._restore(block, pred):
+                    continue  # dropped from the store meanwhile: look again
                 i += 1
                 continue
             if not computing:
@@ -347,6 +335,8 @@ class Actor:
                     await self._restore(layout[j - 1], set())
                 computing, i = True, j
                 continue
+            if i and self.state(layout[i - 1]) is not Residency.HOT:
+                await self._restore(layout[i - 1], set())  # the tail must end right before it
             await self._prefill(block, pred)
             i += 1
 

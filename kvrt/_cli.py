@@ -168,9 +168,8 @@ def _run(args: argparse.Namespace) -> None:
     out = Console()
     for session in report.sessions:
         table = Table(title=f"session {session.name} (hot window {session.hot_budget} tokens)")
-        for column in (
+        columns = (
             "turn",
-            "file",
             "context",
             "reused",
             "restored",
@@ -178,26 +177,25 @@ def _run(args: argparse.Namespace) -> None:
             "evicted",
             "hot",
             "cold",
-            "seconds",
-        ):
-            table.add_column(column, justify="left" if column == "file" else "right")
+            "s",
+        )
+        for column in columns:
+            table.add_column(column, justify="right")
         for t in session.turns:
             st = t.status
-            table.add_row(
-                str(t.turn),
-                t.file,
-                str(st.logical_tokens),
-                str(st.reused_tokens),
-                str(st.restored_tokens),
-                str(st.prefilled_tokens),
-                str(st.evicted_tokens),
-                str(st.hot_tokens),
-                str(st.cold_tokens),
-                f"{t.seconds:.1f}",
+            figures = (
+                st.logical_tokens,
+                st.reused_tokens,
+                st.restored_tokens,
+                st.prefilled_tokens,
+                st.evicted_tokens,
+                st.hot_tokens,
+                st.cold_tokens,
             )
+            table.add_row(str(t.turn), *map(str, figures), f"{t.seconds:.1f}")
         out.print(table)
         for t in session.turns:
-            out.print(f"  [bold]turn {t.turn}[/bold]: {t.text!r}", highlight=False)
+            out.print(f"  [bold]turn {t.turn}[/bold] ({t.file}): {t.text!r}", highlight=False)
     out.print(
         f"{len(report.sessions)} sessions, {report.combined_logical_tokens} context tokens in all over hot "
         f"windows of {report.hot_tokens}; cold store: {report.cold_entries} blocks, "

@@ -219,6 +219,23 @@ class HotWindow:
                 keep.add(b.id)
         return keep
 
+    def plan_hot(self, order: Callable[[Sequence[BlockView]], list[int]]) -> set[int]:
+        """Ids of the blocks the window should hold once the context is placed.
+
+        Everything, less the blocks the policy would evict first, until the rest fits the
+        budget; sinks and the recent window are always in.
+        """
+        keep = self.protected()
+        total = sum(b.n_tokens for b in self.blocks)
+        others = [b for b in self.blocks if b.id not in keep]
+        planned = {b.id for b in self.blocks}
+        for block in self.eviction_order(others, order):
+            if total <= self.budget:
+                break
+            planned.discard(block.id)
+            total -= block.n_tokens
+        return planned
+
     def eviction_order(
         self,
         candidates: Sequence[Block],
