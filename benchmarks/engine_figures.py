@@ -14,7 +14,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import llama_cpp
 import msgspec
 import numpy as np
 from rich.console import Console
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from adapters.llama import LlamaEngine
 from kvrt import AdmitMode, EngineConfig
+from kvrt._bench import llama_cpp_greedy_tps
 from native_bridge.llama import LlamaContext, LlamaModel
 
 TEXT = (
@@ -125,16 +125,7 @@ def main() -> None:
         bare.close()
         bare_model.close()
 
-        llm = llama_cpp.Llama(engine.facts.path, n_ctx=len(prompt) + args.decode + 8, verbose=False)
-        llm.eval(prompt)
-        got = 0
-        t = time.perf_counter()
-        for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=False):
-            got += 1
-            if got >= args.decode:
-                break
-        raw_tps = got / (time.perf_counter() - t)
-        llm.close()
+        raw_tps = llama_cpp_greedy_tps(engine.facts.path, prompt, args.decode)
         progress.advance(task)
 
     gb = block.data.size / 1e9

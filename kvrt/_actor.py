@@ -85,11 +85,11 @@ class Call:
     result: Any = None
     error: BaseException | None = None
     scope: anyio.CancelScope | None = None
-    abandoned: bool = False
+    abandoned: KvrtError | None = None
 
-    def abandon(self) -> None:
-        """The caller gave up: skip the command, or cancel it where it stands."""
-        self.abandoned = True
+    def abandon(self, reason: KvrtError | None = None) -> None:
+        """The caller gave up (or the session closed): skip the command, or cancel it."""
+        self.abandoned = reason or OperationCancelledError("the call was cancelled")
         if self.scope is not None:
             self.scope.cancel()
 
@@ -145,9 +145,9 @@ class Actor:
             self.finished.set()
 
     async def _run_one(self, call: Call) -> None:
-        if call.abandoned:
+        if call.abandoned is not None:
             self.counters.cancelled_calls += 1
-            call.error = OperationCancelledError("the call was cancelled before it started")
+            call.error = call.abandoned
             call.done.set()
             return
         self.current = call
@@ -169,7 +169,7 @@ class Actor:
                             call.error = call.error or exc
             if scope.cancelled_caught:
                 self.counters.cancelled_calls += 1
-                call.error = OperationCancelledError("the call was cancelled")
+                call.error = call.abandoned or OperationCancelledError("the call was cancelled")
         finally:
             self.current = None
             call.done.set()

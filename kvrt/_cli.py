@@ -89,6 +89,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _common(run)
+
+    bench = sub.add_parser(
+        "bench", help="measure restore, time to first token and decode side by side"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="the quick session-level figures (the default)"
+    )
+    bench.add_argument(
+        "--tokens", type=int, default=1024, metavar="N", help="segment size (default 1024)"
+    )
+    bench.add_argument(
+        "--decode", type=int, default=64, metavar="N", help="tokens to decode (default 64)"
+    )
+    bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _common(bench)
     return parser
 
 
@@ -203,11 +218,67 @@ def _run(args: argparse.Namespace) -> None:
     )
 
 
+def _bench(args: argparse.Namespace) -> None:
+    import anyio
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ._bench import run_quick_bench
+
+    config = _config_from(args)
+    console = Console(stderr=args.json)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=5)
+
+        def step(what: str) -> None:
+            progress.update(task, description=what, advance=1)
+
+        figures = anyio.run(
+            lambda: run_quick_bench(config, tokens=args.tokens, decode=args.decode, progress=step)
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
+        return
+    f = figures
+    table = Table(
+        title=f"kvrt bench --quick ({f.segment_tokens}-token segment, {format_size(f.restore_bytes)})"
+    )
+    for column, justify in (
+        ("measure", "left"),
+        ("kvrt", "right"),
+        ("reference", "right"),
+        ("ratio", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_row(
+        "restore through a session (GB/s) vs numpy copy",
+        f"{f.restore_gbps:.2f}",
+        f"{f.numpy_copy_gbps:.2f}",
+        f"{f.restore_gbps / f.numpy_copy_gbps:.2f}x",
+    )
+    table.add_row(
+        "time to first token, re-sent segment (ms): restored vs recomputed",
+        f"{f.ttft_restored_ms:.0f}",
+        f"{f.ttft_recomputed_ms:.0f}",
+        f"{f.ttft_speedup:.1f}x faster",
+    )
+    table.add_row(
+        "greedy decode (tokens/s): session vs llama_cpp.Llama",
+        f"{f.session_decode_tps:.1f}",
+        f"{f.llama_cpp_decode_tps:.1f}",
+        f"{f.decode_ratio:.2f}x",
+    )
+    Console().print(table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
             _run(args)
+        elif args.command == "bench":
+            _bench(args)
         elif args.command == "describe":
             config = _config_from(args, {"model": args.model_path})
             info = describe_model(config)

@@ -207,6 +207,8 @@ class Session(metaclass=NoPublicConstructor):
             return
         self._closed = True
         for call in list(self._pending):
-            call.abandon()
+            call.abandon(
+                SessionClosedError(f"session {self.name!r} closed before the call finished")
+            )
         self._actor.send.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()

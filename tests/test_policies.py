@@ -1,0 +1,85 @@
+"""Policies: pure ordering objects, checked as properties."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import policies
+from kvrt._types import BlockView, CacheClass, ColdEntryView
+
+classes = st.sampled_from(list(CacheClass))
+
+
+@st.composite
+def block_views(draw: st.DrawFn) -> list[BlockView]:
+    n = draw(st.integers(0, 30))
+    return [
+        BlockView(
+            id=i,
+            cache_class=draw(classes),
+            start=draw(st.integers(0, 8192)),
+            n_tokens=draw(st.integers(1, 256)),
+            last_used=draw(st.integers(0, 50)),
+            score=draw(st.none() | st.floats(-10, 10)),
+        )
+        for i in range(n)
+    ]
+
+
+@given(block_views())
+def test_class_lru_orders_by_class_then_recency(blocks: list[BlockView]) -> None:
+    order = policies.get("hot_eviction", "class_lru").order(blocks)
+    assert sorted(order) == [b.id for b in blocks]
+    by_id = {b.id: b for b in blocks}
+    keys = [(by_id[i].cache_class.rank, by_id[i].last_used, by_id[i].start) for i in order]
+    assert keys == sorted(keys)
+
+
+@given(block_views())
+def test_score_lru_puts_unscored_and_low_scores_first_within_a_class(
+    blocks: list[BlockView],
+) -> None:
+    order = policies.get("hot_eviction", "score_lru").order(blocks)
+    assert sorted(order) == [b.id for b in blocks]
+    by_id = {b.id: b for b in blocks}
+    ranked = [by_id[i] for i in order]
+    for a, b in itertools.pairwise(ranked):
+        assert a.cache_class.rank <= b.cache_class.rank
+        if a.cache_class is b.cache_class:
+            sa = float("-inf") if a.score is None else a.score
+            sb = float("-inf") if b.score is None else b.score
+            assert sa <= sb
+
+
+@given(st.lists(st.tuples(classes, st.integers(1, 10**6), st.integers(0, 100)), max_size=30))
+def test_cold_class_lru(entries: list[tuple[CacheClass, int, int]]) -> None:
+    views = [
+        ColdEntryView(id=i, cache_class=c, n_bytes=n, last_used=u)
+        for i, (c, n, u) in enumerate(entries)
+    ]
+    order = policies.get("cold_victim", "class_lru").order(views)
+    assert sorted(order) == list(range(len(views)))
+    keys = [(views[i].cache_class.rank, views[i].last_used) for i in order]
+    assert keys == sorted(keys)
+
+
+def test_registry() -> None:
+    assert policies.names("hot_eviction") == ["class_lru", "score_lru"]
+    with pytest.raises(
+        KeyError, match="no hot_eviction policy named 'nope' \\(known: class_lru, score_lru\\)"
+    ):
+        policies.get("hot_eviction", "nope")
+    with pytest.raises(ValueError, match="already registered"):
+        policies.register("hot_eviction", "class_lru")(object)
+
+
+def test_class_order_is_volatile_then_repo_map_then_task_pinned() -> None:
+    assert [c.rank for c in (CacheClass.VOLATILE, CacheClass.REPO_MAP, CacheClass.TASK_PINNED)] == [
+        0,
+        1,
+        2,
+    ]
