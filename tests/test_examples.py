@@ -1,4 +1,4 @@
-"""The examples run as they are."""
+"""The examples and the main demo run as they are."""
 
 from __future__ import annotations
 
@@ -11,72 +11,43 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.subprocess
 
-@pytest.mark.subprocess
+
+def run(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def example(name: str) -> str:
+    return run(str(ROOT / "examples" / name))
+
+
 def test_evict_and_restore_example() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "evict_and_restore.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "logits while evicted equal the reference: False" in proc.stdout
-    assert "logits after restore equal the reference bit for bit: True" in proc.stdout
+    out = example("evict_and_restore.py")
+    assert "logits while evicted equal the reference: False" in out
+    assert "logits after restore equal the reference bit for bit: True" in out
 
 
-@pytest.mark.subprocess
 def test_describe_example() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "describe_model.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "KV bytes per token: 23,040" in proc.stdout
+    assert "KV bytes per token: 23,040" in example("describe_model.py")
 
 
-@pytest.mark.subprocess
 def test_concurrent_sessions_example() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "concurrent_sessions.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("consistent: True") == 3
-    assert "exact hits" in proc.stdout
+    out = example("concurrent_sessions.py")
+    assert out.count("consistent: True") == 3
+    assert "exact hits" in out
 
 
-@pytest.mark.subprocess
 def test_trio_sessions_example() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trio_sessions.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("consistent True") == 2
+    assert example("trio_sessions.py").count("consistent True") == 2
 
 
-@pytest.mark.subprocess
 def test_kvrt_run_restores_the_resent_file() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvrt", "run", "--sessions", "2", "--max-tokens", "4", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = json.loads(run("-m", "kvrt", "run", "--sessions", "2", "--max-tokens", "4", "--json"))
     assert report["combined_logical_tokens"] > 2 * report["hot_tokens"]
     for session in report["sessions"]:
         first, _, third = session["turns"]
