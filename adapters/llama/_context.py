@@ -1,63 +1,32 @@
-"""One llama.cpp KV window: prefill, decode, evict, export and admit token ranges.
+"""One llama.cpp KV window: the shared record rules on llama.cpp's sequence API.
 
-The context keeps its own record of which token sits at which position in sequence 0
-(``positions`` / ``tokens``, sorted by position) and changes it only after the native call
-it mirrors has succeeded, so a failure or a cancellation between chunks never leaves the
-record and the KV cache disagreeing.
+Sequence 0 is the hot window; sequence 1 is scratch for moving ranges in and out as
+bytes (``llama_state_seq_get/set_data``), joined to sequence 0 with ``seq_cp`` in a
+unified cache.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
-
 import numpy as np
+import numpy.typing as npt
 
-from kvrt._backend import (
-    AdmitMode,
-    Capabilities,
-    Checkpoint,
-    ColdBlock,
-    ColdBlockMeta,
-    Counters,
-    EvictMode,
-    Logits,
-    ModelFacts,
-    SamplingParams,
-)
-from kvrt._errors import (
-    ColdBlockMismatchError,
-    EngineError,
-    HotWindowFullError,
-    InvalidRangeError,
-    InvalidTokenError,
-)
-from kvrt._sampling import Sampler
+from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
+from kvrt._errors import ColdBlockMismatchError, InvalidRangeError
 from native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
 
+from .._window import KvWindow
 from ._errors import translate_errors
 
 __all__ = ["LlamaEngineContext"]
 
 
-def _as_index(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidRangeError(f"{name} must be an integer position, got {value!r}")
-    return int(value)
-
-
-class LlamaEngineContext:
+class LlamaEngineContext(KvWindow):
     """A hot window on a shared :class:`~native_bridge.llama.LlamaModel`."""
 
     def __init__(self, ctx: LlamaContext, facts: ModelFacts, budget: int) -> None:
+        super().__init__(facts, budget)
         self._ctx = ctx
-        self._budget = budget
         self._model: LlamaModel = ctx.model
-        self._facts = facts
-        self._positions: list[int] = []
-        self._tokens: list[int] = []
-        self._logits_pos: int | None = None
-        self._counters = Counters()
 
     @classmethod
     def create(
@@ -80,42 +49,13 @@ class LlamaEngineContext:
             )
         return cls(ctx, facts, n_ctx)
 
-    # -- state --
+    @property
+    def can_shift(self) -> bool:
+        return self._ctx.can_shift
 
     @property
-    def n_ctx(self) -> int:
-        """The most tokens that may be resident (llama.cpp may allocate a few more cells)."""
-        return self._budget
-
-    @property
-    def positions(self) -> Sequence[int]:
-        return tuple(self._positions)
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return tuple(self._tokens)
-
-    @property
-    def n_resident(self) -> int:
-        return len(self._positions)
-
-    @property
-    def next_position(self) -> int:
-        """Where the next prefilled or decoded token goes: after the last resident one."""
-        return self._positions[-1] + 1 if self._positions else 0
-
-    @property
-    def logits_position(self) -> int | None:
-        """Position of the token whose logits :meth:`logits` returns, if still resident."""
-        return self._logits_pos
-
-    @property
-    def counters(self) -> Counters:
-        return self._counters
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self._facts
+    def chunk_tokens(self) -> int:
+        return self._ctx.n_batch
 
     @property
     def capabilities(self) -> Capabilities:
@@ -134,97 +74,15 @@ class LlamaEngineContext:
             notes=tuple(notes),
         )
 
-    # -- checks --
+    def _is_end(self, token: int) -> bool:
+        with translate_errors("reading the vocabulary"):
+            return self._model.is_end_of_generation(token)
 
-    @staticmethod
-    def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
-        for tok in tokens:
-            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-                raise InvalidTokenError(f"token ids must be integers, got {tok!r}")
-            if not 0 <= tok < n_vocab:
-                raise InvalidTokenError(f"token id {tok} is outside the vocabulary [0, {n_vocab})")
+    def _compute(self, chunk: list[int], start: int) -> None:
+        with translate_errors("decoding"):
+            self._ctx.decode(chunk, start)
 
-    def _check_room(self, n: int, what: str) -> None:
-        free = self.n_ctx - len(self._positions)
-        if n > free:
-            raise HotWindowFullError(
-                f"{what} needs {n} KV cells but the hot window has {free} free of {self.n_ctx}; "
-                "evict first"
-            )
-
-    def _resident_slice(self, start: object, end: object) -> tuple[int, int, int, int]:
-        s, e = _as_index(start, "start"), _as_index(end, "end")
-        if s >= e:
-            raise InvalidRangeError(f"range [{s}, {e}) is empty or reversed")
-        if not self._positions:
-            raise InvalidRangeError(f"range [{s}, {e}) is out of bounds: the hot window is empty")
-        lo, hi = self._positions[0], self._positions[-1] + 1
-        if s < lo or e > hi:
-            raise InvalidRangeError(
-                f"range [{s}, {e}) is out of bounds of the hot window [{lo}, {hi})"
-            )
-        i = bisect.bisect_left(self._positions, s)
-        j = bisect.bisect_left(self._positions, e)
-        if i == j:
-            raise InvalidRangeError(f"range [{s}, {e}) holds no resident tokens")
-        return s, e, i, j
-
-    # -- compute --
-
-    def prefill(
-        self,
-        tokens: Sequence[int],
-        *,
-        start: int | None = None,
-        checkpoint: Checkpoint | None = None,
-    ) -> Logits:
-        """Compute KV for ``tokens`` after the last resident token; the last token's logits.
-
-        ``start`` may only differ from :attr:`next_position` while the window is empty.
-        Work goes in ``n_batch`` chunks with ``checkpoint()`` between them; if it raises,
-        the chunks already done stay resident and recorded.
-        """
-        toks = list(tokens)
-        if not toks:
-            raise InvalidTokenError("nothing to prefill: the token list is empty")
-        self.check_tokens(toks, self._facts.n_vocab)
-        pos = self.next_position if start is None else _as_index(start, "start")
-        if self._positions and pos != self.next_position:
-            raise InvalidRangeError(
-                f"prefill must continue at position {self.next_position}, not {pos}"
-            )
-        if pos < 0:
-            raise InvalidRangeError(f"start position must be >= 0, got {pos}")
-        self._check_room(len(toks), f"prefilling {len(toks)} tokens")
-        step = self._ctx.n_batch
-        for k in range(0, len(toks), step):
-            if k and checkpoint is not None:
-                checkpoint()
-            chunk = toks[k : k + step]
-            self._decode(chunk, pos + k)
-            self._counters.prefill_tokens += len(chunk)
-        return self.logits()
-
-    def step(self, token: int) -> Logits:
-        """Feed one generated token; the logits for the next one."""
-        self.check_tokens([token], self._facts.n_vocab)
-        self._check_room(1, "decoding a token")
-        self._decode([token], self.next_position)
-        self._counters.decode_tokens += 1
-        return self.logits()
-
-    def _decode(self, chunk: list[int], pos: int) -> None:
-        try:
-            with translate_errors("decoding"):
-                self._ctx.decode(chunk, pos)
-        except EngineError:
-            self._resync()
-            raise
-        self._positions.extend(range(pos, pos + len(chunk)))
-        self._tokens.extend(chunk)
-        self._logits_pos = pos + len(chunk) - 1
-
-    def _resync(self) -> None:
+    def _after_failure(self) -> None:
         # A failed decode leaves none of its batch behind; keep the record matching.
         if self._ctx.closed:
             return
@@ -233,143 +91,31 @@ class LlamaEngineContext:
             self._positions.pop()
             self._tokens.pop()
 
-    def logits(self) -> Logits:
-        """Logits following the last decoded token, while that token is resident."""
-        if self._logits_pos is None:
-            raise EngineError("no logits: decode something first (or the last token was evicted)")
+    def _read_logits(self) -> Logits:
         with translate_errors("reading logits"):
             return self._ctx.logits()
 
-    def generate(
-        self,
-        max_tokens: int,
-        params: SamplingParams | None = None,
-        *,
-        stop_at_end: bool = True,
-        checkpoint: Checkpoint | None = None,
-    ) -> list[int]:
-        """Sample up to ``max_tokens`` tokens after the current logits, feeding each back."""
-        if max_tokens < 0:
-            raise InvalidRangeError(f"max_tokens must be >= 0, got {max_tokens}")
-        sampler = Sampler(params or SamplingParams())
-        logits = self.logits() if max_tokens else None
-        out: list[int] = []
-        while logits is not None and len(out) < max_tokens:
-            token = sampler.choose(logits)
-            out.append(token)
-            if stop_at_end and self._model.is_end_of_generation(token):
-                break
-            if len(out) < max_tokens:
-                if checkpoint is not None:
-                    checkpoint()
-                logits = self.step(token)
-        return out
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
+        with translate_errors(f"evicting [{start}, {end})"):
+            last = self._positions[-1]
+            self._ctx.seq_rm(MAIN_SEQ, start, end)
+            if shift_tail:
+                self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
 
-    # -- residency --
-
-    def evict(self, start: int, end: int, mode: EvictMode = EvictMode.GAP) -> int:
-        """Drop the resident tokens in positions [start, end); the number dropped.
-
-        ``GAP`` keeps every other position; ``SLIDE`` shifts the tokens after ``end`` down
-        by ``end - start``.
-        """
-        mode = EvictMode(mode)
-        s, e, i, j = self._resident_slice(start, end)
-        last = self._positions[-1]
-        if mode is EvictMode.SLIDE and j < len(self._positions) and not self._ctx.can_shift:
-            raise EngineError("this model's KV cache cannot shift positions: use gap eviction")
-        with translate_errors(f"evicting [{s}, {e})"):
-            self._ctx.seq_rm(MAIN_SEQ, s, e)
-            if self._logits_pos is not None and s <= self._logits_pos < e:
-                self._logits_pos = None
-            del self._positions[i:j]
-            del self._tokens[i:j]
-            if mode is EvictMode.SLIDE and i < len(self._positions):
-                self._ctx.seq_add(MAIN_SEQ, e, last + 1, s - e)
-                self._positions[i:] = [p - (e - s) for p in self._positions[i:]]
-                if self._logits_pos is not None and self._logits_pos >= e:
-                    self._logits_pos -= e - s
-        self._counters.evicted_tokens += j - i
-        return j - i
-
-    def export(self, start: int, end: int) -> ColdBlock:
-        """Copy the KV of positions [start, end) out as bytes; the window is unchanged.
-
-        Every position in the range must be resident. llama.cpp writes straight into the
-        returned buffer, which is then made read-only.
-        """
-        s, e, i, j = self._resident_slice(start, end)
-        if j - i != e - s:
-            raise InvalidRangeError(
-                f"range [{s}, {e}) has gaps: only {j - i} of its {e - s} positions are resident"
-            )
-        with translate_errors(f"exporting [{s}, {e})"):
+    def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
+        # llama.cpp writes straight into the returned buffer: one copy, no more.
+        with translate_errors(f"exporting [{start}, {end})"):
             self._ctx.seq_clear(SCRATCH_SEQ)
-            self._ctx.seq_cp(MAIN_SEQ, SCRATCH_SEQ, s, e)
+            self._ctx.seq_cp(MAIN_SEQ, SCRATCH_SEQ, start, end)
             try:
-                data = self._ctx.state_get(SCRATCH_SEQ)
+                return self._ctx.state_get(SCRATCH_SEQ)
             finally:
                 self._ctx.seq_clear(SCRATCH_SEQ)
-        data.flags.writeable = False
-        meta = ColdBlockMeta(
-            fingerprint=self._facts.fingerprint,
-            kv_type=self._facts.kv_type,
-            start=s,
-            tokens=tuple(self._tokens[i:j]),
-            n_bytes=int(data.size),
-        )
-        self._counters.exported_tokens += j - i
-        self._counters.exported_bytes += int(data.size)
-        return ColdBlock(meta=meta, data=data)
 
-    def _check_block(self, block: ColdBlock) -> None:
+    def _put(self, block: ColdBlock, i: int, target: int) -> None:
         meta = block.meta
-        if meta.fingerprint != self._facts.fingerprint:
-            raise ColdBlockMismatchError(
-                f"cold block belongs to another model or KV layout "
-                f"(block {meta.fingerprint[:12]}, engine {self._facts.fingerprint[:12]})"
-            )
-        if meta.kv_type != self._facts.kv_type:
-            raise ColdBlockMismatchError(
-                f"cold block holds {meta.kv_type} KV, this context uses {self._facts.kv_type}"
-            )
-        data = block.data
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
-            raise ColdBlockMismatchError("cold block bytes must be a 1-D uint8 array")
-        if data.size != meta.n_bytes or not meta.tokens:
-            raise ColdBlockMismatchError(
-                f"cold block holds {data.size} bytes for {len(meta.tokens)} tokens; "
-                f"its metadata says {meta.n_bytes}"
-            )
-        if meta.start < 0:
-            raise ColdBlockMismatchError(f"cold block starts at a negative position {meta.start}")
-        self.check_tokens(meta.tokens, self._facts.n_vocab)
-
-    def admit(self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE) -> int:
-        """Bring a cold block back; the position of its first token. Whole or not at all.
-
-        ``IN_PLACE`` puts it at its original positions, which must all be free (bit-exact).
-        ``TAIL`` puts it after the last resident token, re-rotating its keys.
-        """
-        mode = AdmitMode(mode)
-        self._check_block(block)
-        meta = block.meta
-        n = meta.n_tokens
-        self._check_room(n, f"admitting {n} tokens")
-        if mode is AdmitMode.IN_PLACE:
-            target = meta.start
-            i = bisect.bisect_left(self._positions, target)
-            if i < len(self._positions) and self._positions[i] < target + n:
-                raise InvalidRangeError(
-                    f"cannot admit in place: positions [{target}, {target + n}) are partly resident"
-                )
-        else:
-            target, i = self.next_position, len(self._positions)
-            if target != meta.start and not self._ctx.can_shift:
-                raise EngineError("this model's KV cache cannot shift positions: admit in place")
-        data = np.ascontiguousarray(block.data)
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
-            self._ctx.state_set(SCRATCH_SEQ, data)
+            self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(block.data))
             try:
                 got = (self._ctx.pos_min(SCRATCH_SEQ), self._ctx.pos_max(SCRATCH_SEQ) + 1)
                 if got != (meta.start, meta.end):
@@ -379,22 +125,13 @@ class LlamaEngineContext:
                     )
                 if target != meta.start:
                     self._ctx.seq_add(SCRATCH_SEQ, meta.start, meta.end, target - meta.start)
-                self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target, target + n)
+                self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target, target + meta.n_tokens)
             finally:
                 self._ctx.seq_clear(SCRATCH_SEQ)
-        self._positions[i:i] = range(target, target + n)
-        self._tokens[i:i] = meta.tokens
-        self._counters.admitted_tokens += n
-        self._counters.admitted_bytes += meta.n_bytes
-        return target
 
-    def clear(self) -> None:
-        """Empty the window (counters are kept)."""
+    def _reset(self) -> None:
         with translate_errors("clearing the context"):
             self._ctx.clear()
-        self._positions.clear()
-        self._tokens.clear()
-        self._logits_pos = None
 
     @property
     def closed(self) -> bool:

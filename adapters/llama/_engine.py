@@ -14,6 +14,7 @@ from kvrt._util import physical_cores
 from native_bridge import BridgeError
 from native_bridge.llama import LlamaModel, kv_type_row_bytes
 
+from .._window import check_tokens
 from ._context import LlamaEngineContext
 from ._errors import translate_errors
 
@@ -167,7 +168,7 @@ class LlamaEngine:
             )
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
-        LlamaEngineContext.check_tokens(tokens, self._facts.n_vocab)
+        check_tokens(tokens, self._facts.n_vocab)
 
     # -- contexts --
 

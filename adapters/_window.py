@@ -1,0 +1,363 @@
+"""What every engine context shares: the record of resident tokens and the rules for it.
+
+An adapter's context subclasses :class:`KvWindow` and supplies a handful of engine
+primitives (compute a chunk, drop entries, copy entries out, splice them in). The record of
+which token sits at which position is changed only after the primitive it mirrors has
+succeeded, so an error or a cancellation between chunks never leaves the record and the
+engine's cache disagreeing.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrt._backend import (
+    AdmitMode,
+    Capabilities,
+    Checkpoint,
+    ColdBlock,
+    ColdBlockMeta,
+    Counters,
+    EvictMode,
+    Logits,
+    ModelFacts,
+    SamplingParams,
+)
+from kvrt._errors import (
+    ColdBlockMismatchError,
+    EngineError,
+    HotWindowFullError,
+    InvalidRangeError,
+    InvalidTokenError,
+)
+from kvrt._sampling import Sampler
+
+__all__ = ["KvWindow", "as_position", "check_tokens"]
+
+
+def as_position(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidRangeError(f"{name} must be an integer position, got {value!r}")
+    return int(value)
+
+
+def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
+    for tok in tokens:
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            raise InvalidTokenError(f"token ids must be integers, got {tok!r}")
+        if not 0 <= tok < n_vocab:
+            raise InvalidTokenError(f"token id {tok} is outside the vocabulary [0, {n_vocab})")
+
+
+class KvWindow(abc.ABC):
+    """A hot window of one engine context: at most ``budget`` resident tokens."""
+
+    def __init__(self, facts: ModelFacts, budget: int) -> None:
+        self._facts = facts
+        self._budget = budget
+        self._positions: list[int] = []
+        self._tokens: list[int] = []
+        self._logits_pos: int | None = None
+        self._counters = Counters()
+
+    # -- engine primitives --
+
+    @abc.abstractmethod
+    def _compute(self, chunk: list[int], start: int) -> None:
+        """Run the model over ``chunk`` at positions ``start...``, appended after the record."""
+
+    @abc.abstractmethod
+    def _read_logits(self) -> Logits: ...
+
+    @abc.abstractmethod
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
+        """Drop record entries ``i:j`` (positions [start, end)); shift later ones down if asked."""
+
+    @abc.abstractmethod
+    def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
+        """Copy record entries ``i:j`` out as bytes."""
+
+    @abc.abstractmethod
+    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+        """Splice a block in before record entry ``i``, its first token at ``target``."""
+
+    @abc.abstractmethod
+    def _after_failure(self) -> None:
+        """Bring the record back in line with the engine after a failed compute."""
+
+    @abc.abstractmethod
+    def _reset(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def can_shift(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def chunk_tokens(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    def _is_end(self, token: int) -> bool: ...
+
+    # -- the record --
+
+    @property
+    def n_ctx(self) -> int:
+        """The most tokens that may be resident."""
+        return self._budget
+
+    @property
+    def positions(self) -> Sequence[int]:
+        return tuple(self._positions)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return tuple(self._tokens)
+
+    @property
+    def n_resident(self) -> int:
+        return len(self._positions)
+
+    @property
+    def next_position(self) -> int:
+        """Where the next prefilled or decoded token goes: after the last resident one."""
+        return self._positions[-1] + 1 if self._positions else 0
+
+    @property
+    def logits_position(self) -> int | None:
+        """Position of the token whose logits :meth:`logits` returns, if still resident."""
+        return self._logits_pos
+
+    @property
+    def counters(self) -> Counters:
+        return self._counters
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    def _check_room(self, n: int, what: str) -> None:
+        free = self._budget - len(self._positions)
+        if n > free:
+            raise HotWindowFullError(
+                f"{what} needs {n} KV cells but the hot window has {free} free of {self._budget}; "
+                "evict first"
+            )
+
+    def _resident_slice(self, start: object, end: object) -> tuple[int, int, int, int]:
+        s, e = as_position(start, "start"), as_position(end, "end")
+        if s >= e:
+            raise InvalidRangeError(f"range [{s}, {e}) is empty or reversed")
+        if not self._positions:
+            raise InvalidRangeError(f"range [{s}, {e}) is out of bounds: the hot window is empty")
+        lo, hi = self._positions[0], self._positions[-1] + 1
+        if s < lo or e > hi:
+            raise InvalidRangeError(
+                f"range [{s}, {e}) is out of bounds of the hot window [{lo}, {hi})"
+            )
+        i = bisect.bisect_left(self._positions, s)
+        j = bisect.bisect_left(self._positions, e)
+        if i == j:
+            raise InvalidRangeError(f"range [{s}, {e}) holds no resident tokens")
+        return s, e, i, j
+
+    # -- compute --
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        start: int | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> Logits:
+        """Compute KV for ``tokens`` after the last resident token; the last token's logits.
+
+        ``start`` may only differ from :attr:`next_position` while the window is empty.
+        Work goes in chunks with ``checkpoint()`` between them; if it raises, the chunks
+        already done stay resident and recorded.
+        """
+        toks = list(tokens)
+        if not toks:
+            raise InvalidTokenError("nothing to prefill: the token list is empty")
+        check_tokens(toks, self._facts.n_vocab)
+        pos = self.next_position if start is None else as_position(start, "start")
+        if self._positions and pos != self.next_position:
+            raise InvalidRangeError(
+                f"prefill must continue at position {self.next_position}, not {pos}"
+            )
+        if pos < 0:
+            raise InvalidRangeError(f"start position must be >= 0, got {pos}")
+        self._check_room(len(toks), f"prefilling {len(toks)} tokens")
+        step = self.chunk_tokens
+        for k in range(0, len(toks), step):
+            if k and checkpoint is not None:
+                checkpoint()
+            chunk = toks[k : k + step]
+            self._compute_and_record(chunk, pos + k)
+            self._counters.prefill_tokens += len(chunk)
+        return self.logits()
+
+    def step(self, token: int) -> Logits:
+        """Feed one generated token; the logits for the next one."""
+        check_tokens([token], self._facts.n_vocab)
+        self._check_room(1, "decoding a token")
+        self._compute_and_record([token], self.next_position)
+        self._counters.decode_tokens += 1
+        return self.logits()
+
+    def _compute_and_record(self, chunk: list[int], pos: int) -> None:
+        try:
+            self._compute(chunk, pos)
+        except EngineError:
+            self._after_failure()
+            raise
+        self._positions.extend(range(pos, pos + len(chunk)))
+        self._tokens.extend(chunk)
+        self._logits_pos = pos + len(chunk) - 1
+
+    def logits(self) -> Logits:
+        """Logits following the last decoded token, while that token is resident."""
+        if self._logits_pos is None:
+            raise EngineError("no logits: decode something first (or the last token was evicted)")
+        return self._read_logits()
+
+    def generate(
+        self,
+        max_tokens: int,
+        params: SamplingParams | None = None,
+        *,
+        stop_at_end: bool = True,
+        checkpoint: Checkpoint | None = None,
+    ) -> list[int]:
+        """Sample up to ``max_tokens`` tokens after the current logits, feeding each back."""
+        if max_tokens < 0:
+            raise InvalidRangeError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampler = Sampler(params or SamplingParams())
+        logits = self.logits() if max_tokens else None
+        out: list[int] = []
+        while logits is not None and len(out) < max_tokens:
+            token = sampler.choose(logits)
+            out.append(token)
+            if stop_at_end and self._is_end(token):
+                break
+            if len(out) < max_tokens:
+                if checkpoint is not None:
+                    checkpoint()
+                logits = self.step(token)
+        return out
+
+    # -- residency --
+
+    def evict(self, start: int, end: int, mode: EvictMode = EvictMode.GAP) -> int:
+        """Drop the resident tokens in positions [start, end); the number dropped.
+
+        ``GAP`` keeps every other position; ``SLIDE`` shifts the tokens after ``end`` down
+        by ``end - start``.
+        """
+        mode = EvictMode(mode)
+        s, e, i, j = self._resident_slice(start, end)
+        shift = mode is EvictMode.SLIDE and j < len(self._positions)
+        if shift and not self.can_shift:
+            raise EngineError("this model's KV cache cannot shift positions: use gap eviction")
+        self._remove(i, j, s, e, shift)
+        if self._logits_pos is not None and s <= self._logits_pos < e:
+            self._logits_pos = None
+        del self._positions[i:j]
+        del self._tokens[i:j]
+        if shift:
+            self._positions[i:] = [p - (e - s) for p in self._positions[i:]]
+            if self._logits_pos is not None and self._logits_pos >= e:
+                self._logits_pos -= e - s
+        self._counters.evicted_tokens += j - i
+        return j - i
+
+    def export(self, start: int, end: int) -> ColdBlock:
+        """Copy the KV of positions [start, end) out as read-only bytes; the window is unchanged.
+
+        Every position in the range must be resident.
+        """
+        s, e, i, j = self._resident_slice(start, end)
+        if j - i != e - s:
+            raise InvalidRangeError(
+                f"range [{s}, {e}) has gaps: only {j - i} of its {e - s} positions are resident"
+            )
+        data = self._take(i, j, s, e)
+        data.flags.writeable = False
+        meta = ColdBlockMeta(
+            fingerprint=self._facts.fingerprint,
+            kv_type=self._facts.kv_type,
+            start=s,
+            tokens=tuple(self._tokens[i:j]),
+            n_bytes=int(data.size),
+        )
+        self._counters.exported_tokens += j - i
+        self._counters.exported_bytes += int(data.size)
+        return ColdBlock(meta=meta, data=data)
+
+    def _check_block(self, block: ColdBlock) -> None:
+        meta = block.meta
+        if meta.fingerprint != self._facts.fingerprint:
+            raise ColdBlockMismatchError(
+                f"cold block belongs to another model or KV layout "
+                f"(block {meta.fingerprint[:12]}, engine {self._facts.fingerprint[:12]})"
+            )
+        if meta.kv_type != self._facts.kv_type:
+            raise ColdBlockMismatchError(
+                f"cold block holds {meta.kv_type} KV, this context uses {self._facts.kv_type}"
+            )
+        data = block.data
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+            raise ColdBlockMismatchError("cold block bytes must be a 1-D uint8 array")
+        if data.size != meta.n_bytes or not meta.tokens:
+            raise ColdBlockMismatchError(
+                f"cold block holds {data.size} bytes for {len(meta.tokens)} tokens; "
+                f"its metadata says {meta.n_bytes}"
+            )
+        if meta.start < 0:
+            raise ColdBlockMismatchError(f"cold block starts at a negative position {meta.start}")
+        check_tokens(meta.tokens, self._facts.n_vocab)
+
+    def admit(self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE) -> int:
+        """Bring a cold block back; the position of its first token. Whole or not at all.
+
+        ``IN_PLACE`` puts it at its original positions, which must all be free (bit-exact).
+        ``TAIL`` puts it after the last resident token, re-rotating its keys.
+        """
+        mode = AdmitMode(mode)
+        self._check_block(block)
+        meta = block.meta
+        n = meta.n_tokens
+        self._check_room(n, f"admitting {n} tokens")
+        if mode is AdmitMode.IN_PLACE:
+            target = meta.start
+            i = bisect.bisect_left(self._positions, target)
+            if i < len(self._positions) and self._positions[i] < target + n:
+                raise InvalidRangeError(
+                    f"cannot admit in place: positions [{target}, {target + n}) are partly resident"
+                )
+        else:
+            target, i = self.next_position, len(self._positions)
+            if target != meta.start and not self.can_shift:
+                raise EngineError("this model's KV cache cannot shift positions: admit in place")
+        self._put(block, i, target)
+        self._positions[i:i] = range(target, target + n)
+        self._tokens[i:i] = meta.tokens
+        self._counters.admitted_tokens += n
+        self._counters.admitted_bytes += meta.n_bytes
+        return target
+
+    def clear(self) -> None:
+        """Empty the window (counters are kept)."""
+        self._reset()
+        self._positions.clear()
+        self._tokens.clear()
+        self._logits_pos = None
