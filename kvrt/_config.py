@@ -39,8 +39,8 @@ __all__ = [
 Size = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
-BackendName = Literal["llama"]
+KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "u8"]
+BackendName = Literal["llama", "openvino"]
 
 CONFIG_ENV = "KVRT_CONFIG"
 
@@ -73,6 +73,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hot_tokens: Positive | None = None
     """A cap on the hot window, below what memory allows."""
     batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
+    openvino_profile: Literal["deterministic", "default"] = "deterministic"
+    """OpenVINO compile settings: ``deterministic`` (f32 inference, exact KV round trips) or
+    the CPU plugin's ``default`` (faster, bf16 on some CPUs)."""
     parallel: Positive | None = None
     """Engine calls that may run at once across sessions (default: cores / threads)."""
 
@@ -139,6 +142,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "hot_tokens", "KVRT_HOT_TOKENS"),
     Setting("engine", "batch", "KVRT_BATCH"),
     Setting("engine", "parallel", "KVRT_PARALLEL"),
+    Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),

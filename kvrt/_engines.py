@@ -13,6 +13,7 @@ __all__ = ["BACKENDS", "open_engine"]
 
 BACKENDS: dict[str, str] = {
     "llama": "adapters.llama:LlamaEngine",
+    "openvino": "adapters.openvino:OpenVinoEngine",
 }
 
 

@@ -142,8 +142,10 @@ class OvModel:
             raise BridgeLoadError(
                 f"OpenVINO could not compile {xml_path}: {str(exc).splitlines()[0]}"
             ) from exc
-        self.kv_precision = str(self._compiled.get_property("KV_CACHE_PRECISION"))
-        self.inference_precision = str(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
+        self.kv_precision = self._compiled.get_property("KV_CACHE_PRECISION").get_type_name()
+        self.inference_precision = self._compiled.get_property(
+            "INFERENCE_PRECISION_HINT"
+        ).get_type_name()
         self.path = xml_path
 
     def request(self) -> OvRequest:
@@ -176,6 +178,10 @@ class OvRequest:
     def length(self) -> int:
         """Cache entries in the state."""
         return self._length
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         with self._use():

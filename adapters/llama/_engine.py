@@ -8,11 +8,11 @@ from pathlib import Path
 
 from kvrt._backend import ModelFacts
 from kvrt._config import EngineConfig
-from kvrt._errors import EngineError, ModelLoadError
+from kvrt._errors import ConfigError, EngineError, ModelLoadError
 from kvrt._model import GgufMetadata, file_digest, resolve_model_path
 from kvrt._util import physical_cores
 from native_bridge import BridgeError
-from native_bridge.llama import LlamaModel, kv_type_row_bytes
+from native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
 
 from .._window import check_tokens
 from ._context import LlamaEngineContext
@@ -70,6 +70,11 @@ class LlamaEngine:
 
     @classmethod
     def open(cls, config: EngineConfig) -> LlamaEngine:
+        if config.kv_type not in KV_TYPES:
+            raise ConfigError(
+                f"invalid engine.kv_type for llama.cpp: {config.kv_type!r} "
+                f"(expected one of: {', '.join(KV_TYPES)})"
+            )
         path = resolve_model_path(config.model)
         with translate_errors(f"loading {path}"):
             model = LlamaModel(str(path))

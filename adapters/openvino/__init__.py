@@ -1,0 +1,6 @@
+"""kvrt's OpenVINO backend: stateful IRs through OpenVINO's public API."""
+
+from ._context import OpenVinoEngineContext as OpenVinoEngineContext
+from ._engine import PROFILES as PROFILES
+from ._engine import OpenVinoEngine as OpenVinoEngine
+from ._prepare import prepare_ir as prepare_ir

@@ -1,0 +1,125 @@
+"""One OpenVINO infer request as a hot window.
+
+The request's state is a plain sequence of cache entries in position order, so record
+entry ``i`` is state entry ``i``. Gap eviction removes entries (every other token keeps its
+position, and the attention mask covers exactly the entries left); in-place admission
+splices them back (bit-exact); slide eviction and tail admission re-rotate keys in numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
+from kvrt._errors import ColdBlockMismatchError, EngineError
+from native_bridge.openvino import OvModel, OvRequest, rotate_keys
+
+from .._window import KvWindow
+from ._errors import translate_errors
+
+__all__ = ["EXACT_KV", "OpenVinoEngineContext"]
+
+EXACT_KV = ("f32", "f16", "bf16")
+"""KV precisions whose values survive export and re-import unchanged."""
+
+
+class OpenVinoEngineContext(KvWindow):
+    def __init__(
+        self,
+        model: OvModel,
+        facts: ModelFacts,
+        budget: int,
+        chunk: int,
+        is_end: Callable[[int], bool],
+    ) -> None:
+        super().__init__(facts, budget)
+        self._model = model
+        self._req: OvRequest = model.request()
+        self._chunk = chunk
+        self._is_end_token = is_end
+        self._last_logits: Logits | None = None
+
+    @property
+    def can_shift(self) -> bool:
+        return True
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self._chunk
+
+    @property
+    def exact(self) -> bool:
+        return self._facts.kv_type in EXACT_KV
+
+    @property
+    def capabilities(self) -> Capabilities:
+        notes = ["tail admission re-rotates keys in numpy: argmax-equal, not bit-exact"]
+        if not self.exact:
+            notes.append(
+                f"{self._facts.kv_type} KV cache re-quantizes on import: cold restores are approximate"
+            )
+        return Capabilities(
+            remove_middle=True,
+            position_shift=True,
+            exact_in_place=self.exact,
+            exact_tail=False,
+            sliding_window=None,
+            kv_type=self._facts.kv_type,
+            notes=tuple(notes),
+        )
+
+    def _is_end(self, token: int) -> bool:
+        return self._is_end_token(token)
+
+    def _compute(self, chunk: list[int], start: int) -> None:
+        with translate_errors("inference"):
+            self._last_logits = self._req.infer(chunk, range(start, start + len(chunk)))
+
+    def _after_failure(self) -> None:
+        pass  # a failed infer appends nothing to the state
+
+    def _read_logits(self) -> Logits:
+        if self._last_logits is None:
+            raise EngineError("no logits: decode something first")
+        return self._last_logits.copy()
+
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
+        with translate_errors(f"evicting [{start}, {end})"):
+            self._req.remove(i, j)
+            if shift_tail and i < self._req.length:
+                self._req.rotate(i, self._req.length, start - end)
+
+    def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
+        with translate_errors(f"exporting [{start}, {end})"):
+            return self._req.take(i, j).reshape(-1).view(np.uint8)
+
+    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+        m = self._model
+        n = block.meta.n_tokens
+        expected = m.n_layers * 2 * m.n_kv_heads * n * m.head_dim * 4
+        if block.data.size != expected:
+            raise ColdBlockMismatchError(
+                f"cold block holds {block.data.size} bytes; {n} tokens of this model take {expected}"
+            )
+        kv = block.data.view(np.float32).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim)
+        if target != block.meta.start:
+            kv = kv.copy()
+            kv[:, 0] = rotate_keys(kv[:, 0], target - block.meta.start, m.inv_freq, m.rotary_layout)
+        with translate_errors(f"admitting [{block.meta.start}, {block.meta.end})"):
+            self._req.insert(i, kv)
+
+    def _reset(self) -> None:
+        with translate_errors("clearing the request"):
+            self._req.reset()
+        self._last_logits = None
+
+    @property
+    def closed(self) -> bool:
+        return self._req.closed
+
+    def close(self) -> None:
+        if not self.closed:
+            self._req.close()

@@ -1,0 +1,200 @@
+"""One compiled stateful IR, shared by every context (infer request) opened on it."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrt._backend import ModelFacts
+from kvrt._config import EngineConfig
+from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadError
+from native_bridge.openvino import DETERMINISTIC, OvModel
+
+from .._window import check_tokens
+from ._context import OpenVinoEngineContext
+from ._errors import translate_errors
+from ._prepare import IrInfo, prepare_ir
+
+__all__ = ["PROFILES", "OpenVinoEngine"]
+
+PROFILES: dict[str, dict[str, str]] = {
+    "deterministic": {k: v for k, v in DETERMINISTIC.items() if k != "KV_CACHE_PRECISION"},
+    "default": {},
+}
+"""Compile settings by name; the KV precision comes from ``engine.kv_type``."""
+
+_KV = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u8": "u8"}
+
+
+class _BuildProgress:
+    """A progress bar on stderr, shown only once a build actually starts."""
+
+    def __init__(self) -> None:
+        from rich.progress import Progress
+
+        self._bar = Progress(transient=True)
+        self._task = self._bar.add_task("preparing the OpenVINO model", total=1.0)
+        self._started = False
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        if not self._started:
+            self._bar.start()
+            self._started = True
+        self._bar.update(self._task, description=stage, completed=fraction)
+
+    def close(self) -> None:
+        if self._started:
+            self._bar.stop()
+
+
+class OpenVinoEngine:
+    """A stateful IR compiled for the CPU; one :class:`OpenVinoEngineContext` per session."""
+
+    backend = "openvino"
+
+    def __init__(
+        self,
+        model: OvModel,
+        tokenizer: Any,
+        config: EngineConfig,
+        facts: ModelFacts,
+        eos: set[int],
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self.config = config
+        self._facts = facts
+        self._eos = eos
+        self._closed = False
+
+    @classmethod
+    def open(cls, config: EngineConfig) -> OpenVinoEngine:
+        kv = _KV.get(config.kv_type)
+        if kv is None:
+            raise ConfigError(
+                f"invalid engine.kv_type for OpenVINO: {config.kv_type!r} (expected one of: {', '.join(_KV)})"
+            )
+        profile = PROFILES.get(config.openvino_profile)
+        if profile is None:
+            raise ConfigError(f"unknown engine.openvino_profile {config.openvino_profile!r}")
+        progress = _BuildProgress()
+        try:
+            folder, info = prepare_ir(
+                config.model, progress=progress if sys.stderr.isatty() else None
+            )
+        finally:
+            progress.close()
+        settings = {**profile, "KV_CACHE_PRECISION": kv}
+        if config.threads:
+            settings["INFERENCE_NUM_THREADS"] = str(config.threads)
+        with translate_errors(f"loading {folder}"):
+            model = OvModel(str(folder / "openvino_model.xml"), config=settings)
+        import openvino_genai
+
+        try:
+            tokenizer = openvino_genai.Tokenizer(str(folder))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"cannot load the tokenizer in {folder}: {str(exc).splitlines()[0]}"
+            ) from exc
+        eos = {int(tokenizer.get_eos_token_id())}
+        return cls(model, tokenizer, config, cls._facts_for(model, info, folder, config), eos)
+
+    @staticmethod
+    def _facts_for(model: OvModel, info: IrInfo, folder: Path, config: EngineConfig) -> ModelFacts:
+        xml = folder / "openvino_model.xml"
+        weights = (folder / "openvino_model.bin").stat().st_size
+        layout = (
+            f"{info.source_digest or xml.stat().st_size}|openvino|layers={model.n_layers}"
+            f"|kv_heads={model.n_kv_heads}|d={model.head_dim}|kv={model.kv_precision}"
+            f"|infer={model.inference_precision}|rope={model.rotary_layout}:{model.inv_freq.tobytes().hex()[:32]}"
+        )
+        return ModelFacts(
+            backend="openvino",
+            path=str(folder),
+            name=info.name,
+            architecture=info.architecture,
+            fingerprint=hashlib.sha256(layout.encode()).hexdigest()[:32],
+            n_layers=model.n_layers,
+            n_head=info.n_head or model.n_kv_heads,
+            n_head_kv=model.n_kv_heads,
+            head_dim=model.head_dim,
+            n_vocab=model.n_vocab,
+            trained_context=info.trained_context,
+            sliding_window=None,
+            sliding_window_live=None,
+            sliding_window_pattern=None,
+            swa_full=False,
+            rope_freq_base=float(1.0 / model.inv_freq[1] ** (model.head_dim / 2))
+            if model.inv_freq.size > 1
+            else None,
+            kv_type=config.kv_type,
+            kv_bytes_per_token=model.n_layers
+            * 2
+            * model.n_kv_heads
+            * model.head_dim
+            * _BYTES[model.kv_precision],
+            weight_bytes=weights,
+            file_bytes=weights + xml.stat().st_size,
+        )
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    @property
+    def kv_precision(self) -> str:
+        return str(self._model.kv_precision)
+
+    # -- text --
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """Token ids for ``text`` (OpenVINO's tokenizer always reads special-token markup)."""
+        encoded = self._tokenizer.encode(text, add_special_tokens=add_special)
+        return [int(t) for t in encoded.input_ids.data[0]]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        check_tokens(tokens, self._facts.n_vocab)
+        return str(self._tokenizer.decode([int(t) for t in tokens]))
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.detokenize([token]).encode("utf-8")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        check_tokens([token], self._facts.n_vocab)
+        return token in self._eos
+
+    def apply_chat_template(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        history = [{"role": role, "content": content} for role, content in messages]
+        return str(
+            self._tokenizer.apply_chat_template(
+                history, add_generation_prompt=add_generation_prompt
+            )
+        )
+
+    # -- contexts --
+
+    def open_context(self, n_ctx: int, *, n_batch: int | None = None) -> OpenVinoEngineContext:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        if not isinstance(n_ctx, int) or not 1 <= n_ctx <= self._facts.trained_context:
+            raise InvalidRangeError(
+                f"a hot window must hold 1 to {self._facts.trained_context} tokens (the model's "
+                f"trained context), got {n_ctx!r}"
+            )
+        return OpenVinoEngineContext(
+            self._model, self._facts, n_ctx, n_batch or self.config.batch, self.is_end_of_generation
+        )
+
+    def close(self) -> None:
+        self._closed = True
+
+
+_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}

@@ -1,0 +1,23 @@
+"""The one place the OpenVINO adapter turns bridge errors into kvrt errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvrt._errors import EngineError, KvrtError, ModelLoadError
+from native_bridge import BridgeError, BridgeLoadError
+
+__all__ = ["translate_errors"]
+
+
+@contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except KvrtError:
+        raise
+    except BridgeLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    except BridgeError as exc:
+        raise EngineError(f"{what}: {exc}") from exc

@@ -1,0 +1,146 @@
+"""The OpenVINO backend on the embedded model's IR: exact where promised, honest where not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import openvino as ov
+import openvino_genai
+import pytest
+
+from adapters.openvino import OpenVinoEngine
+from kvrt import (
+    AdmitMode,
+    ColdBlock,
+    ColdBlockMismatchError,
+    ConfigError,
+    EngineConfig,
+    EvictMode,
+    ModelLoadError,
+)
+from native_bridge.openvino import DETERMINISTIC
+
+from .conftest import STORY
+
+
+@pytest.fixture(scope="module")
+def ov_engine() -> Iterator[OpenVinoEngine]:
+    eng = OpenVinoEngine.open(EngineConfig(backend="openvino", kv_type="f32"))
+    yield eng
+    eng.close()
+
+
+def words(engine: OpenVinoEngine, text: str) -> list[int]:
+    return engine.tokenize(text, add_special=False)
+
+
+def test_greedy_equals_llm_pipeline(ov_engine: OpenVinoEngine) -> None:
+    prompt = ov_engine.apply_chat_template([("user", "Why is the sky blue?")])
+    tokens = ov_engine.tokenize(prompt, add_special=False)
+    ctx = ov_engine.open_context(512)
+    ctx.prefill(tokens)
+    ours = ctx.generate(32)
+    ctx.close()
+    pipe = openvino_genai.LLMPipeline(ov_engine.facts.path, "CPU", **DETERMINISTIC)
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens = 32
+    config.do_sample = False
+    ids = ov.Tensor(np.array([tokens], dtype=np.int64))
+    mask = ov.Tensor(np.ones((1, len(tokens)), dtype=np.int64))
+    theirs = [
+        int(t) for t in pipe.generate(openvino_genai.TokenizedInputs(ids, mask), config).tokens[0]
+    ]
+    assert len(ours) >= 8
+    assert ours == theirs, (ov_engine.detokenize(ours), ov_engine.detokenize(theirs))
+
+
+def test_gap_evict_then_in_place_admit_is_bit_exact(ov_engine: OpenVinoEngine) -> None:
+    tokens = ov_engine.tokenize(STORY * 2)
+    probe = words(ov_engine, " She")
+    n = len(tokens)
+    ref = ov_engine.open_context(512)
+    ref.prefill(tokens)
+    expected = ref.prefill(probe)
+    ctx = ov_engine.open_context(512)
+    ctx.prefill(tokens)
+    block = ctx.export(30, 70)
+    assert block.meta.n_bytes == 40 * ov_engine.facts.kv_bytes_per_token
+    ctx.evict(30, 70, EvictMode.GAP)
+    while_evicted = ctx.prefill(probe)
+    ctx.evict(n, n + 1)
+    assert ctx.admit(block, AdmitMode.IN_PLACE) == 30
+    restored = ctx.prefill(probe)
+    assert not np.array_equal(while_evicted, expected)
+    assert np.array_equal(restored, expected), f"max |Δ| {np.abs(restored - expected).max()}"
+    assert ctx.capabilities.exact_in_place
+
+
+def test_slide_evict_then_tail_admit_matches_fresh_prefill_argmax(
+    ov_engine: OpenVinoEngine,
+) -> None:
+    head = ov_engine.tokenize(STORY * 2)
+    middle = words(
+        ov_engine, " The keeper's daughter painted the door of the tower bright red that spring."
+    )
+    tail = words(ov_engine, " Ships from the north saw the red door before they saw the lamp.")
+    probe = words(ov_engine, " The")
+    ctx = ov_engine.open_context(512)
+    ctx.prefill(head + middle + tail)
+    a, b = len(head), len(head) + len(middle)
+    block = ctx.export(a, b)
+    ctx.evict(a, b, EvictMode.SLIDE)
+    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
+    got = ctx.prefill(probe)
+    fresh = ov_engine.open_context(512).prefill(head + tail + middle + probe)
+    delta = float(np.abs(got - fresh).max())
+    print(f"\nOpenVINO slide evict + tail admit vs fresh prefill: max |Δlogit| = {delta:.4f}")
+    assert int(got.argmax()) == int(fresh.argmax())
+
+
+def test_u8_kv_is_labelled_and_is_approximate() -> None:
+    engine = OpenVinoEngine.open(EngineConfig(backend="openvino", kv_type="u8"))
+    tokens = engine.tokenize(STORY * 2)
+    probe = words(engine, " She")
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    expected = ctx.prefill(probe)
+    ctx.evict(len(tokens), len(tokens) + 1)
+    block = ctx.export(20, 60)
+    ctx.evict(20, 60)
+    ctx.admit(block)
+    restored = ctx.prefill(probe)
+    caps = ctx.capabilities
+    assert not caps.exact_in_place
+    assert any("approximate" in note for note in caps.notes)
+    assert not np.array_equal(restored, expected)  # the label is true: not bit-exact
+    assert int(restored.argmax()) == int(expected.argmax())
+
+
+def test_bad_input(ov_engine: OpenVinoEngine, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="holds no OpenVINO IR"):
+        OpenVinoEngine.open(EngineConfig(backend="openvino", model=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"invalid engine\.kv_type for OpenVINO: 'q8_0'"):
+        OpenVinoEngine.open(EngineConfig(backend="openvino", kv_type="q8_0"))
+    ctx = ov_engine.open_context(256)
+    ctx.prefill(ov_engine.tokenize(STORY))
+    block = ctx.export(0, 10)
+    ctx.evict(0, 10)
+    wrong = ColdBlock(
+        meta=msgspec.structs.replace(
+            block.meta, tokens=block.meta.tokens[:5], n_bytes=block.meta.n_bytes // 2
+        ),
+        data=np.ascontiguousarray(block.data[: block.meta.n_bytes // 2 + 4]),
+    )
+    with pytest.raises(ColdBlockMismatchError):
+        ctx.admit(wrong)
+    shape = ColdBlock(
+        meta=msgspec.structs.replace(block.meta, tokens=block.meta.tokens[:5]),
+        data=block.data,
+    )
+    with pytest.raises(ColdBlockMismatchError, match="5 tokens of this model take"):
+        ctx.admit(shape)
+    ctx.admit(block)
+    assert list(ctx.positions)[:10] == list(range(10))
