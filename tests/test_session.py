@@ -13,9 +13,15 @@ from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy
 pytestmark = pytest.mark.anyio
 
 
-async def test_resent_evicted_segment_is_restored_exactly() -> None:
+@pytest.fixture(params=["llama", "openvino"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The engine-neutral session tests run on both engines."""
+    return str(request.param)
+
+
+async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_3 return?")
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(backend) as rt:
         async with rt.open_session(hot_tokens=1024) as never:
             await never.ensure_context(ctx)
             expected = await greedy(never, 24)
@@ -34,8 +40,8 @@ async def test_resent_evicted_segment_is_restored_exactly() -> None:
             assert await greedy(s, 24) == expected
 
 
-async def test_file_pushed_out_by_another_comes_back_from_cold() -> None:
-    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+async def test_file_pushed_out_by_another_comes_back_from_cold(backend: str) -> None:
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
         await s.ensure_context(context(("file:a.py", FILE_A), question="Explain add_1."))
         await greedy(s, 8)
         second = await s.ensure_context(context(("file:b.py", FILE_B), question="Explain mul_2."))
@@ -50,13 +56,13 @@ async def test_file_pushed_out_by_another_comes_back_from_cold() -> None:
         assert report.consistent, report.problems
         assert report.cold_store.exact_hits >= 1
         got = await greedy(s, 16)
-    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as fresh:
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as fresh:
         await fresh.ensure_context(context(("file:a.py", FILE_A), question=question))
         assert await greedy(fresh, 16) == got
 
 
 async def test_greedy_output_equals_llama_cpp_python() -> None:
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime("llama") as rt:
         prompt = rt.engine.apply_chat_template(
             [("system", SYSTEM), ("user", "Why is the sky blue?")]
         )
@@ -75,8 +81,8 @@ async def test_greedy_output_equals_llama_cpp_python() -> None:
     assert ours == theirs
 
 
-async def test_generation_goes_past_the_hot_budget() -> None:
-    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+async def test_generation_goes_past_the_hot_budget(backend: str) -> None:
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
         status = await s.ensure_context(
             context(question="Write a long list of numbered review notes.")
         )
@@ -96,10 +102,10 @@ async def test_generation_goes_past_the_hot_budget() -> None:
         assert all(b.residency is Residency.HOT for b in report.blocks if b.protected)
 
 
-async def test_two_sessions_share_one_model_and_cold_store() -> None:
+async def test_two_sessions_share_one_model_and_cold_store(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_5 return?")
     async with (
-        kvrt.open_runtime() as rt,
+        kvrt.open_runtime(backend) as rt,
         rt.open_session(hot_tokens=1024, name="one") as one,
         rt.open_session(hot_tokens=1024, name="two") as two,
     ):
@@ -114,9 +120,9 @@ async def test_two_sessions_share_one_model_and_cold_store() -> None:
         assert await greedy(one, 12) == await greedy(two, 12)
 
 
-async def test_bad_input() -> None:
+async def test_bad_input(backend: str) -> None:
     small = Config(memory=MemoryConfig(cold=23040 * 512))
-    async with kvrt.open_runtime(config=small) as rt:
+    async with kvrt.open_runtime(backend, config=small) as rt:
         async with rt.open_session(hot_tokens=512) as s:
             assert s.explain().planner_context == 1024
             with pytest.raises(
@@ -141,7 +147,7 @@ async def test_bad_input() -> None:
             async with rt.open_session(hot_tokens=100):
                 pass
     with pytest.raises(kvrt.ConfigError, match="the host cold budget is 0 bytes"):
-        async with kvrt.open_runtime(config=Config(memory=MemoryConfig(cold=0))):
+        async with kvrt.open_runtime(backend, config=Config(memory=MemoryConfig(cold=0))):
             pass
     with pytest.raises(
         kvrt.ConfigError,
