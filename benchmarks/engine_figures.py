@@ -4,7 +4,10 @@
 
 - export / admit bandwidth of a KV block next to a numpy copy of the same bytes;
 - time to admit a block next to the time to prefill the same tokens;
-- greedy decode tokens/s through kvrt's adapter next to llama_cpp.Llama's own loop.
+- greedy decode tokens/s through kvrt's adapter next to the engine's own loop
+  (llama_cpp.Llama and a bare bridge loop; for OpenVINO a bare infer-request loop).
+
+    python benchmarks/engine_figures.py --backend openvino
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from adapters.llama import LlamaEngine
-from kvrt import AdmitMode, EngineConfig
-from kvrt._bench import llama_cpp_greedy_tps
+from adapters.openvino import PROFILES
+from kvrt import AdmitMode, EngineConfig, open_engine
+from kvrt._bench import llama_cpp_greedy_tps, openvino_greedy_tps
 from native_bridge.llama import LlamaContext, LlamaModel
 
 TEXT = (
@@ -59,6 +62,22 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def bridge_loop_tps(path: str, prompt: list[int], n: int) -> float:
+    """The same greedy loop straight on the native bridge: the adapter's own overhead."""
+    model = LlamaModel(path)
+    bare = LlamaContext(model, n_ctx=len(prompt) + n + 8)
+    bare.decode(prompt, 0)
+    pos = len(prompt)
+    started = time.perf_counter()
+    for _ in range(n):
+        bare.decode([int(np.argmax(bare.logits()))], pos)
+        pos += 1
+    tps = n / (time.perf_counter() - started)
+    bare.close()
+    model.close()
+    return tps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,9 +86,13 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64, help="tokens to decode")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--backend", choices=["llama", "openvino"], default="llama")
     args = parser.parse_args()
 
-    engine = LlamaEngine.open(EngineConfig())
+    config = EngineConfig(
+        backend=args.backend, kv_type="f32" if args.backend == "openvino" else "f16"
+    )
+    engine = open_engine(config)
     base = engine.tokenize(TEXT * (args.tokens // 20 + 2))
     tokens = base[: args.tokens]
     n = len(tokens)
@@ -111,21 +134,15 @@ def main() -> None:
         kvrt_tps = len(out) / (time.perf_counter() - t)
         progress.advance(task)
 
-        # The same greedy loop straight on the native bridge: the adapter's own overhead.
-        bare_model = LlamaModel(engine.facts.path)
-        bare = LlamaContext(bare_model, n_ctx=len(prompt) + args.decode + 8)
-        bare.decode(prompt, 0)
-        pos = len(prompt)
-        t = time.perf_counter()
-        for _ in range(args.decode):
-            tok = int(np.argmax(bare.logits()))
-            bare.decode([tok], pos)
-            pos += 1
-        bridge_tps = args.decode / (time.perf_counter() - t)
-        bare.close()
-        bare_model.close()
-
-        raw_tps = llama_cpp_greedy_tps(engine.facts.path, prompt, args.decode)
+        if args.backend == "llama":
+            bridge_tps = bridge_loop_tps(engine.facts.path, prompt, args.decode)
+            raw_tps = llama_cpp_greedy_tps(engine.facts.path, prompt, args.decode)
+        else:
+            # The bare infer-request loop is the bridge loop: the adapter's own overhead.
+            settings = {**PROFILES["deterministic"], "KV_CACHE_PRECISION": "f32"}
+            bridge_tps = raw_tps = openvino_greedy_tps(
+                engine.facts.path, prompt, args.decode, settings
+            )
         progress.advance(task)
 
     gb = block.data.size / 1e9
@@ -152,7 +169,9 @@ def main() -> None:
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(figures)).decode())
         return
-    table = Table(title=f"kvrt engine figures — {n}-token block, {block.data.size / 1e6:.1f} MB")
+    table = Table(
+        title=f"kvrt engine figures on {args.backend} — {n}-token block, {block.data.size / 1e6:.1f} MB"
+    )
     table.add_column("measure")
     table.add_column("kvrt", justify="right")
     table.add_column("reference", justify="right")
@@ -177,7 +196,8 @@ def main() -> None:
         f"{f.admit_speedup_vs_prefill:.0f}x faster",
     )
     table.add_row(
-        "greedy decode (tokens/s) vs llama_cpp.Llama",
+        "greedy decode (tokens/s) vs "
+        + ("llama_cpp.Llama" if args.backend == "llama" else "raw infer request"),
         f"{f.kvrt_decode_tps:.1f}",
         f"{f.llama_cpp_decode_tps:.1f}",
         f"{f.decode_ratio:.2f}x",

@@ -1,6 +1,6 @@
 """Three agent sessions at once on one model, under asyncio, sharing one cold store.
 
-    python examples/concurrent_sessions.py
+    python examples/concurrent_sessions.py [llama|openvino]
 
 Each session's context (a system prompt, a repository map, two files and a question) is
 larger than its 512-token hot window. The second turn sends a different question; the
@@ -10,6 +10,7 @@ third sends the first file again, which comes back from the cold store.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import kvrt
 
@@ -60,8 +61,8 @@ async def agent(rt: kvrt.Runtime, name: str, op: str) -> None:
         )
 
 
-async def main() -> None:
-    async with kvrt.open_runtime(backend="llama") as rt:
+async def main(backend: str) -> None:
+    async with kvrt.open_runtime(backend=backend) as rt:
         async with asyncio.TaskGroup() as tg:
             for name, op in (("adder", "add"), ("subtracter", "sub"), ("multiplier", "mul")):
                 tg.create_task(agent(rt, name, op))
@@ -72,4 +73,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "llama"))

@@ -5,6 +5,8 @@ python examples/trio_sessions.py
 
 from __future__ import annotations
 
+import sys
+
 import trio
 
 import kvrt
@@ -38,11 +40,11 @@ async def agent(rt: kvrt.Runtime, name: str, question: str) -> None:
         )
 
 
-async def main() -> None:
-    async with kvrt.open_runtime() as rt, trio.open_nursery() as nursery:
+async def main(backend: str) -> None:
+    async with kvrt.open_runtime(backend) as rt, trio.open_nursery() as nursery:
         nursery.start_soon(agent, rt, "oncall", "When does the db service restart?")
         nursery.start_soon(agent, rt, "auditor", "Which services restart at 04:00?")
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    trio.run(main, sys.argv[1] if len(sys.argv) > 1 else "llama")

@@ -368,6 +368,7 @@ class Actor:
             logical_tokens=self.window.length,
             cold_tokens=sizes[Residency.COLD],
             dropped_tokens=sizes[Residency.DROPPED],
+            exact_restores=self.ctx.capabilities.exact_in_place,
         )
 
     def residency_tokens(self) -> dict[str, int]:

@@ -3,7 +3,8 @@
 - restore through a session next to a numpy copy of the same bytes;
 - time to first token for a re-sent evicted 1k-token segment, restored, next to
   recomputing it in a runtime whose cold store has never seen it;
-- greedy decode tokens/s through a session next to ``llama_cpp.Llama``'s own loop.
+- greedy decode tokens/s through a session next to the engine's own loop
+  (``llama_cpp.Llama``, or a bare OpenVINO infer request).
 
 These are figures to read, not assertions: machines here are shared and noisy.
 """
@@ -23,7 +24,7 @@ from ._residency import Segment
 from ._runtime import open_runtime
 from ._session import Session
 
-__all__ = ["QuickBench", "llama_cpp_greedy_tps", "run_quick_bench"]
+__all__ = ["QuickBench", "llama_cpp_greedy_tps", "openvino_greedy_tps", "run_quick_bench"]
 
 DOC = (
     "The harbour office kept a card for every ship: its name, its cargo, the weather on the "
@@ -43,8 +44,39 @@ class QuickBench(msgspec.Struct, frozen=True, kw_only=True):
     ttft_speedup: float
     decode_tokens: int
     session_decode_tps: float
-    llama_cpp_decode_tps: float
+    reference_decode_tps: float
+    reference: str
     decode_ratio: float
+    backend: str
+
+
+def openvino_greedy_tps(
+    ir_folder: str, prompt: list[int], n: int, settings: dict[str, str]
+) -> float:
+    """Greedy decode tokens/s of a bare OpenVINO infer-request loop after ``prompt``."""
+    from native_bridge.openvino import OvModel  # the reference loop, measured beside kvrt
+
+    request = OvModel(f"{ir_folder}/openvino_model.xml", config=settings).request()
+    logits = request.infer(prompt, range(len(prompt)))
+    started = time.perf_counter()
+    for i in range(n):
+        logits = request.infer([int(np.argmax(logits))], [len(prompt) + i])
+    return n / (time.perf_counter() - started)
+
+
+def reference_greedy_tps(
+    backend: str, path: str, prompt: list[int], n: int, config: Config
+) -> tuple[str, float]:
+    """The engine's own decode loop, without kvrt: its name and tokens/s."""
+    if backend == "openvino":
+        from adapters.openvino import PROFILES
+
+        settings = {
+            **PROFILES[config.engine.openvino_profile],
+            "KV_CACHE_PRECISION": config.engine.kv_type,
+        }
+        return "a raw OpenVINO infer-request loop", openvino_greedy_tps(path, prompt, n, settings)
+    return "llama_cpp.Llama", llama_cpp_greedy_tps(path, prompt, n)
 
 
 def llama_cpp_greedy_tps(path: str, prompt: list[int], n: int) -> float:
@@ -144,8 +176,11 @@ async def run_quick_bench(
     async with open_runtime(config=config) as rt2, rt2.open_session(hot_tokens=hot) as fresh:
         ttft_recomputed = await _ttft(fresh, question)
 
-    step("decode through llama_cpp.Llama")
-    raw_tps = await anyio.to_thread.run_sync(llama_cpp_greedy_tps, path, prompt, decode)
+    step("decode without kvrt")
+    backend = config.engine.backend
+    reference, raw_tps = await anyio.to_thread.run_sync(
+        reference_greedy_tps, backend, path, prompt, decode, config
+    )
     gb = doc_bytes / 1e9
     return QuickBench(
         segment_tokens=restored_tokens,
@@ -159,6 +194,8 @@ async def run_quick_bench(
         ttft_speedup=ttft_recomputed / ttft_restored,
         decode_tokens=decode,
         session_decode_tps=session_tps,
-        llama_cpp_decode_tps=raw_tps,
+        reference_decode_tps=raw_tps,
+        reference=reference,
         decode_ratio=session_tps / raw_tps,
+        backend=backend,
     )

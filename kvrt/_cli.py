@@ -243,7 +243,8 @@ def _bench(args: argparse.Namespace) -> None:
         return
     f = figures
     table = Table(
-        title=f"kvrt bench --quick ({f.segment_tokens}-token segment, {format_size(f.restore_bytes)})"
+        title=f"kvrt bench --quick on {f.backend} ({f.segment_tokens}-token segment, "
+        f"{format_size(f.restore_bytes)})"
     )
     for column, justify in (
         ("measure", "left"),
@@ -265,9 +266,9 @@ def _bench(args: argparse.Namespace) -> None:
         f"{f.ttft_speedup:.1f}x faster",
     )
     table.add_row(
-        "greedy decode (tokens/s): session vs llama_cpp.Llama",
+        f"greedy decode (tokens/s): session vs {f.reference}",
         f"{f.session_decode_tps:.1f}",
-        f"{f.llama_cpp_decode_tps:.1f}",
+        f"{f.reference_decode_tps:.1f}",
         f"{f.decode_ratio:.2f}x",
     )
     Console().print(table)

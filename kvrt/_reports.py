@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._backend import Counters
+from ._backend import Capabilities, Counters
 from ._cold_store import ColdStats
 from ._types import CacheClass, Residency
 
@@ -28,6 +28,9 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Context tokens whose KV is in the cold store, not in the window."""
     dropped_tokens: int
     """Context tokens with neither hot nor cold KV (not attended to)."""
+    exact_restores: bool
+    """Restored tokens are bit-identical to never having evicted them (false for a
+    quantized KV cache that re-quantizes on import: then restores are approximate)."""
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,5 +80,7 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     mailbox: dict[str, int]
     counters: SessionCounters
     engine: Counters
+    capabilities: Capabilities
+    exact_restores: bool
     consistent: bool
     problems: list[str]

@@ -76,9 +76,17 @@ class Runtime(metaclass=NoPublicConstructor):
         ``generation_prompt`` appends the assistant header, for the last message before
         generating.
         """
-        text = self._engine.apply_chat_template(
-            [(role, content)], add_generation_prompt=generation_prompt
-        )
+        render = self._engine.apply_chat_template
+        text = render([(role, content)], add_generation_prompt=generation_prompt)
+        if role != "system":
+            # Some templates insert a default system prompt before a lone user message:
+            # render after a stand-in system message and keep only this message's part.
+            base = render([("system", "-")], add_generation_prompt=False)
+            full = render(
+                [("system", "-"), (role, content)], add_generation_prompt=generation_prompt
+            )
+            if full.startswith(base):
+                text = full[len(base) :]
         return Segment(name, text, cache_class=cache_class, parse_special=True)
 
     @asynccontextmanager

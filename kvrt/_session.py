@@ -196,6 +196,8 @@ class Session(metaclass=NoPublicConstructor):
             },
             counters=a.counters,
             engine=a.ctx.counters,
+            capabilities=a.ctx.capabilities,
+            exact_restores=a.ctx.capabilities.exact_in_place,
             consistent=not problems,
             problems=problems,
         )

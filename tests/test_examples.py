@@ -22,8 +22,8 @@ def run(*args: str) -> str:
     return proc.stdout
 
 
-def example(name: str) -> str:
-    return run(str(ROOT / "examples" / name))
+def example(name: str, *args: str) -> str:
+    return run(str(ROOT / "examples" / name), *args)
 
 
 def test_evict_and_restore_example() -> None:
@@ -36,18 +36,33 @@ def test_describe_example() -> None:
     assert "KV bytes per token: 23,040" in example("describe_model.py")
 
 
-def test_concurrent_sessions_example() -> None:
-    out = example("concurrent_sessions.py")
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_concurrent_sessions_example(backend: str) -> None:
+    out = example("concurrent_sessions.py", backend)
     assert out.count("consistent: True") == 3
     assert "exact hits" in out
 
 
-def test_trio_sessions_example() -> None:
-    assert example("trio_sessions.py").count("consistent True") == 2
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_trio_sessions_example(backend: str) -> None:
+    assert example("trio_sessions.py", backend).count("consistent True") == 2
 
 
-def test_kvrt_run_restores_the_resent_file() -> None:
-    report = json.loads(run("-m", "kvrt", "run", "--sessions", "2", "--max-tokens", "4", "--json"))
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
+    argv = [
+        "-m",
+        "kvrt",
+        "run",
+        "--sessions",
+        "2",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--backend",
+        backend,
+    ]
+    report = json.loads(run(*argv))
     assert report["combined_logical_tokens"] > 2 * report["hot_tokens"]
     for session in report["sessions"]:
         first, _, third = session["turns"]

@@ -144,3 +144,23 @@ def test_bad_input(ov_engine: OpenVinoEngine, tmp_path: Path) -> None:
         ctx.admit(shape)
     ctx.admit(block)
     assert list(ctx.positions)[:10] == list(range(10))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("kv_type", "exact"), [("f32", True), ("u8", False)])
+async def test_session_reports_restore_precision(kv_type: str, exact: bool) -> None:
+    import kvrt
+
+    config = kvrt.Config(engine=EngineConfig(backend="openvino", kv_type=kv_type))  # type: ignore[arg-type]
+    async with kvrt.open_runtime(config=config) as rt, rt.open_session(hot_tokens=512) as s:
+        segments = [
+            kvrt.Segment("story", STORY * 2),
+            kvrt.Segment("question", " Who climbed the tower?"),
+        ]
+        await s.ensure_context(segments)
+        await s.evict("story")
+        status = await s.ensure_context(segments)
+        assert status.restored_tokens > 0
+        assert status.exact_restores is exact
+        report = s.explain()
+        assert report.exact_restores is exact and report.capabilities.exact_in_place is exact
