@@ -73,6 +73,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hot_tokens: Positive | None = None
     """A cap on the hot window, below what memory allows."""
     batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
+    require_exact: bool = False
+    """Refuse a KV precision whose restores cannot be bit-exact (OpenVINO's ``u8``)."""
     openvino_profile: Literal["deterministic", "default"] = "deterministic"
     """OpenVINO compile settings: ``deterministic`` (f32 inference, exact KV round trips) or
     the CPU plugin's ``default`` (faster, bf16 on some CPUs)."""
@@ -143,6 +145,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "batch", "KVRT_BATCH"),
     Setting("engine", "parallel", "KVRT_PARALLEL"),
     Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
+    Setting("engine", "require_exact", "KVRT_REQUIRE_EXACT"),
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),

@@ -164,3 +164,71 @@ async def test_session_reports_restore_precision(kv_type: str, exact: bool) -> N
         assert status.exact_restores is exact
         report = s.explain()
         assert report.exact_restores is exact and report.capabilities.exact_in_place is exact
+
+
+def test_a_precision_that_cannot_be_exact_is_refused_when_exactness_is_required() -> None:
+    with pytest.raises(
+        ConfigError, match="require_exact is set but a u8 KV cache re-quantizes on import"
+    ):
+        OpenVinoEngine.open(EngineConfig(backend="openvino", kv_type="u8", require_exact=True))
+
+
+def test_user_ir_folder_in_the_export_layout(ov_engine: OpenVinoEngine, tmp_path: Path) -> None:
+    built = Path(ov_engine.facts.path)
+    for name in ("openvino_model", "openvino_tokenizer", "openvino_detokenizer"):
+        for ext in (".xml", ".bin"):
+            (tmp_path / f"{name}{ext}").symlink_to(built / f"{name}{ext}")
+    with pytest.raises(ModelLoadError, match=r"add a config\.json with max_position_embeddings"):
+        OpenVinoEngine.open(EngineConfig(backend="openvino", model=str(tmp_path)))
+    (tmp_path / "config.json").write_text(
+        '{"max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 9}'
+    )
+    engine = OpenVinoEngine.open(
+        EngineConfig(backend="openvino", model=str(tmp_path), kv_type="f32")
+    )
+    assert (engine.facts.trained_context, engine.facts.n_head, engine.facts.n_layers) == (
+        8192,
+        9,
+        30,
+    )
+    tokens = engine.tokenize(STORY)
+    a, b = engine.open_context(256), ov_engine.open_context(256)
+    assert np.array_equal(a.prefill(tokens), b.prefill(tokens))
+
+
+def test_interrupted_build_leaves_no_half_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adapters.openvino import prepare_ir
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("conversion interrupted")
+
+    monkeypatch.setenv("KVRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(openvino_genai, "LLMPipeline", fail)
+    with pytest.raises(ModelLoadError, match=r"could not convert .*conversion interrupted"):
+        prepare_ir(None)
+    assert list((tmp_path / "openvino").iterdir()) == []  # no half model, no build folder
+
+
+def test_describe_openvino() -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrt", "describe", "--backend", "openvino", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout)["model"]
+    assert (m["backend"], m["n_layers"], m["n_head_kv"], m["head_dim"], m["trained_context"]) == (
+        "openvino",
+        30,
+        3,
+        64,
+        8192,
+    )
+    assert m["kv_type"] == "f16" and m["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2

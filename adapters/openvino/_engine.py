@@ -14,7 +14,7 @@ from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadE
 from native_bridge.openvino import DETERMINISTIC, OvModel
 
 from .._window import check_tokens
-from ._context import OpenVinoEngineContext
+from ._context import EXACT_KV, OpenVinoEngineContext
 from ._errors import translate_errors
 from ._prepare import IrInfo, prepare_ir
 
@@ -76,6 +76,11 @@ class OpenVinoEngine:
         if kv is None:
             raise ConfigError(
                 f"invalid engine.kv_type for OpenVINO: {config.kv_type!r} (expected one of: {', '.join(_KV)})"
+            )
+        if config.require_exact and kv not in EXACT_KV:
+            raise ConfigError(
+                f"engine.require_exact is set but a {kv} KV cache re-quantizes on import, so restores "
+                f"cannot be bit-exact; use one of {', '.join(EXACT_KV)}"
             )
         profile = PROFILES.get(config.openvino_profile)
         if profile is None:
