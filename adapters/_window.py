@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -354,6 +355,42 @@ class KvWindow(abc.ABC):
         self._counters.admitted_tokens += n
         self._counters.admitted_bytes += meta.n_bytes
         return target
+
+    def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
+        """Admit adjacent blocks in place, in one splice where the engine can.
+
+        Each block lands whole or not at all; engines that splice state wholesale override
+        :meth:`_put_run` to do it once for the run.
+        """
+        for block in blocks:
+            self._check_block(block)
+        for a, b in itertools.pairwise(blocks):
+            if a.meta.end != b.meta.start:
+                raise InvalidRangeError(
+                    f"blocks [{a.meta.start}, {a.meta.end}) and [{b.meta.start}, {b.meta.end}) are not adjacent"
+                )
+        if not blocks:
+            return
+        start, end = blocks[0].meta.start, blocks[-1].meta.end
+        self._check_room(end - start, f"admitting {end - start} tokens")
+        i = bisect.bisect_left(self._positions, start)
+        if i < len(self._positions) and self._positions[i] < end:
+            raise InvalidRangeError(
+                f"cannot admit in place: positions [{start}, {end}) are partly resident"
+            )
+        if not self._put_run(blocks, i):
+            for block in blocks:
+                self.admit(block, AdmitMode.IN_PLACE)
+            return
+        tokens = [t for block in blocks for t in block.meta.tokens]
+        self._positions[i:i] = range(start, end)
+        self._tokens[i:i] = tokens
+        self._counters.admitted_tokens += end - start
+        self._counters.admitted_bytes += sum(b.meta.n_bytes for b in blocks)
+
+    def _put_run(self, blocks: Sequence[ColdBlock], i: int) -> bool:
+        """Splice adjacent in-place blocks at once; False to fall back to one at a time."""
+        return False
 
     def clear(self) -> None:
         """Empty the window (counters are kept)."""

@@ -23,7 +23,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._backend import AdmitMode, Engine, EngineContext, EvictMode, SamplingParams
+from ._backend import Engine, EngineContext, EvictMode, SamplingParams
 from ._cold_store import ColdEntry, ColdStore
 from ._config import SessionConfig
 from ._errors import (
@@ -241,13 +241,26 @@ class Actor:
             await self._evict_block(self.window.eviction_order(candidates, self.order)[0])
 
     async def _restore(self, block: Block, keep: set[int]) -> bool:
-        entry = self.cold.lookup(block.key(self.window.fingerprint))
-        if entry is None:
-            return False
-        await self._make_room(block.n_tokens, keep | {block.id})
-        await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.IN_PLACE)
-        self._tally.restored += block.n_tokens
-        return True
+        return await self._restore_run([block], keep) > 0
+
+    async def _restore_run(self, blocks: list[Block], keep: set[int]) -> int:
+        """Restore adjacent cold blocks in place in one engine call; how many came back.
+
+        Stops at the first block the store no longer holds.
+        """
+        entries = []
+        for block in blocks:
+            entry = self.cold.lookup(block.key(self.window.fingerprint))
+            if entry is None:
+                break
+            entries.append(entry)
+        if not entries:
+            return 0
+        run = blocks[: len(entries)]
+        await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+        await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
+        self._tally.restored += sum(b.n_tokens for b in run)
+        return len(run)
 
     async def _prefill(self, block: Block, keep: set[int]) -> None:
         await self._make_room(block.n_tokens, keep | {block.id})
@@ -319,12 +332,25 @@ class Actor:
                 i += 1
                 continue
             if state is Residency.COLD:
-                # Restore what the plan keeps hot, and a block the next one is computed after.
+                # Restore what the plan keeps hot, and a block the next one is computed after;
+                # adjacent planned cold blocks come back in one go.
                 after = layout[i + 1] if i + 1 < len(layout) else None
                 feeds = computing and after is not None and self.state(after) is Residency.DROPPED
-                if (block.id in planned or feeds) and not await self._restore(block, pred):
+                if block.id not in planned and not feeds:
+                    i += 1
+                    continue
+                run = [block]
+                while (
+                    i + len(run) < len(layout)
+                    and layout[i + len(run)].id in planned
+                    and self.state(layout[i + len(run)]) is Residency.COLD
+                    and sum(b.n_tokens for b in run) < self.window.budget // 2
+                ):
+                    run.append(layout[i + len(run)])
+                restored = await self._restore_run(run, pred)
+                if not restored:
                     continue  # dropped from the store meanwhile: look again
-                i += 1
+                i += restored
                 continue
             if not computing:
                 j = i
@@ -439,13 +465,20 @@ class Actor:
         blocks = self._target_blocks(target)
         self._tally = tally = _Tally()
         for block in blocks:
-            state = self.state(block)
-            if state is Residency.DROPPED:
+            if self.state(block) is Residency.DROPPED:
                 raise KvrtError(
                     f"block {block.index} of {block.segment!r} has no KV bytes left; "
                     "send it again with ensure_context to recompute it"
                 )
-            if state is Residency.COLD:
-                await self._restore(block, set())
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if self.state(block) is not Residency.COLD:
+                continue
+            if runs and runs[-1][-1].end == block.start:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            await self._restore_run(run, set())
         self._status(tally)
         return tally.restored

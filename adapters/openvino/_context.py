@@ -8,7 +8,7 @@ splices them back (bit-exact); slide eviction and tail admission re-rotate keys 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -96,7 +96,7 @@ class OpenVinoEngineContext(KvWindow):
         with translate_errors(f"exporting [{start}, {end})"):
             return self._req.take(i, j).reshape(-1).view(np.uint8)
 
-    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+    def _kv(self, block: ColdBlock) -> npt.NDArray[np.float32]:
         m = self._model
         n = block.meta.n_tokens
         expected = m.n_layers * 2 * m.n_kv_heads * n * m.head_dim * 4
@@ -104,7 +104,18 @@ class OpenVinoEngineContext(KvWindow):
             raise ColdBlockMismatchError(
                 f"cold block holds {block.data.size} bytes; {n} tokens of this model take {expected}"
             )
-        kv = block.data.view(np.float32).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim)
+        return block.data.view(np.float32).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim)
+
+    def _put_run(self, blocks: Sequence[ColdBlock], i: int) -> bool:
+        # The state is rewritten whole on every splice: splice a run once, not per block.
+        run = np.concatenate([self._kv(block) for block in blocks], axis=3)
+        with translate_errors(f"admitting [{blocks[0].meta.start}, {blocks[-1].meta.end})"):
+            self._req.insert(i, run)
+        return True
+
+    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+        m = self._model
+        kv = self._kv(block)
         if target != block.meta.start:
             kv = kv.copy()
             kv[:, 0] = rotate_keys(kv[:, 0], target - block.meta.start, m.inv_freq, m.rotary_layout)
