@@ -23,9 +23,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from adapters.openvino import PROFILES
 from kvrt import AdmitMode, EngineConfig, open_engine
-from kvrt._bench import llama_cpp_greedy_tps, openvino_greedy_tps
+from kvrt._engines import reference_greedy_tps
 from native_bridge.llama import LlamaContext, LlamaModel
 
 TEXT = (
@@ -134,15 +133,11 @@ def main() -> None:
         kvrt_tps = len(out) / (time.perf_counter() - t)
         progress.advance(task)
 
+        _, raw_tps = reference_greedy_tps(config, engine.facts.path, prompt, args.decode)
+        # On OpenVINO the bare infer-request loop already is the bridge loop.
+        bridge_tps = raw_tps
         if args.backend == "llama":
             bridge_tps = bridge_loop_tps(engine.facts.path, prompt, args.decode)
-            raw_tps = llama_cpp_greedy_tps(engine.facts.path, prompt, args.decode)
-        else:
-            # The bare infer-request loop is the bridge loop: the adapter's own overhead.
-            settings = {**PROFILES["deterministic"], "KV_CACHE_PRECISION": "f32"}
-            bridge_tps = raw_tps = openvino_greedy_tps(
-                engine.facts.path, prompt, args.decode, settings
-            )
         progress.advance(task)
 
     gb = block.data.size / 1e9

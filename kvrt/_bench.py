@@ -20,11 +20,12 @@ import msgspec
 import numpy as np
 
 from ._config import Config
+from ._engines import reference_greedy_tps
 from ._residency import Segment
 from ._runtime import open_runtime
 from ._session import Session
 
-__all__ = ["QuickBench", "llama_cpp_greedy_tps", "openvino_greedy_tps", "run_quick_bench"]
+__all__ = ["QuickBench", "run_quick_bench"]
 
 DOC = (
     "The harbour office kept a card for every ship: its name, its cargo, the weather on the "
@@ -48,52 +49,6 @@ class QuickBench(msgspec.Struct, frozen=True, kw_only=True):
     reference: str
     decode_ratio: float
     backend: str
-
-
-def openvino_greedy_tps(
-    ir_folder: str, prompt: list[int], n: int, settings: dict[str, str]
-) -> float:
-    """Greedy decode tokens/s of a bare OpenVINO infer-request loop after ``prompt``."""
-    from native_bridge.openvino import OvModel  # the reference loop, measured beside kvrt
-
-    request = OvModel(f"{ir_folder}/openvino_model.xml", config=settings).request()
-    logits = request.infer(prompt, range(len(prompt)))
-    started = time.perf_counter()
-    for i in range(n):
-        logits = request.infer([int(np.argmax(logits))], [len(prompt) + i])
-    return n / (time.perf_counter() - started)
-
-
-def reference_greedy_tps(
-    backend: str, path: str, prompt: list[int], n: int, config: Config
-) -> tuple[str, float]:
-    """The engine's own decode loop, without kvrt: its name and tokens/s."""
-    if backend == "openvino":
-        from adapters.openvino import PROFILES
-
-        settings = {
-            **PROFILES[config.engine.openvino_profile],
-            "KV_CACHE_PRECISION": config.engine.kv_type,
-        }
-        return "a raw OpenVINO infer-request loop", openvino_greedy_tps(path, prompt, n, settings)
-    return "llama_cpp.Llama", llama_cpp_greedy_tps(path, prompt, n)
-
-
-def llama_cpp_greedy_tps(path: str, prompt: list[int], n: int) -> float:
-    """Greedy decode tokens/s of ``llama_cpp.Llama`` itself after ``prompt``."""
-    import llama_cpp  # the reference implementation, measured beside kvrt
-
-    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, verbose=False)
-    llm.eval(prompt)  # prefill first: generate() then finds the prompt cached and only decodes
-    got = 0
-    started = time.perf_counter()
-    for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        got += 1
-        if got >= n:
-            break
-    elapsed = time.perf_counter() - started
-    llm.close()
-    return got / elapsed
 
 
 async def _ttft(session: Session, segments: list[Segment]) -> float:
@@ -179,7 +134,7 @@ async def run_quick_bench(
     step("decode without kvrt")
     backend = config.engine.backend
     reference, raw_tps = await anyio.to_thread.run_sync(
-        reference_greedy_tps, backend, path, prompt, decode, config
+        reference_greedy_tps, config.engine, path, prompt, decode
     )
     gb = doc_bytes / 1e9
     return QuickBench(

@@ -9,7 +9,7 @@ from ._backend import Engine
 from ._config import EngineConfig
 from ._errors import ConfigError
 
-__all__ = ["BACKENDS", "open_engine"]
+__all__ = ["BACKENDS", "open_engine", "reference_greedy_tps"]
 
 BACKENDS: dict[str, str] = {
     "llama": "adapters.llama:LlamaEngine",
@@ -25,3 +25,13 @@ def open_engine(config: EngineConfig) -> Engine:
     module_name, _, class_name = target.partition(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     return cast(Engine, engine_class.open(config))
+
+
+def reference_greedy_tps(
+    config: EngineConfig, path: str, prompt: list[int], n: int
+) -> tuple[str, float]:
+    """The backend's own greedy decode loop without kvrt, for benchmarks: name and tokens/s."""
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
+    module = importlib.import_module(f"adapters.{config.backend}._reference")
+    return str(module.REFERENCE_NAME), float(module.reference_greedy_tps(path, prompt, n, config))
