@@ -14,8 +14,8 @@ from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt._errors import ColdBlockMismatchError, InvalidRangeError
 from native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
 
+from .._errors import translate_errors
 from .._window import KvWindow
-from ._errors import translate_errors
 
 __all__ = ["LlamaEngineContext"]
 

@@ -14,9 +14,9 @@ from kvrt._util import physical_cores
 from native_bridge import BridgeError
 from native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
 
+from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import LlamaEngineContext
-from ._errors import translate_errors
 
 __all__ = ["LlamaEngine"]
 

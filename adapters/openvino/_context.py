@@ -17,8 +17,8 @@ from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt._errors import ColdBlockMismatchError, EngineError
 from native_bridge.openvino import OvModel, OvRequest, rotate_keys
 
+from .._errors import translate_errors
 from .._window import KvWindow
-from ._errors import translate_errors
 
 __all__ = ["EXACT_KV", "OpenVinoEngineContext"]
 

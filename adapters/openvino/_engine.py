@@ -13,9 +13,9 @@ from kvrt._config import EngineConfig
 from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadError
 from native_bridge.openvino import DETERMINISTIC, OvModel
 
+from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import EXACT_KV, OpenVinoEngineContext
-from ._errors import translate_errors
 from ._prepare import IrInfo, prepare_ir
 
 __all__ = ["PROFILES", "OpenVinoEngine"]

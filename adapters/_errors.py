@@ -1,4 +1,4 @@
-"""The one place the llama adapter turns bridge errors into kvrt errors."""
+"""The one place adapters turn bridge errors into kvrt errors."""
 
 from __future__ import annotations
 
