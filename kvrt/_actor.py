@@ -23,8 +23,8 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._backend import Engine, EngineContext, EvictMode, SamplingParams
-from ._cold_store import ColdEntry, ColdStore
+from ._backend import Engine, EngineContext, EvictMode, Logits, SamplingParams
+from ._cold_store import ColdEntry, ColdKey, ColdStore
 from ._config import SessionConfig
 from ._errors import (
     ContextTooLargeError,
@@ -37,7 +37,7 @@ from ._errors import (
 from ._reports import ContextStatus, Piece, SessionCounters
 from ._residency import Block, HotWindow, Segment
 from ._sampling import Sampler
-from ._types import BlockView, CacheClass, Residency
+from ._types import BlockView, CacheClass, Residency, RestoreQuery
 
 __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
 
@@ -115,6 +115,8 @@ class Actor:
         limiter: anyio.CapacityLimiter,
         order: Order,
         config: SessionConfig,
+        admission: Callable[[BlockView], bool] | None = None,
+        restore: Callable[[RestoreQuery], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -122,6 +124,13 @@ class Actor:
         self.cold = cold
         self.limiter = limiter
         self.order = order
+        self.admission = admission or (lambda block: True)
+        self.restore_policy = restore or (lambda query: True)
+        self.choices: dict[int, str] = {}
+        """The last residency decision per block id, for ``explain()``."""
+        self._recompute: set[int] = set()
+        self._held: tuple[ColdKey, int, Logits] | None = None
+        self._override: Logits | None = None
         self.config = config
         self.counters = SessionCounters()
         self.send, self.receive = anyio.create_memory_object_stream[Call](config.mailbox)
@@ -196,9 +205,12 @@ class Actor:
         return HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
 
     def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
-        return self.window.residency(
+        found = self.window.residency(
             block, self.resident() if resident is None else resident, self.cold
         )
+        if found is Residency.COLD and block.id in self._recompute:
+            return Residency.DROPPED  # the restore policy chose to compute it again
+        return found
 
     async def _tidy(self) -> None:
         """Remove resident tokens that belong to no whole block (half-done work)."""
@@ -215,11 +227,24 @@ class Actor:
         if self.state(block, resident) is not Residency.HOT:
             return
         key = block.key(self.window.fingerprint)
-        if key not in self.cold:
+        held = self.ctx.logits_position
+        if held is not None and block.start <= held < block.end:
+            # Keep the logits after the block's last computed token: restoring the block
+            # later then needs no recompute, and the continuation stays bit-exact.
+            logits = await self._engine("logits", self.ctx.logits)
+            self._held = (key, held, logits)
+        if key in self.cold:
+            self.choices[block.id] = "evicted: cold copy already held"
+        elif self.admission(self.window.view(block)):
             exported = await self._engine("export", self.ctx.export, block.start, block.end)
             if self.fault is not None:
                 self.fault("cold put")
-            await self.cold.put(ColdEntry(key, block.cache_class, exported))
+            committed = await self.cold.put(ColdEntry(key, block.cache_class, exported))
+            self.choices[block.id] = (
+                "evicted to cold" if committed else "evicted: too large for the cold store"
+            )
+        else:
+            self.choices[block.id] = "evicted, tokens only (cold admission policy)"
         await self._engine("evict", self.ctx.evict, block.start, block.end, EvictMode.GAP)
         self._tally.evicted += block.n_tokens
 
@@ -260,6 +285,8 @@ class Actor:
         await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
         await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
         self._tally.restored += sum(b.n_tokens for b in run)
+        for block in run:
+            self.choices[block.id] = "restored from cold"
         return len(run)
 
     async def _prefill(self, block: Block, keep: set[int]) -> None:
@@ -272,6 +299,8 @@ class Actor:
             checkpoint=anyio.from_thread.check_cancelled,
         )
         self._tally.prefilled += block.n_tokens
+        recomputed = block.id in self._recompute
+        self.choices[block.id] = "recomputed (restore policy)" if recomputed else "prefilled"
 
     async def _truncate_from(self, position: int) -> None:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""
@@ -323,6 +352,25 @@ class Actor:
         predecessor is made resident first.
         """
         planned = self.window.plan_hot(self.order)
+        self._recompute = set()
+        resident = self.resident()
+        for block in layout:
+            if self.window.residency(block, resident, self.cold) is Residency.COLD:
+                entry = self.cold.peek(block.key(self.window.fingerprint))
+                query = RestoreQuery(
+                    cache_class=block.cache_class,
+                    start=block.start,
+                    n_tokens=block.n_tokens,
+                    n_bytes=entry.n_bytes if entry is not None else 0,
+                )
+                if not self.restore_policy(query):
+                    self._recompute.add(block.id)
+        try:
+            await self._place_blocks(layout, planned)
+        finally:
+            self._recompute = set()
+
+    async def _place_blocks(self, layout: list[Block], planned: set[int]) -> None:
         i, computing = 0, False
         while i < len(layout):
             block = layout[i]
@@ -367,11 +415,27 @@ class Actor:
             i += 1
 
     async def _last_logits(self) -> None:
-        """Make sure logits follow the context's last token (recompute it if it was restored)."""
+        """Make sure logits follow the context's last token.
+
+        They are the engine's own when it computed that token last; the ones kept when its
+        block was evicted, if that exact block came back; otherwise the token is computed
+        again.
+        """
+        self._override = None
         last = self.window.length - 1
         if last < 0 or self.ctx.logits_position == last:
             return
         token = self.window.blocks[-1].tokens[-1]
+        held = self._held
+        tail = self.window.blocks[-1]
+        if (
+            held is not None
+            and held[0] == tail.key(self.window.fingerprint)
+            and held[1] == last
+            and self.resident().get(last) == token
+        ):
+            self._override = held[2]
+            return
         if self.resident().get(last) == token:
             await self._engine("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
         await self._make_room(1, {self.window.blocks[-1].id})
@@ -414,7 +478,11 @@ class Actor:
             if self.window.length == 0:
                 raise InvalidRangeError("nothing to continue: call ensure_context first")
             await self._last_logits()
-            logits = await self._engine("logits", self.ctx.logits)
+            if self._override is not None:
+                logits: Logits = self._override
+            else:
+                logits = await self._engine("logits", self.ctx.logits)
+            self._override = None
             while produced < cmd.max_tokens:
                 token = sampler.choose(logits)
                 if cmd.stop_at_end and self.engine.is_end_of_generation(token):

@@ -37,6 +37,8 @@ _HELP = {
     "recent_tokens": "trailing tokens that never leave the hot window",
     "hot_eviction": "hot eviction policy by name (class_lru, score_lru)",
     "cold_victim": "cold victim policy by name (class_lru)",
+    "cold_admission": "which evicted blocks keep KV bytes (all, skip_small_volatile)",
+    "restore": "restore-vs-recompute policy (always, size_threshold)",
 }
 
 

@@ -129,6 +129,11 @@ class ColdStore:
         slot.last_used = self._clock
         return slot.entry
 
+    def peek(self, key: ColdKey) -> ColdEntry | None:
+        """The entry under ``key`` without counting or touching it."""
+        slot = self._slots.get(key)
+        return slot.entry if slot is not None else None
+
     def stats(self) -> ColdStats:
         q = self._send.statistics()
         return ColdStats(

@@ -102,6 +102,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     hot_eviction: str = "class_lru"
     cold_victim: str = "class_lru"
+    cold_admission: str = "all"
+    restore: str = "always"
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -151,6 +153,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),
     Setting("policies", "hot_eviction", "KVRT_HOT_EVICTION"),
     Setting("policies", "cold_victim", "KVRT_COLD_VICTIM"),
+    Setting("policies", "cold_admission", "KVRT_COLD_ADMISSION"),
+    Setting("policies", "restore", "KVRT_RESTORE_POLICY"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}

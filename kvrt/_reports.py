@@ -63,6 +63,8 @@ class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
     residency: Residency
     protected: bool
     last_used: int
+    choice: str | None = None
+    """The last residency decision about this block (restored, recomputed, evicted ...)."""
 
 
 class SessionReport(msgspec.Struct, frozen=True, kw_only=True):

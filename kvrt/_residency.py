@@ -236,6 +236,17 @@ class HotWindow:
             total -= block.n_tokens
         return planned
 
+    @staticmethod
+    def view(block: Block) -> BlockView:
+        """What a policy sees of ``block``."""
+        return BlockView(
+            id=block.id,
+            cache_class=block.cache_class,
+            start=block.start,
+            n_tokens=block.n_tokens,
+            last_used=block.last_used,
+        )
+
     def eviction_order(
         self,
         candidates: Sequence[Block],
@@ -243,14 +254,5 @@ class HotWindow:
     ) -> list[Block]:
         """``candidates`` in the order the hot-eviction policy would evict them."""
         by_id = {b.id: b for b in candidates}
-        views = [
-            BlockView(
-                id=b.id,
-                cache_class=b.cache_class,
-                start=b.start,
-                n_tokens=b.n_tokens,
-                last_used=b.last_used,
-            )
-            for b in candidates
-        ]
+        views = [self.view(b) for b in candidates]
         return [by_id[i] for i in order(views) if i in by_id]

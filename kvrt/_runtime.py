@@ -96,6 +96,8 @@ class Runtime(metaclass=NoPublicConstructor):
         hot_tokens: int | None = None,
         name: str | None = None,
         hot_eviction: str | None = None,
+        cold_admission: str | None = None,
+        restore: str | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
@@ -123,7 +125,10 @@ class Runtime(metaclass=NoPublicConstructor):
         for bound in (facts.trained_context, self.config.engine.context):
             if bound is not None:
                 planner = min(planner, bound)
-        order = _policy("hot_eviction", hot_eviction or self.config.policies.hot_eviction)
+        chosen = self.config.policies
+        order = _policy("hot_eviction", hot_eviction or chosen.hot_eviction)
+        admission = _policy("cold_admission", cold_admission or chosen.cold_admission)
+        restorer = _policy("restore", restore or chosen.restore)
         self._serial += 1
         label = name or f"session-{self._serial}"
         ctx = await anyio.to_thread.run_sync(
@@ -145,6 +150,8 @@ class Runtime(metaclass=NoPublicConstructor):
             limiter=self.engine_limiter,
             order=order.order,
             config=cfg,
+            admission=admission.admit,
+            restore=restorer.restore,
         )
         await self._tg.start(actor.run)
         session = Session._create(actor, label)
@@ -193,6 +200,8 @@ async def open_runtime(
         cfg = msgspec.structs.replace(cfg, engine=engine_cfg)
     hot_policy = cfg.policies.hot_eviction
     _policy("hot_eviction", hot_policy)
+    _policy("cold_admission", cfg.policies.cold_admission)
+    _policy("restore", cfg.policies.restore)
     victim = _policy("cold_victim", cfg.policies.cold_victim)
 
     engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)

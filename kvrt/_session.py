@@ -160,6 +160,7 @@ class Session(metaclass=NoPublicConstructor):
                 residency=window.residency(b, resident, a.cold),
                 protected=b.id in protected,
                 last_used=b.last_used,
+                choice=a.choices.get(b.id),
             )
             for b in window.blocks
         ]

@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-__all__ = ["BlockView", "CacheClass", "ColdEntryView", "Residency"]
+__all__ = ["BlockView", "CacheClass", "ColdEntryView", "Residency", "RestoreQuery"]
 
 
 class CacheClass(enum.StrEnum):
@@ -59,3 +59,13 @@ class ColdEntryView(msgspec.Struct, frozen=True, kw_only=True):
     cache_class: CacheClass
     n_bytes: int
     last_used: int
+
+
+class RestoreQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """What a restore-vs-recompute policy sees of one exact cold hit."""
+
+    cache_class: CacheClass
+    start: int
+    """Position of the block's first token (prefill cost grows with it)."""
+    n_tokens: int
+    n_bytes: int

@@ -8,14 +8,22 @@ name, so configuration can pick it:
 <policies.hot_eviction.ClassThenLRU object at ...>
 """
 
+from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import hot_eviction as hot_eviction
+from . import restore as restore
 from ._registry import get as get
 from ._registry import names as names
 from ._registry import register as register
+from .cold_admission import AdmitAll as AdmitAll
+from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
 from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
+from .restore import AlwaysRestore as AlwaysRestore
+from .restore import SizeThreshold as SizeThreshold
 
 DEFAULT_HOT_EVICTION = "class_lru"
 DEFAULT_COLD_VICTIM = "class_lru"
+DEFAULT_COLD_ADMISSION = "all"
+DEFAULT_RESTORE = "always"

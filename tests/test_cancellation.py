@@ -126,6 +126,7 @@ async def test_cancel_ensure_context_at_every_await_point() -> None:
         "cold put",
         "evict",
         "prefill",
+        "logits",
     }
 
 

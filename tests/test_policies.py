@@ -83,3 +83,23 @@ def test_class_order_is_volatile_then_repo_map_then_task_pinned() -> None:
         1,
         2,
     ]
+
+
+@given(block_views())
+def test_cold_admission_policies(blocks: list[BlockView]) -> None:
+    everything = policies.get("cold_admission", "all")
+    skip = policies.get("cold_admission", "skip_small_volatile")
+    for b in blocks:
+        assert everything.admit(b)
+        small_volatile = b.cache_class is CacheClass.VOLATILE and b.n_tokens < skip.min_tokens
+        assert skip.admit(b) is not small_volatile
+
+
+@given(st.integers(1, 4096), st.integers(0, 8192), st.integers(0, 10**8), classes)
+def test_restore_policies(n_tokens: int, start: int, n_bytes: int, cache_class: CacheClass) -> None:
+    from kvrt._types import RestoreQuery
+
+    query = RestoreQuery(cache_class=cache_class, start=start, n_tokens=n_tokens, n_bytes=n_bytes)
+    assert policies.get("restore", "always").restore(query)
+    threshold = policies.get("restore", "size_threshold")
+    assert threshold.restore(query) is (n_tokens >= threshold.min_tokens)

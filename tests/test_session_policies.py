@@ -1,0 +1,96 @@
+"""Cold admission and restore-vs-recompute policies, chosen per session, on the real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvrt
+from kvrt import Residency
+
+from ._agent import FILE_A, SYSTEM, greedy
+
+pytestmark = pytest.mark.anyio
+
+NOTE = "Note: prefer small functions."  # a few tokens: a small volatile segment
+
+
+def context(question: str) -> list[kvrt.Segment]:
+    return [
+        kvrt.Segment("system", SYSTEM, cache_class=kvrt.CacheClass.TASK_PINNED),
+        kvrt.Segment("note", NOTE),
+        kvrt.Segment("file:a.py", FILE_A),
+        kvrt.Segment("user", question),
+    ]
+
+
+def by_segment(report: kvrt.SessionReport, name: str) -> list[kvrt.BlockReport]:
+    return [b for b in report.blocks if b.segment == name]
+
+
+async def test_small_volatile_blocks_keep_tokens_only() -> None:
+    ctx = context("What does add_2 return?")
+    async with (
+        kvrt.open_runtime() as rt,
+        rt.open_session(hot_tokens=1024, cold_admission="skip_small_volatile") as s,
+    ):
+        await s.ensure_context(ctx)
+        await s.evict("note")
+        await s.evict("file:a.py")
+        report = s.explain()
+        assert {b.residency for b in by_segment(report, "note")} == {Residency.DROPPED}
+        assert {b.choice for b in by_segment(report, "note")} == {
+            "evicted, tokens only (cold admission policy)"
+        }
+        big = [b for b in by_segment(report, "file:a.py") if b.n_tokens >= 32]
+        assert big and {b.residency for b in big} == {Residency.COLD}
+        status = await s.ensure_context(ctx)
+        n_note = len(rt.engine.tokenize(NOTE, add_special=False))
+        assert status.prefilled_tokens >= n_note  # the note is computed again
+        assert status.restored_tokens > 0
+        assert s.explain().consistent
+
+
+async def test_restore_policy_can_choose_to_recompute(anyio_backend: str) -> None:
+    ctx = context("What does add_4 return?")
+    async with kvrt.open_runtime() as rt:
+        async with rt.open_session(hot_tokens=1024) as never:
+            await never.ensure_context(ctx)
+            expected = await greedy(never, 12)
+        async with rt.open_session(hot_tokens=1024, restore="size_threshold") as s:
+            await s.ensure_context(ctx)
+            await s.evict("note")
+            n_note = len(rt.engine.tokenize(NOTE, add_special=False))
+            assert n_note < policies_min_tokens()
+            status = await s.ensure_context(ctx)
+            report = s.explain()
+            assert {b.choice for b in by_segment(report, "note")} == {"recomputed (restore policy)"}
+            assert status.prefilled_tokens >= n_note
+            # Recomputing after the same prefix gives the same KV: the same continuation.
+            assert await greedy(s, 12) == expected
+
+
+def policies_min_tokens() -> int:
+    import policies
+
+    return int(policies.get("restore", "size_threshold").min_tokens)
+
+
+async def test_explain_shows_each_blocks_last_choice() -> None:
+    ctx = context("Which function adds 7?")
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=1024) as s:
+        await s.ensure_context(ctx)
+        assert {b.choice for b in s.explain().blocks} == {"prefilled"}
+        await s.evict("file:a.py")
+        assert {b.choice for b in by_segment(s.explain(), "file:a.py")} == {"evicted to cold"}
+        await s.ensure_context(ctx)
+        assert {b.choice for b in by_segment(s.explain(), "file:a.py")} == {"restored from cold"}
+
+
+async def test_unknown_policy_names() -> None:
+    async with kvrt.open_runtime() as rt:
+        with pytest.raises(
+            kvrt.ConfigError,
+            match=r"no restore policy named 'sometimes' \(known: always, size_threshold\)",
+        ):
+            async with rt.open_session(hot_tokens=512, restore="sometimes"):
+                pass
