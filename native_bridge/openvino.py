@@ -22,7 +22,15 @@ import openvino as ov
 
 from ._errors import BridgeArgumentError, BridgeCallError, BridgeLoadError
 
-__all__ = ["DETERMINISTIC", "KV_PRECISIONS", "OvModel", "OvRequest", "rotate_keys"]
+__all__ = [
+    "DETERMINISTIC",
+    "KV_PRECISIONS",
+    "OvModel",
+    "OvRequest",
+    "pack",
+    "rotate_keys",
+    "unpack",
+]
 
 DETERMINISTIC: Final[dict[str, str]] = {
     "INFERENCE_PRECISION_HINT": "f32",
@@ -73,6 +81,24 @@ def _find_rope(model: ov.Model) -> tuple[npt.NDArray[np.float32], str]:
                 if start == half and step == 1:
                     layout = "half"
     return inv_freq, layout
+
+
+def pack(kv: npt.NDArray[np.float32], kv_precision: str) -> npt.NDArray[Any]:
+    """State values at the cache's precision when that loses nothing, else as f32.
+
+    An f16 cache reads back as f32 values that f16 represents exactly; other caches (a
+    bf16 cache reads back with full f32 mantissas on this plugin) stay f32.
+    """
+    if kv_precision == "f16":
+        half = kv.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), kv):
+            return half
+    return kv
+
+
+def unpack(kv: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """Back to f32 state values."""
+    return np.asarray(kv, dtype=np.float32)
 
 
 def rotate_keys(
@@ -217,10 +243,12 @@ class OvRequest:
     def _states(self, req: Any) -> dict[str, Any]:
         return {s.name: s for s in req.query_state()}
 
-    def take(self, start: int, end: int) -> npt.NDArray[np.float32]:
+    def take(self, start: int, end: int) -> npt.NDArray[Any]:
         """Entries [start, end) of every layer's keys and values, in one contiguous buffer.
 
-        Layout: ``[layer, key|value, kv_heads, end - start, head_dim]``.
+        Layout: ``[layer, key|value, kv_heads, end - start, head_dim]``, stored at the
+        cache's own precision (see :func:`pack`): the state reads back as f32, but an f16
+        or bf16 cache only holds values those types represent, so nothing is lost.
         """
         self._check(start, end)
         m = self._model
@@ -230,7 +258,7 @@ class OvRequest:
             for layer, names in enumerate(m.state_names):
                 for j, name in enumerate(names):
                     out[layer, j] = states[name].state.data[0, :, start:end]
-        return out
+        return pack(out, m.kv_precision)
 
     def remove(self, start: int, end: int) -> None:
         """Drop entries [start, end) from every layer; later entries move down."""

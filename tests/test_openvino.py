@@ -232,3 +232,20 @@ def test_describe_openvino() -> None:
         8192,
     )
     assert m["kv_type"] == "f16" and m["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+
+
+@pytest.mark.parametrize(("kv_type", "value_bytes"), [("f16", 2), ("bf16", 4)])
+def test_half_precision_caches_restore_exactly(kv_type: str, value_bytes: int) -> None:
+    engine = OpenVinoEngine.open(EngineConfig(backend="openvino", kv_type=kv_type))  # type: ignore[arg-type]
+    tokens = engine.tokenize(STORY * 2)
+    probe = words(engine, " She")
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    expected = ctx.prefill(probe)
+    ctx.evict(len(tokens), len(tokens) + 1)
+    block = ctx.export(20, 60)
+    # f16 values are stored as f16 (the model's KV bytes per token); bf16 ones as f32.
+    assert block.meta.n_bytes == 40 * 30 * 2 * 3 * 64 * value_bytes
+    ctx.evict(20, 60)
+    ctx.admit(block)
+    assert np.array_equal(ctx.prefill(probe), expected)

@@ -9,13 +9,14 @@ splices them back (bit-exact); slide eviction and tail admission re-rotate keys 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt._errors import ColdBlockMismatchError, EngineError
-from native_bridge.openvino import OvModel, OvRequest, rotate_keys
+from native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack
 
 from .._errors import translate_errors
 from .._window import KvWindow
@@ -61,6 +62,9 @@ class OpenVinoEngineContext(KvWindow):
             notes.append(
                 f"{self._facts.kv_type} KV cache re-quantizes on import: cold restores are approximate"
             )
+            notes.append("cold blocks of a quantized cache are kept as f32 (4 bytes per value)")
+        elif self._facts.kv_type == "bf16":
+            notes.append("cold blocks of a bf16 cache are kept as f32 (4 bytes per value)")
         return Capabilities(
             remove_middle=True,
             position_shift=True,
@@ -99,12 +103,19 @@ class OpenVinoEngineContext(KvWindow):
     def _kv(self, block: ColdBlock) -> npt.NDArray[np.float32]:
         m = self._model
         n = block.meta.n_tokens
-        expected = m.n_layers * 2 * m.n_kv_heads * n * m.head_dim * 4
-        if block.data.size != expected:
+        values = m.n_layers * 2 * m.n_kv_heads * n * m.head_dim
+        # Blocks are stored as f16 where that was lossless, else as f32.
+        sizes: dict[int, np.dtype[Any]] = {
+            values * 2: np.dtype(np.float16),
+            values * 4: np.dtype(np.float32),
+        }
+        stored = sizes.get(block.data.size)
+        if stored is None:
             raise ColdBlockMismatchError(
-                f"cold block holds {block.data.size} bytes; {n} tokens of this model take {expected}"
+                f"cold block holds {block.data.size} bytes; {n} tokens of this model take "
+                f"{values * 2} (f16) or {values * 4} (f32)"
             )
-        return block.data.view(np.float32).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim)
+        return unpack(block.data.view(stored).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim))
 
     def _put_run(self, blocks: Sequence[ColdBlock], i: int) -> bool:
         # The state is rewritten whole on every splice: splice a run once, not per block.
@@ -117,7 +128,7 @@ class OpenVinoEngineContext(KvWindow):
         m = self._model
         kv = self._kv(block)
         if target != block.meta.start:
-            kv = kv.copy()
+            kv = kv.copy()  # unpacking f32 blocks is a view of the read-only cold bytes
             kv[:, 0] = rotate_keys(kv[:, 0], target - block.meta.start, m.inv_freq, m.rotary_layout)
         with translate_errors(f"admitting [{block.meta.start}, {block.meta.end})"):
             self._req.insert(i, kv)
