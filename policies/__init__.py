@@ -1,7 +1,7 @@
 """Pluggable decision objects: pure, synchronous, no I/O, no clock reads.
 
 Each policy answers one question from a frozen snapshot handed to it and is registered by
-name, so configuration can pick it:
+name, so configuration can pick it (the runtime's defaults are ``kvrt.PolicyConfig``'s):
 
 >>> import policies
 >>> policies.get("hot_eviction", "class_lru")
@@ -22,8 +22,3 @@ from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
 from .restore import AlwaysRestore as AlwaysRestore
 from .restore import SizeThreshold as SizeThreshold
-
-DEFAULT_HOT_EVICTION = "class_lru"
-DEFAULT_COLD_VICTIM = "class_lru"
-DEFAULT_COLD_ADMISSION = "all"
-DEFAULT_RESTORE = "always"
