@@ -179,10 +179,6 @@ class ColdStore:
     def close(self) -> None:
         self._send.close()
 
-    def clear(self) -> None:
-        self._slots.clear()
-        self._bytes = 0
-
     # -- bookkeeping (synchronous) --
 
     def _touch(self, key: ColdKey) -> None:

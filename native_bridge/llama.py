@@ -167,11 +167,6 @@ class LlamaModel:
             llama_cpp.llama_model_meta_val_str(self._live(), key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
-    def description(self) -> str:
-        buf = ctypes.create_string_buffer(256)
-        llama_cpp.llama_model_desc(self._live(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
     # -- vocabulary --
 
     def token_array(self, tokens: TokenIds) -> npt.NDArray[np.int32]:
@@ -247,14 +242,6 @@ class LlamaModel:
         self._live()
         self._check_bounds(token, token)
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-
-    def bos_token(self) -> int | None:
-        tok = llama_cpp.llama_vocab_bos(self._vocab if self._live() else None)
-        return None if tok < 0 else int(tok)
-
-    def chat_template(self) -> str | None:
-        raw = llama_cpp.llama_model_chat_template(self._live(), None)
-        return raw.decode("utf-8", "replace") if raw else None
 
     def apply_chat_template(
         self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool
@@ -476,11 +463,6 @@ class LlamaContext:
             llama_cpp.llama_memory_clear(self._mem, False)
 
     # -- state bytes --
-
-    def state_size(self, seq: int) -> int:
-        self._check_seq(seq)
-        with self._use() as ctx:
-            return int(llama_cpp.llama_state_seq_get_size(ctx, seq))
 
     def state_get(self, seq: int) -> npt.NDArray[np.uint8]:
         """The KV bytes of ``seq``, written by llama.cpp straight into a fresh buffer."""

@@ -39,7 +39,8 @@ DETERMINISTIC: Final[dict[str, str]] = {
 }
 """Compile settings under which trimming and re-importing KV state is bit-exact."""
 
-KV_PRECISIONS: Final[dict[str, str]] = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u8": "u8"}
+KV_PRECISIONS: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
+"""KV cache precisions kvrt compiles for, with the bytes each value takes in the cache."""
 _STATE = re.compile(r"^past_key_values\.(\d+)\.(key|value)")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from kvrt._backend import ModelFacts
 from kvrt._config import EngineConfig
 from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadError
-from native_bridge.openvino import DETERMINISTIC, OvModel
+from native_bridge.openvino import DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
 from .._window import check_tokens
@@ -25,8 +25,6 @@ PROFILES: dict[str, dict[str, str]] = {
     "default": {},
 }
 """Compile settings by name; the KV precision comes from ``engine.kv_type``."""
-
-_KV = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u8": "u8"}
 
 
 class _BuildProgress:
@@ -72,10 +70,10 @@ class OpenVinoEngine:
 
     @classmethod
     def open(cls, config: EngineConfig) -> OpenVinoEngine:
-        kv = _KV.get(config.kv_type)
-        if kv is None:
+        kv = config.kv_type
+        if kv not in KV_PRECISIONS:
             raise ConfigError(
-                f"invalid engine.kv_type for OpenVINO: {config.kv_type!r} (expected one of: {', '.join(_KV)})"
+                f"invalid engine.kv_type for OpenVINO: {config.kv_type!r} (expected one of: {', '.join(KV_PRECISIONS)})"
             )
         if config.require_exact and kv not in EXACT_KV:
             raise ConfigError(
@@ -141,7 +139,7 @@ class OpenVinoEngine:
             * 2
             * model.n_kv_heads
             * model.head_dim
-            * _BYTES[model.kv_precision],
+            * KV_PRECISIONS.get(model.kv_precision, 4),
             weight_bytes=weights,
             file_bytes=weights + xml.stat().st_size,
         )
@@ -200,6 +198,3 @@ class OpenVinoEngine:
 
     def close(self) -> None:
         self._closed = True
-
-
-_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}
