@@ -34,6 +34,7 @@ from ._describe import ModelInfo as ModelInfo
 from ._describe import describe_model as describe_model
 from ._engines import open_engine as open_engine
 from ._errors import ColdBlockMismatchError as ColdBlockMismatchError
+from ._errors import ColdStoreFullError as ColdStoreFullError
 from ._errors import ConfigError as ConfigError
 from ._errors import ContextTooLargeError as ContextTooLargeError
 from ._errors import EngineError as EngineError

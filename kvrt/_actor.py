@@ -14,6 +14,7 @@ synchronous :class:`~kvrt._residency.HotWindow`. Ordering rules that make cancel
 from __future__ import annotations
 
 import codecs
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,10 +24,11 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._backend import Engine, EngineContext, EvictMode, Logits, SamplingParams
+from ._backend import AdmitMode, Engine, EngineContext, EvictMode, Logits, SamplingParams
 from ._cold_store import ColdEntry, ColdKey, ColdStore
 from ._config import SessionConfig
 from ._errors import (
+    ColdStoreFullError,
     ContextTooLargeError,
     HotWindowFullError,
     InvalidRangeError,
@@ -37,7 +39,7 @@ from ._errors import (
 from ._reports import ContextStatus, Piece, SessionCounters
 from ._residency import Block, HotWindow, Segment
 from ._sampling import Sampler
-from ._types import BlockView, CacheClass, Residency, RestoreQuery
+from ._types import ApproximateQuery, BlockView, CacheClass, Residency, RestoreQuery
 
 __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
 
@@ -98,6 +100,7 @@ class Call:
 class _Tally:
     reused: int = 0
     restored: int = 0
+    approximate: int = 0
     prefilled: int = 0
     evicted: int = 0
 
@@ -116,7 +119,8 @@ class Actor:
         order: Order,
         config: SessionConfig,
         admission: Callable[[BlockView], bool] | None = None,
-        restore: Callable[[RestoreQuery], bool] | None = None,
+        restore: Any = None,
+        approximate: Callable[[ApproximateQuery], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -125,10 +129,21 @@ class Actor:
         self.limiter = limiter
         self.order = order
         self.admission = admission or (lambda block: True)
-        self.restore_policy = restore or (lambda query: True)
+        self.restorer = restore
+        """The restore-vs-recompute policy object (``restore(query)``, optionally
+        ``estimate(query)`` and ``observe_restore``/``observe_prefill`` for calibration)."""
+        self.approximate = approximate or (lambda query: False)
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
+        self.tainted: set[int] = set()
+        """Blocks whose KV derives from an approximate restore: the restored blocks and
+        every block computed while one of them was resident before it. Their KV never
+        enters the cold store."""
         self._recompute: set[int] = set()
+        self.prefetched: Callable[[], None] | None = None
+        """Releases what the last prefetch holds; called when the next context is placed."""
+        self.token_cache: dict[tuple[str, bool, bool], list[int]] = {}
+        """Tokenizations a prefetch did ahead of the call that needs them."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
         self.config = config
@@ -221,28 +236,44 @@ class Actor:
 
     # -- moving single blocks --
 
-    async def _evict_block(self, block: Block) -> None:
-        """Commit the block's KV to the cold store, then drop it from the window."""
+    async def _evict_block(self, block: Block, *, strict: bool = False) -> None:
+        """Commit the block's KV to the cold store, then drop it from the window.
+
+        A cold store that stays full for ``session.cold_wait`` seconds leaves the block with
+        its tokens only, or, when ``strict`` (an explicit evict), raises and keeps it hot.
+        """
         resident = self.resident()
         if self.state(block, resident) is not Residency.HOT:
             return
         key = block.key(self.window.fingerprint)
+        tainted = block.id in self.tainted
         held = self.ctx.logits_position
-        if held is not None and block.start <= held < block.end:
+        if held is not None and block.start <= held < block.end and not tainted:
             # Keep the logits after the block's last computed token: restoring the block
             # later then needs no recompute, and the continuation stays bit-exact.
             logits = await self._engine("logits", self.ctx.logits)
             self._held = (key, held, logits)
         if key in self.cold:
             self.choices[block.id] = "evicted: cold copy already held"
+        elif tainted:
+            self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
         elif self.admission(self.window.view(block)):
             exported = await self._engine("export", self.ctx.export, block.start, block.end)
             if self.fault is not None:
                 self.fault("cold put")
-            committed = await self.cold.put(ColdEntry(key, block.cache_class, exported))
-            self.choices[block.id] = (
-                "evicted to cold" if committed else "evicted: too large for the cold store"
-            )
+            entry = ColdEntry(key, block.cache_class, exported)
+            try:
+                committed = await self.cold.put(entry, wait=self.config.cold_wait)
+            except ColdStoreFullError:
+                if strict:
+                    raise
+                self.choices[block.id] = (
+                    f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
+                )
+            else:
+                self.choices[block.id] = (
+                    "evicted to cold" if committed else "evicted: too large for the cold store"
+                )
         else:
             self.choices[block.id] = "evicted, tokens only (cold admission policy)"
         await self._engine("evict", self.ctx.evict, block.start, block.end, EvictMode.GAP)
@@ -282,15 +313,87 @@ class Actor:
         if not entries:
             return 0
         run = blocks[: len(entries)]
-        await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
-        await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
+        with self.cold.pinned(e.key for e in entries):
+            await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+            began = time.perf_counter()
+            await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
+            self._observe("observe_restore", sum(e.n_bytes for e in entries), began)
         self._tally.restored += sum(b.n_tokens for b in run)
-        for block in run:
-            self.choices[block.id] = "restored from cold"
+        for block, entry in zip(run, entries, strict=False):
+            why = self._estimate(block, entry.n_bytes)
+            self.choices[block.id] = f"restored from cold ({why})" if why else "restored from cold"
+            self.tainted.discard(block.id)
         return len(run)
 
+    def _observe(self, method: str, *args: Any) -> None:
+        """Hand a measured transfer or prefill (``args`` ending in its start time) to the
+        restore policy, if it calibrates itself."""
+        observe = getattr(self.restorer, method, None)
+        if observe is not None:
+            observe(*args[:-1], time.perf_counter() - args[-1])
+
+    def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
+        return RestoreQuery(
+            cache_class=block.cache_class,
+            start=block.start,
+            n_tokens=block.n_tokens,
+            n_bytes=n_bytes,
+        )
+
+    def _estimate(self, block: Block, n_bytes: int) -> str:
+        """The restore policy's cost estimates for ``block``, as text ("" if it has none)."""
+        estimate = getattr(self.restorer, "estimate", None)
+        if estimate is None:
+            return ""
+        restore_s, recompute_s = estimate(self._query(block, n_bytes))
+        return (
+            f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
+        )
+
+    async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
+        """Restore ``block`` from a cold copy of its tokens after another prefix, if the
+        approximate-hit policy accepts it; the window must end right before the block."""
+        if self.ctx.next_position != block.start and self.ctx.n_resident:
+            return False
+        entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
+        if entry is None:
+            return False
+        query = ApproximateQuery(
+            cache_class=block.cache_class,
+            start=block.start,
+            source_start=entry.key.start,
+            n_tokens=block.n_tokens,
+            n_bytes=entry.n_bytes,
+        )
+        if query.shift and not self.ctx.capabilities.position_shift:
+            return False
+        if not self.approximate(query):
+            return False
+        entry = self.cold.similar(block.key(self.window.fingerprint))  # counted and touched
+        if entry is None:
+            return False
+        with self.cold.pinned([entry.key]):
+            await self._make_room(block.n_tokens, keep | {block.id})
+            if self.ctx.next_position != block.start and self.ctx.n_resident:
+                return False
+            began = time.perf_counter()
+            await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
+            self._observe("observe_restore", entry.n_bytes, began)
+        self.tainted.add(block.id)
+        self._tally.approximate += block.n_tokens
+        shift = block.start - entry.key.start
+        self.choices[block.id] = (
+            f"restored approximately (same tokens after another prefix; keys re-rotated by {shift:+d})"
+            if shift
+            else "restored approximately (same tokens after another prefix)"
+        )
+        return True
+
     async def _prefill(self, block: Block, keep: set[int]) -> None:
+        if await self._approximate_hit(block, keep):
+            return
         await self._make_room(block.n_tokens, keep | {block.id})
+        began = time.perf_counter()
         await self._engine(
             "prefill",
             self.ctx.prefill,
@@ -298,9 +401,30 @@ class Actor:
             start=block.start,
             checkpoint=anyio.from_thread.check_cancelled,
         )
+        self._observe("observe_prefill", block.start, block.n_tokens, began)
         self._tally.prefilled += block.n_tokens
-        recomputed = block.id in self._recompute
-        self.choices[block.id] = "recomputed (restore policy)" if recomputed else "prefilled"
+        self._taint_if_after_approximate(block)
+        if block.id in self._recompute:
+            entry = self.cold.peek(block.key(self.window.fingerprint))
+            why = self._estimate(block, entry.n_bytes) if entry is not None else ""
+            self.choices[block.id] = (
+                f"recomputed (restore policy: {why})" if why else ("recomputed (restore policy)")
+            )
+        else:
+            self.choices[block.id] = "prefilled"
+
+    def _taint_if_after_approximate(self, block: Block) -> None:
+        """``block`` was just computed: tainted iff an approximate block is resident before it."""
+        resident = self.resident()
+        if any(
+            b.id in self.tainted
+            and b.end <= block.start
+            and self.window.residency(b, resident, ()) is Residency.HOT
+            for b in self.window.blocks
+        ):
+            self.tainted.add(block.id)
+        else:
+            self.tainted.discard(block.id)
 
     async def _truncate_from(self, position: int) -> None:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""
@@ -313,14 +437,28 @@ class Actor:
 
     # -- commands --
 
-    def _tokenize(self, segments: Sequence[Segment]) -> list[tuple[Segment, list[int]]]:
+    def tokenize(
+        self,
+        segments: Sequence[Segment],
+        remember: dict[tuple[str, bool, bool], list[int]] | None = None,
+    ) -> list[tuple[Segment, list[int]]]:
+        """Each segment with its tokens (empty segments left out); safe from any thread.
+
+        Uses what a prefetch tokenized; ``remember`` receives every tokenization made.
+        """
         out = []
+        cache = self.token_cache
         for i, seg in enumerate(segments):
             if not isinstance(seg, Segment):
                 raise ContextTooLargeError(f"expected kvrt.Segment, got {type(seg).__name__}")
-            toks = self.engine.tokenize(
-                seg.text, add_special=i == 0, parse_special=seg.parse_special
-            )
+            key = (seg.text, i == 0, seg.parse_special)
+            toks = cache.get(key)
+            if toks is None:
+                toks = self.engine.tokenize(
+                    seg.text, add_special=i == 0, parse_special=seg.parse_special
+                )
+            if remember is not None:
+                remember[key] = toks
             out.append((seg, toks))
         if not any(toks for _, toks in out):
             raise ContextTooLargeError("the context is empty")
@@ -329,7 +467,17 @@ class Actor:
     async def _ensure(self, segments: Sequence[Segment]) -> ContextStatus:
         self.counters.ensure_calls += 1
         self._tally = tally = _Tally()
-        tokenized = await anyio.to_thread.run_sync(self._tokenize, segments)
+        try:
+            return await self._ensure_placed(segments, tally)
+        finally:
+            # A prefetch held its blocks for this call: whatever it did not use may go now.
+            release, self.prefetched = self.prefetched, None
+            self.token_cache = {}
+            if release is not None:
+                release()
+
+    async def _ensure_placed(self, segments: Sequence[Segment], tally: _Tally) -> ContextStatus:
+        tokenized = await anyio.to_thread.run_sync(self.tokenize, segments)
         layout, stale = self.window.plan_layout(tokenized)
         resident = self.resident()
         tally.reused = sum(
@@ -338,6 +486,7 @@ class Actor:
         for block in sorted(stale, key=lambda b: b.start):
             await self._evict_block(block)
         self.window.adopt(layout)
+        self.tainted &= {b.id for b in layout}
         await self._tidy()
         await self._place(layout)
         await self._last_logits()
@@ -357,13 +506,8 @@ class Actor:
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
                 entry = self.cold.peek(block.key(self.window.fingerprint))
-                query = RestoreQuery(
-                    cache_class=block.cache_class,
-                    start=block.start,
-                    n_tokens=block.n_tokens,
-                    n_bytes=entry.n_bytes if entry is not None else 0,
-                )
-                if not self.restore_policy(query):
+                query = self._query(block, entry.n_bytes if entry is not None else 0)
+                if self.restorer is not None and not self.restorer.restore(query):
                     self._recompute.add(block.id)
         try:
             await self._place_blocks(layout, planned)
@@ -446,12 +590,14 @@ class Actor:
         c = self.counters
         c.reused_tokens += tally.reused
         c.restored_tokens += tally.restored
+        c.approximate_tokens += tally.approximate
         c.prefilled_tokens += tally.prefilled
         c.evicted_tokens += tally.evicted
         sizes = self.residency_tokens()
         return ContextStatus(
             reused_tokens=tally.reused,
             restored_tokens=tally.restored,
+            approximate_tokens=tally.approximate,
             prefilled_tokens=tally.prefilled,
             evicted_tokens=tally.evicted,
             hot_tokens=self.ctx.n_resident,
@@ -459,6 +605,16 @@ class Actor:
             cold_tokens=sizes[Residency.COLD],
             dropped_tokens=sizes[Residency.DROPPED],
             exact_restores=self.ctx.capabilities.exact_in_place,
+            approximate_context_tokens=self.approximate_context_tokens(),
+        )
+
+    def approximate_context_tokens(self) -> int:
+        """Resident tokens whose KV derives from an approximate restore."""
+        resident = self.resident()
+        return sum(
+            b.n_tokens
+            for b in self.window.blocks
+            if b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
         )
 
     def residency_tokens(self) -> dict[str, int]:
@@ -478,6 +634,11 @@ class Actor:
             if self.window.length == 0:
                 raise InvalidRangeError("nothing to continue: call ensure_context first")
             await self._last_logits()
+            resident = self.resident()
+            after_approximate = any(
+                b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
+                for b in self.window.blocks
+            )
             if self._override is not None:
                 logits: Logits = self._override
             else:
@@ -492,7 +653,9 @@ class Actor:
                 last = self.window.blocks[-1]
                 await self._make_room(1, {last.id})
                 logits = await self._engine("step", self.ctx.step, token)
-                self.window.append_token(token, cmd.segment, cmd.cache_class)
+                grown = self.window.append_token(token, cmd.segment, cmd.cache_class)
+                if after_approximate:
+                    self.tainted.add(grown.id)
                 produced += 1
                 self.counters.generated_tokens += 1
                 text = decoder.decode(self.engine.token_bytes(token))
@@ -525,7 +688,7 @@ class Actor:
             )
         self._tally = tally = _Tally()
         for block in blocks:
-            await self._evict_block(block)
+            await self._evict_block(block, strict=True)
         self._status(tally)
         return tally.evicted
 

@@ -38,7 +38,9 @@ _HELP = {
     "hot_eviction": "hot eviction policy by name (class_lru, score_lru)",
     "cold_victim": "cold victim policy by name (class_lru)",
     "cold_admission": "which evicted blocks keep KV bytes (all, skip_small_volatile)",
-    "restore": "restore-vs-recompute policy (always, size_threshold)",
+    "restore": "restore-vs-recompute policy (always, size_threshold, calibrated)",
+    "approximate": "approximate-hit policy (never, allow, stable_only)",
+    "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
 
 

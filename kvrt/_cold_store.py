@@ -2,14 +2,22 @@
 
 Writes go through one service task over a bounded stream (so a flood of evictions waits
 instead of growing memory); reads are plain lookups. The store never holds more than its
-budget: to make room it drops victims in the order its policy gives. Entries are
-immutable, so a block served to one session can be served to any other.
+budget: to make room it drops victims in the order its policy gives. Entries in use (a
+restore reading them, a prefetch holding them for the next call) are pinned and never
+dropped; when nothing else can go, a put waits, bounded, for a pin to be released and
+then fails with :class:`~kvrt.ColdStoreFullError`. Entries are immutable, so a block
+served to one session can be served to any other.
+
+Besides exact lookups by key, the store finds entries by their tokens alone (the same
+tokens after another prefix): the *approximate* hits a policy may allow.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +28,7 @@ import numpy.typing as npt
 from anyio.abc import TaskStatus
 
 from ._backend import ColdBlock, ColdBlockMeta
-from ._errors import KvrtError
+from ._errors import ColdStoreFullError, KvrtError
 from ._types import CacheClass, ColdEntryView
 
 __all__ = ["ColdEntry", "ColdKey", "ColdStats", "ColdStore", "token_digest"]
@@ -71,10 +79,18 @@ class ColdStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int
     budget_bytes: int
     exact_hits: int
+    approximate_hits: int
     misses: int
     puts: int
     evictions: int
     refused: int
+    """Entries larger than the whole budget."""
+    pinned: int
+    """Entries in use by a restore or a prefetch, which cannot be dropped."""
+    full_waits: int
+    """Puts that waited for a pin to be released."""
+    full_failures: int
+    """Puts that gave up after the bounded wait."""
     queue: dict[str, int]
 
 
@@ -93,7 +109,8 @@ class _Slot:
 class _Put:
     entry: ColdEntry
     done: anyio.Event = field(default_factory=anyio.Event)
-    committed: bool = False
+    outcome: str = "pending"
+    """``committed``, ``too_large`` or ``full`` (every droppable entry gone, still no room)."""
 
 
 class ColdStore:
@@ -107,10 +124,14 @@ class ColdStore:
         self.budget_bytes = budget_bytes
         self._policy = victim_policy
         self._slots: dict[ColdKey, _Slot] = {}
+        self._by_tokens: dict[tuple[str, str], dict[ColdKey, None]] = {}
+        self._pins: dict[ColdKey, int] = {}
+        self._freed = anyio.Event()
         self._bytes = 0
         self._clock = 0
         self._next_id = 0
-        self._hits = self._misses = self._puts = self._evictions = self._refused = 0
+        self._hits = self._approx = self._misses = self._puts = 0
+        self._evictions = self._refused = self._waits = self._failures = 0
         self._send, self._receive = anyio.create_memory_object_stream[_Put](queue_size)
 
     # -- reads (any task) --
@@ -134,6 +155,46 @@ class ColdStore:
         slot = self._slots.get(key)
         return slot.entry if slot is not None else None
 
+    def similar(self, key: ColdKey, *, count: bool = True) -> ColdEntry | None:
+        """An entry with ``key``'s model and tokens after a different prefix, if any.
+
+        Prefers one computed at the same position (no re-rotation), then the most recently
+        used. ``count`` records it as an approximate hit and touches it.
+        """
+        found = [
+            self._slots[k]
+            for k in self._by_tokens.get((key.fingerprint, key.tokens), ())
+            if k != key
+        ]
+        if not found:
+            return None
+        best = max(found, key=lambda s: (s.entry.key.start == key.start, s.last_used))
+        if count:
+            self._approx += 1
+            self._touch(best.entry.key)
+        return best.entry
+
+    # -- pins --
+
+    @contextmanager
+    def pinned(self, keys: Iterable[ColdKey]) -> Iterator[None]:
+        """Keep the entries under ``keys`` (those present) from being dropped meanwhile."""
+        held = [k for k in keys if k in self._slots]
+        for k in held:
+            self._pins[k] = self._pins.get(k, 0) + 1
+        try:
+            yield
+        finally:
+            for k in held:
+                left = self._pins[k] - 1
+                if left:
+                    self._pins[k] = left
+                else:
+                    del self._pins[k]
+            if held:
+                self._freed.set()
+                self._freed = anyio.Event()
+
     def stats(self) -> ColdStats:
         q = self._send.statistics()
         return ColdStats(
@@ -141,10 +202,14 @@ class ColdStore:
             bytes=self._bytes,
             budget_bytes=self.budget_bytes,
             exact_hits=self._hits,
+            approximate_hits=self._approx,
             misses=self._misses,
             puts=self._puts,
             evictions=self._evictions,
             refused=self._refused,
+            pinned=len(self._pins),
+            full_waits=self._waits,
+            full_failures=self._failures,
             queue={
                 "buffered": q.current_buffer_used,
                 "size": int(q.max_buffer_size),
@@ -154,26 +219,46 @@ class ColdStore:
 
     # -- writes (through the service task) --
 
-    async def put(self, entry: ColdEntry) -> bool:
-        """Commit ``entry``; True once it is in the store, False if it cannot fit at all.
+    async def put(self, entry: ColdEntry, *, wait: float = math.inf) -> bool:
+        """Commit ``entry``; True once it is in the store, False if it is larger than the
+        whole budget.
 
-        Waits while the way in is full. If the caller is cancelled after sending, the
-        entry may still be committed: readers check the store, not this result.
+        Waits while the way in is full, and up to ``wait`` seconds while the store is full
+        of entries that cannot be dropped (pinned, or kept by the victim policy); then
+        raises :class:`~kvrt.ColdStoreFullError`. If the caller is cancelled after sending,
+        the entry may still be committed: readers check the store, not this result.
         """
-        if entry.key in self._slots:
-            self._touch(entry.key)
-            return True
-        request = _Put(entry)
-        await self._send.send(request)
-        await request.done.wait()
-        return request.committed
+        deadline = anyio.current_time() + wait
+        waited = False
+        while True:
+            if entry.key in self._slots:
+                self._touch(entry.key)
+                return True
+            freed = self._freed
+            request = _Put(entry)
+            await self._send.send(request)
+            await request.done.wait()
+            if request.outcome != "full":
+                return request.outcome == "committed"
+            if not waited:
+                waited = True
+                self._waits += 1
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await freed.wait()
+            if anyio.current_time() >= deadline:
+                self._failures += 1
+                raise ColdStoreFullError(
+                    f"the cold store ({self.budget_bytes} bytes) stayed full for {wait:g} s: "
+                    f"{len(self._pins)} entries are in use by restores or prefetches and the "
+                    f"victim policy may drop none of the others to fit {entry.n_bytes} bytes"
+                )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The store's service task: commits queued entries until :meth:`close`."""
         task_status.started()
         async with self._receive:
             async for request in self._receive:
-                request.committed = self._commit(request.entry)
+                request.outcome = self._commit(request.entry)
                 request.done.set()
 
     def close(self) -> None:
@@ -185,24 +270,30 @@ class ColdStore:
         self._clock += 1
         self._slots[key].last_used = self._clock
 
-    def _commit(self, entry: ColdEntry) -> bool:
+    def _commit(self, entry: ColdEntry) -> str:
         if entry.key in self._slots:
             self._touch(entry.key)
-            return True
+            return "committed"
         if entry.n_bytes > self.budget_bytes:
             self._refused += 1
-            return False
-        if self._bytes + entry.n_bytes > self.budget_bytes:
-            self._make_room(entry.n_bytes)
+            return "too_large"
+        if self._bytes + entry.n_bytes > self.budget_bytes and not self._make_room(entry.n_bytes):
+            return "full"
         self._clock += 1
         self._next_id += 1
         self._slots[entry.key] = _Slot(self._next_id, entry, self._clock)
+        self._by_tokens.setdefault((entry.key.fingerprint, entry.key.tokens), {})[entry.key] = None
         self._bytes += entry.n_bytes
         self._puts += 1
-        return True
+        return "committed"
 
-    def _make_room(self, need: int) -> None:
-        by_id = {slot.id: key for key, slot in self._slots.items()}
+    def _make_room(self, need: int) -> bool:
+        """Drop victims the policy names, never pinned ones, until ``need`` bytes fit.
+
+        Drops nothing unless that makes enough room; False when it cannot.
+        """
+        droppable = {key: s for key, s in self._slots.items() if key not in self._pins}
+        by_id = {slot.id: key for key, slot in droppable.items()}
         views = [
             ColdEntryView(
                 id=s.id,
@@ -210,13 +301,30 @@ class ColdStore:
                 n_bytes=s.entry.n_bytes,
                 last_used=s.last_used,
             )
-            for s in self._slots.values()
+            for s in droppable.values()
         ]
+        victims: list[ColdKey] = []
+        left = self._bytes
         for victim in self._policy.order(views):
-            if self._bytes + need <= self.budget_bytes:
+            if left + need <= self.budget_bytes:
                 break
-            slot = self._slots.pop(by_id[victim])
-            self._bytes -= slot.entry.n_bytes
-            self._evictions += 1
-        if self._bytes + need > self.budget_bytes:  # a policy must order every entry
-            raise KvrtError("cold victim policy left the store over budget")
+            key = by_id.get(victim)
+            if key is None or key in victims:
+                continue
+            victims.append(key)
+            left -= droppable[key].entry.n_bytes
+        if left + need > self.budget_bytes:
+            return False
+        for key in victims:
+            self._drop(key)
+        return True
+
+    def _drop(self, key: ColdKey) -> None:
+        slot = self._slots.pop(key)
+        index = (key.fingerprint, key.tokens)
+        same = self._by_tokens[index]
+        del same[key]
+        if not same:
+            del self._by_tokens[index]
+        self._bytes -= slot.entry.n_bytes
+        self._evictions += 1

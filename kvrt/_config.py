@@ -95,6 +95,10 @@ class SessionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Commands a session queues before callers wait."""
     stream_buffer: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
     """Generated pieces buffered before generation waits for the reader."""
+    cold_wait: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 5.0
+    """Seconds an eviction waits for room in a full cold store (entries in use by a
+    restore or a prefetch cannot be dropped) before it keeps tokens only, or, for an
+    explicit ``evict``, fails with ``ColdStoreFullError``."""
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,6 +108,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cold_victim: str = "class_lru"
     cold_admission: str = "all"
     restore: str = "always"
+    approximate: str = "never"
+    """Whether same tokens after a different prefix may be restored (with a RoPE fix-up)."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -151,10 +157,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),
+    Setting("session", "cold_wait", "KVRT_COLD_WAIT"),
     Setting("policies", "hot_eviction", "KVRT_HOT_EVICTION"),
     Setting("policies", "cold_victim", "KVRT_COLD_VICTIM"),
     Setting("policies", "cold_admission", "KVRT_COLD_ADMISSION"),
     Setting("policies", "restore", "KVRT_RESTORE_POLICY"),
+    Setting("policies", "approximate", "KVRT_APPROXIMATE_POLICY"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "ColdBlockMismatchError",
+    "ColdStoreFullError",
     "ConfigError",
     "ContextTooLargeError",
     "EngineError",
@@ -54,6 +55,10 @@ class HotWindowFullError(KvrtError):
 
 class ColdBlockMismatchError(KvrtError, ValueError):
     """Cold KV bytes do not belong to this model, KV layout or position."""
+
+
+class ColdStoreFullError(KvrtError):
+    """The cold store stayed full for the whole bounded wait: nothing in it could be dropped."""
 
 
 class ContextTooLargeError(KvrtError, ValueError):

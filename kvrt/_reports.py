@@ -8,7 +8,14 @@ from ._backend import Capabilities, Counters
 from ._cold_store import ColdStats
 from ._types import CacheClass, Residency
 
-__all__ = ["BlockReport", "ContextStatus", "Piece", "SessionCounters", "SessionReport"]
+__all__ = [
+    "BlockReport",
+    "ContextStatus",
+    "Piece",
+    "PrefetchReport",
+    "SessionCounters",
+    "SessionReport",
+]
 
 
 class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -17,7 +24,7 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     reused_tokens: int
     """Already hot and unchanged."""
     restored_tokens: int
-    """Brought back from the cold store without computing anything."""
+    """Brought back from the cold store without computing anything (exact hits)."""
     prefilled_tokens: int
     """Computed by the engine."""
     evicted_tokens: int
@@ -31,6 +38,12 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     exact_restores: bool
     """Restored tokens are bit-identical to never having evicted them (false for a
     quantized KV cache that re-quantizes on import: then restores are approximate)."""
+    approximate_tokens: int = 0
+    """Restored from a cold copy of the same tokens after a different prefix (only when
+    the session's approximate-hit policy allows it): cheap, but not what recomputing gives."""
+    approximate_context_tokens: int = 0
+    """Resident tokens whose KV derives from an approximate restore (the restored blocks
+    and what was computed after them); 0 means the hot context equals a fresh prefill."""
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +59,7 @@ class SessionCounters(msgspec.Struct, kw_only=True):
 
     reused_tokens: int = 0
     restored_tokens: int = 0
+    approximate_tokens: int = 0
     prefilled_tokens: int = 0
     evicted_tokens: int = 0
     generated_tokens: int = 0
@@ -65,6 +79,9 @@ class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
     last_used: int
     choice: str | None = None
     """The last residency decision about this block (restored, recomputed, evicted ...)."""
+    approximate: bool = False
+    """Its KV derives from an approximate restore (itself, or one resident before it when
+    it was computed)."""
 
 
 class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,5 +101,19 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     engine: Counters
     capabilities: Capabilities
     exact_restores: bool
+    approximate_tokens: int
+    """Resident tokens whose KV derives from an approximate restore."""
     consistent: bool
     problems: list[str]
+
+
+class PrefetchReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a prefetch found and holds for the session's next ``ensure_context``."""
+
+    blocks: int
+    """Blocks the segments cut into."""
+    tokens: int
+    cold_blocks: int
+    """Blocks with an exact hit in the cold store, now pinned there until the next call."""
+    cold_tokens: int
+    cold_bytes: int

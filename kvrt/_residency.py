@@ -8,7 +8,7 @@ leave the bookkeeping believing something that is not so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -118,33 +118,36 @@ class HotWindow:
         current = {(b.prefix, b.start, tuple(b.tokens)): b for b in self.blocks}
         now = self.tick()
         layout: list[Block] = []
+        for seg, index, pos, chunk, prefix in self._chunks(segments):
+            block = current.pop((prefix, pos, tuple(chunk)), None)
+            if block is None or block.segment != seg.name or block.cache_class != seg.cache_class:
+                self._next_id += 1
+                block = Block(
+                    self._next_id, seg.name, index, seg.cache_class, pos, chunk, prefix, now
+                )
+            block.last_used = now
+            block.index = index
+            layout.append(block)
+        return layout, list(current.values())
+
+    def keys_for(self, segments: Sequence[tuple[Segment, list[int]]]) -> list[ColdKey]:
+        """The cold-store keys the blocks of ``segments`` would have (nothing changes)."""
+        return [
+            ColdKey(self.fingerprint, prefix, token_digest(chunk), pos)
+            for _, _, pos, chunk, prefix in self._chunks(segments)
+        ]
+
+    def _chunks(
+        self, segments: Sequence[tuple[Segment, list[int]]]
+    ) -> Iterator[tuple[Segment, int, int, list[int], str]]:
+        """Each block-sized chunk: its segment, index in it, start, tokens and prefix digest."""
         prefix, pos = token_digest(()), 0
         for seg, toks in segments:
             for index, k in enumerate(range(0, len(toks), self.block_tokens)):
                 chunk = toks[k : k + self.block_tokens]
-                block = current.pop((prefix, pos, tuple(chunk)), None)
-                if (
-                    block is None
-                    or block.segment != seg.name
-                    or block.cache_class != seg.cache_class
-                ):
-                    self._next_id += 1
-                    block = Block(
-                        self._next_id,
-                        seg.name,
-                        index,
-                        seg.cache_class,
-                        pos,
-                        list(chunk),
-                        prefix,
-                        now,
-                    )
-                block.last_used = now
-                block.index = index
-                layout.append(block)
+                yield seg, index, pos, chunk, prefix
                 prefix = token_digest(chunk, prefix.encode())
                 pos += len(chunk)
-        return layout, list(current.values())
 
     def adopt(self, layout: list[Block]) -> None:
         self.blocks = layout

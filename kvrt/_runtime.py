@@ -49,6 +49,7 @@ class Runtime(metaclass=NoPublicConstructor):
         self._cold = cold
         self._tg = tg
         self._sessions: set[Session] = set()
+        self._policies: dict[tuple[str, str], Any] = {}
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -61,6 +62,18 @@ class Runtime(metaclass=NoPublicConstructor):
 
     def cold_stats(self) -> ColdStats:
         return self._cold.stats()
+
+    def policy(self, kind: str, name: str | None = None) -> Any:
+        """The runtime's instance of a policy (the configured one when ``name`` is None).
+
+        One instance per name serves every session that picks it, so a calibrated policy
+        learns from all of them.
+        """
+        chosen = name or getattr(self.config.policies, kind)
+        found = self._policies.get((kind, chosen))
+        if found is None:
+            found = self._policies[(kind, chosen)] = _policy(kind, chosen)
+        return found
 
     def chat_segment(
         self,
@@ -98,8 +111,12 @@ class Runtime(metaclass=NoPublicConstructor):
         hot_eviction: str | None = None,
         cold_admission: str | None = None,
         restore: str | None = None,
+        approximate: str | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
+
+        The policy names (``hot_eviction``, ``cold_admission``, ``restore``,
+        ``approximate``) override the runtime's configured ones for this session.
 
         >>> async with rt.open_session(hot_tokens=512, name="reviewer") as session:
         ...     await session.ensure_context([kvrt.Segment("user", "Hi")])
@@ -125,10 +142,10 @@ class Runtime(metaclass=NoPublicConstructor):
         for bound in (facts.trained_context, self.config.engine.context):
             if bound is not None:
                 planner = min(planner, bound)
-        chosen = self.config.policies
-        order = _policy("hot_eviction", hot_eviction or chosen.hot_eviction)
-        admission = _policy("cold_admission", cold_admission or chosen.cold_admission)
-        restorer = _policy("restore", restore or chosen.restore)
+        order = self.policy("hot_eviction", hot_eviction)
+        admission = self.policy("cold_admission", cold_admission)
+        restorer = self.policy("restore", restore)
+        approximator = self.policy("approximate", approximate)
         self._serial += 1
         label = name or f"session-{self._serial}"
         ctx = await anyio.to_thread.run_sync(
@@ -151,10 +168,11 @@ class Runtime(metaclass=NoPublicConstructor):
             order=order.order,
             config=cfg,
             admission=admission.admit,
-            restore=restorer.restore,
+            restore=restorer,
+            approximate=approximator.accept,
         )
         await self._tg.start(actor.run)
-        session = Session._create(actor, label)
+        session = Session._create(actor, label, self._tg)
         self._sessions.add(session)
         try:
             yield session
@@ -202,6 +220,7 @@ async def open_runtime(
     _policy("hot_eviction", hot_policy)
     _policy("cold_admission", cfg.policies.cold_admission)
     _policy("restore", cfg.policies.restore)
+    _policy("approximate", cfg.policies.approximate)
     victim = _policy("cold_victim", cfg.policies.cold_victim)
 
     engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)

@@ -6,16 +6,52 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from ._actor import Actor, Admit, Call, Command, Ensure, Evict, Generate
 from ._backend import SamplingParams
 from ._errors import SessionClosedError
-from ._reports import BlockReport, ContextStatus, Piece, SessionReport
+from ._reports import BlockReport, ContextStatus, Piece, PrefetchReport, SessionReport
 from ._residency import Segment
-from ._types import CacheClass
+from ._types import CacheClass, Residency
 from ._util import NoPublicConstructor
 
-__all__ = ["Session"]
+__all__ = ["Prefetch", "Session"]
+
+
+class Prefetch:
+    """A prefetch running in the background for a session's next ``ensure_context``.
+
+    It tokenizes the segments and pins their exact cold hits, so they are still in the
+    store (and need no tokenizing) when the call comes. The pins go when that call has
+    placed the context, when :meth:`cancel` is called, when a newer prefetch replaces this
+    one, when the session closes, or after ``hold`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self._scope = anyio.CancelScope()
+        self._ready = anyio.Event()
+        self._released = anyio.Event()
+        self._report: PrefetchReport | None = None
+        self._error: BaseException | None = None
+
+    def cancel(self) -> None:
+        """Stop the prefetch and release what it holds (harmless once it has finished)."""
+        self._scope.cancel()
+
+    def release(self) -> None:
+        self._released.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._scope.cancel_called
+
+    async def wait(self) -> PrefetchReport | None:
+        """Wait until the blocks are pinned; what was found (None if cancelled first)."""
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._report
 
 
 class Session(metaclass=NoPublicConstructor):
@@ -32,11 +68,13 @@ class Session(metaclass=NoPublicConstructor):
     session consistent and usable, and loses no KV that had left the hot window.
     """
 
-    def __init__(self, actor: Actor, name: str) -> None:
+    def __init__(self, actor: Actor, name: str, tg: TaskGroup) -> None:
         self._actor = actor
         self.name = name
+        self._tg = tg
         self._closed = False
         self._pending: set[Call] = set()
+        self._prefetches: set[Prefetch] = set()
 
     @property
     def closed(self) -> bool:
@@ -86,6 +124,58 @@ class Session(metaclass=NoPublicConstructor):
         """
         result: ContextStatus = await self._request(Ensure(tuple(segments)))
         return result
+
+    def prefetch(self, segments: Sequence[Segment], *, hold: float = 60.0) -> Prefetch:
+        """Start preparing the context the next :meth:`ensure_context` will ask for.
+
+        Returns at once; the work runs as a background task of the runtime. Call
+        ``cancel()`` on the result to stop it, or ``await result.wait()`` for what it found.
+        Prefetching never changes the session's context.
+        """
+        if self._closed:
+            raise SessionClosedError(f"session {self.name!r} is closed")
+        job = Prefetch()
+        for older in self._prefetches:
+            older.cancel()  # the newest prefetch describes the next call
+        self._prefetches.add(job)
+        self._tg.start_soon(self._prefetch, tuple(segments), job, hold)
+        return job
+
+    async def _prefetch(self, segments: tuple[Segment, ...], job: Prefetch, hold: float) -> None:
+        a = self._actor
+        calls = a.counters.ensure_calls
+        try:
+            with job._scope:
+                tokens: dict[tuple[str, bool, bool], list[int]] = {}
+                try:
+                    tokenized = await anyio.to_thread.run_sync(a.tokenize, segments, tokens)
+                except Exception as exc:
+                    job._error = exc
+                    return
+                keys = a.window.keys_for(tokenized)
+                found = [a.cold.peek(k) for k in keys]
+                hits = [(k, e) for k, e in zip(keys, found, strict=True) if e is not None]
+                with a.cold.pinned(k for k, _ in hits):
+                    job._report = PrefetchReport(
+                        blocks=len(keys),
+                        tokens=sum(len(t) for _, t in tokenized),
+                        cold_blocks=len(hits),
+                        cold_tokens=sum(e.meta.n_tokens for _, e in hits),
+                        cold_bytes=sum(e.n_bytes for _, e in hits),
+                    )
+                    job._ready.set()
+                    if a.counters.ensure_calls != calls:
+                        return  # the call it prepared for has already begun
+                    a.token_cache = tokens
+                    a.prefetched = job.release
+                    with anyio.move_on_after(hold):
+                        await job._released.wait()
+        finally:
+            if a.prefetched == job.release:
+                a.prefetched = None
+                a.token_cache = {}
+            self._prefetches.discard(job)
+            job._ready.set()
 
     async def generate(
         self,
@@ -150,6 +240,7 @@ class Session(metaclass=NoPublicConstructor):
         window = a.window
         resident = a.resident()
         protected = window.protected()
+        states = {b.id: window.residency(b, resident, a.cold) for b in window.blocks}
         blocks = [
             BlockReport(
                 segment=b.segment,
@@ -157,10 +248,11 @@ class Session(metaclass=NoPublicConstructor):
                 start=b.start,
                 n_tokens=b.n_tokens,
                 cache_class=b.cache_class,
-                residency=window.residency(b, resident, a.cold),
+                residency=states[b.id],
                 protected=b.id in protected,
                 last_used=b.last_used,
                 choice=a.choices.get(b.id),
+                approximate=b.id in a.tainted and states[b.id] is Residency.HOT,
             )
             for b in window.blocks
         ]
@@ -199,6 +291,7 @@ class Session(metaclass=NoPublicConstructor):
             engine=a.ctx.counters,
             capabilities=a.ctx.capabilities,
             exact_restores=a.ctx.capabilities.exact_in_place,
+            approximate_tokens=a.approximate_context_tokens(),
             consistent=not problems,
             problems=problems,
         )
@@ -209,6 +302,8 @@ class Session(metaclass=NoPublicConstructor):
             await self._actor.finished.wait()
             return
         self._closed = True
+        for job in list(self._prefetches):
+            job.cancel()
         for call in list(self._pending):
             call.abandon(
                 SessionClosedError(f"session {self.name!r} closed before the call finished")

@@ -6,7 +6,14 @@ import enum
 
 import msgspec
 
-__all__ = ["BlockView", "CacheClass", "ColdEntryView", "Residency", "RestoreQuery"]
+__all__ = [
+    "ApproximateQuery",
+    "BlockView",
+    "CacheClass",
+    "ColdEntryView",
+    "Residency",
+    "RestoreQuery",
+]
 
 
 class CacheClass(enum.StrEnum):
@@ -69,3 +76,24 @@ class RestoreQuery(msgspec.Struct, frozen=True, kw_only=True):
     """Position of the block's first token (prefill cost grows with it)."""
     n_tokens: int
     n_bytes: int
+
+
+class ApproximateQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """What an approximate-hit policy sees: a cold block with the same tokens as a block
+    of the context, computed after different preceding tokens.
+
+    Restoring it is cheap but not equal to recomputing: its keys and values attended to
+    another prefix, and its keys are re-rotated by ``shift`` positions.
+    """
+
+    cache_class: CacheClass
+    start: int
+    """Where the block sits in the context now."""
+    source_start: int
+    """Where the cold copy was computed."""
+    n_tokens: int
+    n_bytes: int
+
+    @property
+    def shift(self) -> int:
+        return self.start - self.source_start

@@ -8,6 +8,7 @@ name, so configuration can pick it (the runtime's defaults are ``kvrt.PolicyConf
 <policies.hot_eviction.ClassThenLRU object at ...>
 """
 
+from . import approximate as approximate
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import hot_eviction as hot_eviction
@@ -15,10 +16,14 @@ from . import restore as restore
 from ._registry import get as get
 from ._registry import names as names
 from ._registry import register as register
+from .approximate import AllowApproximate as AllowApproximate
+from .approximate import AllowStableApproximate as AllowStableApproximate
+from .approximate import NeverApproximate as NeverApproximate
 from .cold_admission import AdmitAll as AdmitAll
 from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
 from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
 from .restore import AlwaysRestore as AlwaysRestore
+from .restore import CalibratedCost as CalibratedCost
 from .restore import SizeThreshold as SizeThreshold
