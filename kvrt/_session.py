@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import anyio
@@ -32,14 +33,17 @@ class Prefetch:
         self._scope = anyio.CancelScope()
         self._ready = anyio.Event()
         self._released = anyio.Event()
+        self._pins = ExitStack()
         self._report: PrefetchReport | None = None
         self._error: BaseException | None = None
 
     def cancel(self) -> None:
-        """Stop the prefetch and release what it holds (harmless once it has finished)."""
+        """Stop the prefetch and release what it holds at once (harmless once finished)."""
         self._scope.cancel()
+        self.release()
 
     def release(self) -> None:
+        self._pins.close()
         self._released.set()
 
     @property
@@ -153,24 +157,24 @@ class Session(metaclass=NoPublicConstructor):
                     job._error = exc
                     return
                 keys = a.window.keys_for(tokenized)
-                found = [a.cold.peek(k) for k in keys]
-                hits = [(k, e) for k, e in zip(keys, found, strict=True) if e is not None]
-                with a.cold.pinned(k for k, _ in hits):
-                    job._report = PrefetchReport(
-                        blocks=len(keys),
-                        tokens=sum(len(t) for _, t in tokenized),
-                        cold_blocks=len(hits),
-                        cold_tokens=sum(e.meta.n_tokens for _, e in hits),
-                        cold_bytes=sum(e.n_bytes for _, e in hits),
-                    )
-                    job._ready.set()
-                    if a.counters.ensure_calls != calls:
-                        return  # the call it prepared for has already begun
-                    a.token_cache = tokens
-                    a.prefetched = job.release
-                    with anyio.move_on_after(hold):
-                        await job._released.wait()
+                hits = [e for e in map(a.cold.peek, keys) if e is not None]
+                job._pins.enter_context(a.cold.pinned(e.key for e in hits))
+                job._report = PrefetchReport(
+                    blocks=len(keys),
+                    tokens=sum(len(t) for _, t in tokenized),
+                    cold_blocks=len(hits),
+                    cold_tokens=sum(e.meta.n_tokens for e in hits),
+                    cold_bytes=sum(e.n_bytes for e in hits),
+                )
+                job._ready.set()
+                if a.counters.ensure_calls != calls:
+                    return  # the call it prepared for has already begun
+                a.token_cache = tokens
+                a.prefetched = job.release
+                with anyio.move_on_after(hold):
+                    await job._released.wait()
         finally:
+            job._pins.close()
             if a.prefetched == job.release:
                 a.prefetched = None
                 a.token_cache = {}

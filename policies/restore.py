@@ -30,15 +30,14 @@ class SizeThreshold:
 
 
 class _LineFit:
-    """``y ≈ a + b·x`` by weighted least squares, old observations fading, pulled toward a prior.
+    """``y ≈ a + b·x`` by weighted least squares over observations, old ones fading.
 
-    The prior counts as ``prior_weight`` observations on each coefficient, so the first few
-    real measurements move the estimate most of the way.
+    Starts at the prior ``(a, b)``. While the observed ``x`` barely vary (every restore the
+    same size, say), only ``a`` is fitted and the slope is kept; neither coefficient goes
+    below zero (costs never fall as blocks grow).
     """
 
-    def __init__(self, a: float, b: float, *, prior_weight: float, decay: float) -> None:
-        self.prior = (a, b)
-        self.prior_weight = prior_weight
+    def __init__(self, a: float, b: float, *, decay: float) -> None:
         self.decay = decay
         self._s = [0.0] * 5  # Σw, Σwx, Σwxx, Σwy, Σwxy
         self.a, self.b = a, b
@@ -57,17 +56,19 @@ class _LineFit:
 
     def _solve(self) -> None:
         sw, sx, sxx, sy, sxy = self._s
-        a0, b0 = self.prior
-        lam = self.prior_weight
-        # Normal equations with a ridge toward the prior on both coefficients.
-        m11, m12, m22 = sw + lam, sx, sxx + lam
-        r1, r2 = sy + lam * a0, sxy + lam * b0
-        det = m11 * m22 - m12 * m12
-        if det <= 0.0:
-            return
-        a = (r1 * m22 - r2 * m12) / det
-        b = (m11 * r2 - m12 * r1) / det
-        self.a, self.b = max(a, 0.0), max(b, 0.0)
+        mean_x, mean_y = sx / sw, sy / sw
+        var = max(sxx / sw - mean_x * mean_x, 0.0)
+        if var > (0.1 * abs(mean_x)) ** 2 and var > 0.0:
+            b = (sxy / sw - mean_x * mean_y) / var
+            a = mean_y - b * mean_x
+            if b < 0.0:
+                a, b = mean_y, 0.0
+            elif a < 0.0:
+                a, b = 0.0, sxy / sxx
+        else:
+            b = self.b
+            a = max(mean_y - b * mean_x, 0.0)
+        self.a, self.b = a, b
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
@@ -90,9 +91,9 @@ class CalibratedCost:
 
     def __init__(self) -> None:
         # seconds = overhead + MB · seconds_per_MB
-        self.restore_fit = _LineFit(5e-4, 5e-4, prior_weight=0.5, decay=0.97)
+        self.restore_fit = _LineFit(5e-4, 5e-4, decay=0.97)
         # seconds per token = base + (mid position / 1000) · growth
-        self.prefill_fit = _LineFit(1e-3, 0.0, prior_weight=0.5, decay=0.97)
+        self.prefill_fit = _LineFit(1e-3, 0.0, decay=0.97)
 
     # -- measurements --
 

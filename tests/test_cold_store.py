@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import anyio
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policies
-from kvrt import CacheClass, ColdBlock, ColdBlockMeta, ColdKey, KvrtError
+from kvrt import CacheClass, ColdBlock, ColdBlockMeta, ColdKey, ColdStoreFullError, KvrtError
 from kvrt._cold_store import ColdEntry, ColdStore, token_digest
 
 
@@ -96,3 +98,79 @@ async def test_put_of_a_present_key_is_a_touch() -> None:
 def test_zero_budget_is_refused() -> None:
     with pytest.raises(KvrtError, match="needs a budget above zero bytes"):
         ColdStore(0, policies.get("cold_victim", "class_lru"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    budget=st.integers(100, 3000),
+    steps=st.lists(st.tuples(st.integers(1, 800), st.booleans()), min_size=1, max_size=30),
+)
+def test_pinned_entries_are_never_dropped(budget: int, steps: list[tuple[int, bool]]) -> None:
+    """Whatever is pinned stays; a put that cannot fit without dropping it fails, bounded."""
+
+    async def body(store: ColdStore) -> None:
+        with ExitStack() as pins:
+            held: list[ColdKey] = []
+            for i, (size, pin) in enumerate(steps):
+                e = entry(i, size)
+                free = budget - sum(store.peek(k).n_bytes for k in held)  # type: ignore[union-attr]
+                try:
+                    ok = await store.put(e, wait=0.0)
+                except ColdStoreFullError:
+                    assert size > free  # only when the pinned entries leave no room
+                    continue
+                assert ok == (size <= budget)
+                assert ok or size > budget
+                if ok and pin:
+                    pins.enter_context(store.pinned([e.key]))
+                    held.append(e.key)
+                assert all(k in store for k in held)
+                stats = store.stats()
+                assert stats.bytes <= budget and stats.pinned == len(held)
+                # The token index covers exactly the entries present.
+                indexed = {k for keys in store._by_tokens.values() for k in keys}
+                assert indexed == set(store._slots)
+        assert store.stats().pinned == 0
+
+    anyio.run(with_store, budget, body)
+
+
+@pytest.mark.anyio
+async def test_full_store_waits_for_a_pin_then_commits() -> None:
+    async def body(store: ColdStore) -> None:
+        first = entry(0, 100)
+        assert await store.put(first)
+        late = entry(1, 100)
+        with store.pinned([first.key]):
+            with pytest.raises(ColdStoreFullError, match=r"stayed full for 0\.05 s"):
+                await store.put(late, wait=0.05)
+            assert store.stats().full_failures == 1
+
+        async def release_soon(stack: ExitStack) -> None:
+            await anyio.sleep(0.05)
+            stack.close()
+
+        stack = ExitStack()
+        stack.enter_context(store.pinned([first.key]))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_soon, stack)
+            assert await store.put(late, wait=5.0)  # waits for the pin, then drops ``first``
+        assert late.key in store and first.key not in store
+        assert store.stats().full_waits == 2
+
+    await with_store(150, body)
+
+
+@pytest.mark.anyio
+async def test_similar_finds_the_same_tokens_after_another_prefix() -> None:
+    async def body(store: ColdStore) -> None:
+        e = entry(3, 10)  # tokens 0..15 at position 48 after prefix [3]
+        assert await store.put(e)
+        elsewhere = ColdKey("f", token_digest([9, 9]), e.key.tokens, 200)
+        assert store.similar(elsewhere) is e
+        assert store.similar(e.key) is None  # its own key is an exact hit, not a similar one
+        other_model = ColdKey("g", elsewhere.prefix, e.key.tokens, 200)
+        assert store.similar(other_model) is None
+        assert store.stats().approximate_hits == 1
+
+    await with_store(100, body)

@@ -103,3 +103,83 @@ def test_restore_policies(n_tokens: int, start: int, n_bytes: int, cache_class: 
     assert policies.get("restore", "always").restore(query)
     threshold = policies.get("restore", "size_threshold")
     assert threshold.restore(query) is (n_tokens >= threshold.min_tokens)
+
+
+@given(st.integers(1, 4096), st.integers(0, 8192), st.integers(-8192, 8192), classes)
+def test_approximate_policies(
+    n_tokens: int, start: int, shift: int, cache_class: CacheClass
+) -> None:
+    from kvrt._types import ApproximateQuery
+
+    query = ApproximateQuery(
+        cache_class=cache_class,
+        start=start,
+        source_start=max(0, start - shift),
+        n_tokens=n_tokens,
+        n_bytes=n_tokens * 100,
+    )
+    assert not policies.get("approximate", "never").accept(query)
+    allow = policies.get("approximate", "allow")
+    assert allow.accept(query) is (n_tokens >= allow.min_tokens)
+    stable = policies.get("approximate", "stable_only")
+    assert stable.accept(query) is (
+        n_tokens >= stable.min_tokens and cache_class is not CacheClass.VOLATILE
+    )
+
+
+@given(
+    overhead=st.floats(1e-5, 5e-2),
+    gbps=st.floats(0.2, 30.0),
+    per_token=st.floats(1e-5, 1e-2),
+    growth=st.floats(0.0, 1e-3),
+    sizes=st.lists(st.integers(16, 4096), min_size=4, max_size=20, unique=True).filter(
+        lambda sizes: max(sizes) >= 4 * min(sizes)
+    ),
+)
+def test_calibrated_policy_learns_the_measured_costs(
+    overhead: float, gbps: float, per_token: float, growth: float, sizes: list[int]
+) -> None:
+    """Fed exact measurements, the fit converges to them and decides as they say."""
+    from kvrt._types import RestoreQuery
+
+    policy = policies.get("restore", "calibrated")
+    bpt = 24_000  # bytes per token
+
+    def restore_s(n_bytes: int) -> float:
+        return overhead + n_bytes / (gbps * 1e9)
+
+    def prefill_s(start: int, n: int) -> float:
+        return n * (per_token + growth * (start + n / 2) / 1e3)
+
+    for _ in range(6):
+        for n in sizes:
+            policy.observe_restore(n * bpt, restore_s(n * bpt))
+            policy.observe_prefill(n, n, prefill_s(n, n))
+    assert policy.observations == (6 * len(sizes), 6 * len(sizes))
+    for n in (min(sizes), max(sizes), (min(sizes) + max(sizes)) // 2):
+        query = RestoreQuery(cache_class=CacheClass.VOLATILE, start=n, n_tokens=n, n_bytes=n * bpt)
+        est_restore, est_recompute = policy.estimate(query)
+        assert est_restore == pytest.approx(restore_s(n * bpt), rel=0.05, abs=2e-4)
+        assert est_recompute == pytest.approx(prefill_s(n, n), rel=0.05, abs=2e-4)
+        assert policy.restore(query) is (est_restore <= est_recompute)
+    cross = policy.crossover(bpt, start=0)
+    if cross is not None:  # the smallest block restoring wins, and every larger one too
+        for n in (cross, cross * 2, cross * 8):
+            assert policy.restore_seconds(n * bpt) <= policy.recompute_seconds(0, n)
+        if cross > 1:
+            assert policy.restore_seconds((cross - 1) * bpt) > policy.recompute_seconds(
+                0, cross - 1
+            )
+
+
+def test_calibrated_policy_recomputes_when_restoring_is_measured_slow() -> None:
+    from kvrt._types import RestoreQuery
+
+    policy = policies.get("restore", "calibrated")
+    query = RestoreQuery(cache_class=CacheClass.VOLATILE, start=0, n_tokens=64, n_bytes=64 * 24_000)
+    assert policy.restore(query)  # the priors favour restoring
+    for n in (16, 64, 256, 1024):
+        policy.observe_restore(n * 24_000, 0.5)  # a slow tier: half a second per restore
+        policy.observe_prefill(0, n, n * 1e-4)
+    assert not policy.restore(query)
+    assert policy.crossover(24_000) is not None and policy.crossover(24_000) > 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 
@@ -114,3 +115,83 @@ async def test_approximate_restore_is_close_to_recompute(backend: str) -> None:
         )
         assert delta > 0.0  # not exact, as labelled
         assert corr > 0.95  # but close: the same tokens' KV, attended to another prefix
+
+
+async def test_resent_earlier_turn_restores_every_cold_block_with_the_choice_shown() -> None:
+    turn1 = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
+    turn2 = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
+    async with kvrt.open_runtime() as rt:
+        async with rt.open_session(hot_tokens=512) as never:
+            await never.ensure_context(turn1)
+            expected = await greedy(never, 16)
+        async with rt.open_session(hot_tokens=512, restore="calibrated") as s:
+            await s.ensure_context(turn1)
+            await greedy(s, 8)
+            second = await s.ensure_context(turn2)
+            assert second.evicted_tokens > 0
+            third = await s.ensure_context(turn1)
+            n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
+            n_question = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
+            # Every block that had gone cold came back; at most the last token is computed
+            # again for its logits (a reply followed it, so none were kept for it).
+            assert third.prefilled_tokens <= 1
+            assert third.restored_tokens == n_file + n_question
+            report = s.explain()
+            assert report.consistent, report.problems
+            for name in ("file:a.py", "user"):
+                for block in blocks_of(report, name):
+                    assert block.residency is Residency.HOT
+                    assert block.choice is not None
+                    assert block.choice.startswith("restored from cold (est. ")
+                    assert "to recompute" in block.choice
+            calibrated = rt.policy("restore", "calibrated")
+            restores, prefills = calibrated.observations
+            assert restores >= 1 and prefills >= 1  # fitted from this session's own work
+            assert await greedy(s, 16) == expected
+
+
+def small_cold(n_bytes: int, wait: float) -> kvrt.Config:
+    return kvrt.Config(
+        memory=kvrt.MemoryConfig(cold=n_bytes), session=kvrt.SessionConfig(cold_wait=wait)
+    )
+
+
+async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
+    anyio_backend: str,
+) -> None:
+    a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
+    b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
+    async with kvrt.open_runtime(config=small_cold(8_000_000, 0.2)) as rt:
+        n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
+        async with rt.open_session(hot_tokens=1024) as s, rt.open_session(hot_tokens=1024) as t:
+            await s.ensure_context(a_ctx)
+            await s.evict("file:a.py")
+            assert rt.cold_stats().entries == 3  # 128 + 128 + 23 tokens, ~6.4 MB
+
+            cancelled = s.prefetch(a_ctx)
+            assert await cancelled.wait() is not None
+            assert rt.cold_stats().pinned == 3
+            cancelled.cancel()
+            await anyio.sleep(0.05)
+            assert rt.cold_stats().pinned == 0
+
+            job = s.prefetch(a_ctx)
+            report = await job.wait()
+            assert report is not None
+            assert (report.cold_blocks, report.cold_tokens) == (3, n_file)
+            assert rt.cold_stats().pinned == 3
+
+            # Another session's evictions need the room the pinned blocks take.
+            await t.ensure_context(b_ctx)
+            with pytest.raises(kvrt.ColdStoreFullError, match=r"stayed full for 0\.2 s"):
+                await t.evict("file:b.py")
+            assert {b.residency for b in blocks_of(t.explain(), "file:b.py")} == {Residency.HOT}
+            assert rt.cold_stats().bytes <= rt.cold_stats().budget_bytes
+
+            status = await s.ensure_context(a_ctx)
+            assert status.restored_tokens == n_file and status.prefilled_tokens == 0
+            assert rt.cold_stats().pinned == 0  # released once the call placed the context
+
+            # Unpinned now: the other session's eviction goes through.
+            assert await t.evict("file:b.py") > 0
+            assert t.explain().consistent
