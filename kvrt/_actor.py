@@ -279,6 +279,17 @@ class Actor:
         await self._engine("evict", self.ctx.evict, block.start, block.end, EvictMode.GAP)
         self._tally.evicted += block.n_tokens
 
+    def _room(self, keep: set[int]) -> int:
+        """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
+        resident = self.resident()
+        shielded = self.window.protected() | keep
+        evictable = sum(
+            b.n_tokens
+            for b in self.window.blocks
+            if b.id not in shielded and self.state(b, resident) is Residency.HOT
+        )
+        return self.window.budget - (self.ctx.n_resident - evictable)
+
     async def _make_room(self, need: int, keep: set[int]) -> None:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
         while self.window.budget - self.ctx.n_resident < need:
@@ -313,6 +324,10 @@ class Actor:
         if not entries:
             return 0
         run = blocks[: len(entries)]
+        room = self._room(keep)
+        while len(run) > 1 and sum(b.n_tokens for b in run) > room:
+            run.pop()  # the rest come back in a later run, once earlier blocks can go
+        entries = entries[: len(run)]
         with self.cold.pinned(e.key for e in entries):
             await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             began = time.perf_counter()

@@ -1,0 +1,206 @@
+"""Random operations with random cancellation, and many sessions at once, on one model.
+
+After every step: no KV lost (every block that had KV, hot or cold, before the step still
+has it), the hot window and the cold store within budget, ``explain()`` consistent, and
+the next call succeeds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+import kvrt
+from kvrt import Config, EngineConfig, MemoryConfig, Residency, SessionConfig
+from kvrt._cold_store import ColdKey
+
+from ._agent import FILE_A, FILE_B, REPO_MAP, SYSTEM
+
+pytestmark = pytest.mark.anyio
+
+SMALL = dict(block_tokens=16, sink_tokens=4, recent_tokens=16)
+HOT = 128
+PIECES = {
+    "repo_map": REPO_MAP[:160],
+    "file:a.py": FILE_A[:180],
+    "file:b.py": FILE_B[:180],
+    "file:c.py": FILE_A[300:420],
+    "notes": "Notes: keep functions short; name things plainly.",
+}
+QUESTIONS = ["Explain add_1.", "What does mul_2 do?", "Compare the files.", "Summarize."]
+
+
+def random_context(rng: random.Random) -> list[kvrt.Segment]:
+    # Pieces keep one order, as an agent's context does: later contexts hit earlier blocks.
+    names = sorted(rng.sample(sorted(PIECES), rng.randint(0, 3)), key=list(PIECES).index)
+    return [
+        kvrt.Segment("system", SYSTEM, cache_class=kvrt.CacheClass.TASK_PINNED),
+        *(kvrt.Segment(n, PIECES[n]) for n in names),
+        kvrt.Segment("user", rng.choice(QUESTIONS)),
+    ]
+
+
+RECENT: deque[str] = deque(maxlen=8)
+"""The last operations, for failure messages."""
+Held = dict[ColdKey, tuple[str, int, tuple[int, ...]]]
+
+
+def with_kv(s: kvrt.Session) -> Held:
+    """The blocks that have KV now (hot in the window, or in the cold store), by key."""
+    a = s._actor
+    resident = a.resident()
+    fp = a.window.fingerprint
+    return {
+        b.key(fp): (b.prefix, b.start, tuple(b.tokens))
+        for b in a.window.blocks
+        if a.window.residency(b, resident, a.cold) is not Residency.DROPPED
+    }
+
+
+def check(s: kvrt.Session, before: Held) -> None:
+    a = s._actor
+    report = s.explain()
+    assert report.consistent, (report.problems, list(RECENT))
+    assert report.hot_tokens <= report.hot_budget
+    stats = report.cold_store
+    assert stats.bytes <= stats.budget_bytes
+    now = with_kv(s)
+    grown = {(prefix, start): toks for prefix, start, toks in now.values()}
+    lost = []
+    for key, (prefix, start, toks) in before.items():
+        if key in a.cold or key in now:
+            continue
+        longer = grown.get((prefix, start))
+        if longer is not None and longer[: len(toks)] == toks:
+            continue  # the last block, grown by generation
+        lost.append((start, len(toks)))
+    assert not lost, f"blocks (start, tokens) {lost} lost their KV after {list(RECENT)}"
+
+
+async def one_op(s: kvrt.Session, rng: random.Random, current: list[kvrt.Segment]) -> None:
+    """One random operation; the errors it may meet are kvrt's own, for bad targets."""
+    kind = rng.choice(["ensure", "ensure", "generate", "evict", "admit", "prefetch"])
+    names = [seg.name for seg in current]
+    RECENT.append(kind)
+    try:
+        if kind == "ensure":
+            current[:] = random_context(rng)
+            await s.ensure_context(current)
+        elif kind == "generate":
+            async for _ in s.generate(rng.randint(1, 6), stop_at_end=False):
+                pass
+        elif kind == "prefetch":
+            job = s.prefetch(random_context(rng))
+            if rng.random() < 0.5:
+                job.cancel()
+            else:
+                await job.wait()
+        elif kind == "evict":
+            await s.evict(rng.choice(names))
+        else:
+            await s.admit(rng.choice(names))
+    except (kvrt.InvalidRangeError, kvrt.UnknownSegmentError) as exc:
+        assert kind in ("evict", "admit"), exc
+    except kvrt.HotWindowFullError as exc:
+        assert kind == "admit", exc  # a whole segment larger than the unprotected room
+    except kvrt.KvrtError as exc:
+        assert kind == "admit" and "no KV bytes left" in str(exc), exc
+
+
+def canceller(s: kvrt.Session, scope: anyio.CancelScope, at: int) -> Callable[[str], None]:
+    """A fault hook that cancels the caller and its call at the ``at``-th await point."""
+    seen: list[str] = []
+
+    def hook(label: str) -> None:
+        seen.append(label)
+        if len(seen) == at + 1:
+            scope.cancel()
+            if s._actor.current is not None:
+                s._actor.current.abandon()
+
+    return hook
+
+
+async def fuzz(s: kvrt.Session, rng: random.Random, steps: int) -> int:
+    current = random_context(rng)
+    await s.ensure_context(current)
+    cancelled = 0
+    for _ in range(steps):
+        before = with_kv(s)
+        if rng.random() < 0.4:
+            with anyio.CancelScope() as scope:
+                s._actor.fault = canceller(s, scope, at=rng.randrange(12))
+                await one_op(s, rng, current)
+                RECENT.append("(finished before its cancel point)")
+            s._actor.fault = None
+            cancelled += scope.cancelled_caught
+            while s.explain().mailbox["in_flight"]:  # the abandoned call is tidying up
+                await anyio.sleep(0.001)
+            check(s, before)
+            # The next call succeeds, whatever the cancelled one left behind.
+            before = with_kv(s)
+            await s.ensure_context(current)
+        else:
+            await one_op(s, rng, current)
+        check(s, before)
+    return cancelled
+
+
+async def test_random_cancellation_fuzz_1000_operations(anyio_backend: str) -> None:
+    config = Config(session=SessionConfig(**SMALL))
+    rng = random.Random(f"fuzz-{anyio_backend}")
+    async with (
+        kvrt.open_runtime(config=config) as rt,
+        rt.open_session(hot_tokens=HOT) as s1,
+        rt.open_session(hot_tokens=HOT, restore="calibrated") as s2,
+    ):
+        cancelled = await fuzz(s1, rng, 500) + await fuzz(s2, rng, 500)
+        assert s1.explain().counters.cancelled_calls + s2.explain().counters.cancelled_calls > 0
+    assert cancelled >= 100  # the fuzz really did cancel a good share of its calls
+
+
+async def test_sixteen_sessions_hundred_operations_each(anyio_backend: str) -> None:
+    budget = 24_000_000  # a cold store much smaller than 16 sessions' blocks: victims go
+    config = Config(
+        memory=MemoryConfig(cold=budget),
+        engine=EngineConfig(threads=1, parallel=2),
+        session=SessionConfig(**SMALL, cold_wait=2.0),
+    )
+    peak = {"engine_calls": 0.0, "cold": 0}
+
+    async def watch(rt: kvrt.Runtime) -> None:
+        while True:
+            peak["engine_calls"] = max(peak["engine_calls"], rt.engine_limiter.borrowed_tokens)
+            peak["cold"] = max(peak["cold"], rt.cold_stats().bytes)
+            await anyio.sleep(0.005)
+
+    async def worker(rt: kvrt.Runtime, i: int) -> None:
+        rng = random.Random(f"worker-{i}-{anyio_backend}")
+        async with rt.open_session(hot_tokens=HOT, name=f"s{i}") as s:
+            current = random_context(rng)
+            await s.ensure_context(current)
+            for _ in range(100):
+                await one_op(s, rng, current)
+                report = s.explain()
+                assert report.consistent, report.problems
+                assert report.hot_tokens <= report.hot_budget
+            done.append(i)
+
+    done: list[int] = []
+    with anyio.fail_after(600):  # no deadlock: everything finishes, well within this
+        async with kvrt.open_runtime(config=config) as rt:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch, rt)
+                async with anyio.create_task_group() as workers:
+                    for i in range(16):
+                        workers.start_soon(worker, rt, i)
+                tg.cancel_scope.cancel()
+            stats = rt.cold_stats()
+    assert sorted(done) == list(range(16))
+    assert peak["cold"] <= budget and stats.bytes <= budget
+    assert stats.evictions > 0  # the store was under pressure and stayed inside its budget
+    assert peak["engine_calls"] == 2  # engine calls ran in parallel across sessions
