@@ -121,6 +121,7 @@ class Actor:
         admission: Callable[[BlockView], bool] | None = None,
         restore: Any = None,
         approximate: Callable[[ApproximateQuery], bool] | None = None,
+        observers: Sequence[Any] = (),
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -132,6 +133,8 @@ class Actor:
         self.restorer = restore
         """The restore-vs-recompute policy object (``restore(query)``, optionally
         ``estimate(query)`` and ``observe_restore``/``observe_prefill`` for calibration)."""
+        self.observers = observers
+        """Policies that calibrate themselves from measured work (the runtime's, shared)."""
         self.approximate = approximate or (lambda query: False)
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
@@ -341,11 +344,16 @@ class Actor:
         return len(run)
 
     def _observe(self, method: str, *args: Any) -> None:
-        """Hand a measured transfer or prefill (``args`` ending in its start time) to the
-        restore policy, if it calibrates itself."""
-        observe = getattr(self.restorer, method, None)
-        if observe is not None:
-            observe(*args[:-1], time.perf_counter() - args[-1])
+        """Hand a measured transfer or prefill (``args`` ending in its start time) to every
+        policy that calibrates itself from them."""
+        seconds = time.perf_counter() - args[-1]
+        targets = list(self.observers)
+        if self.restorer is not None and self.restorer not in targets:
+            targets.append(self.restorer)
+        for policy in targets:
+            observe = getattr(policy, method, None)
+            if observe is not None:
+                observe(*args[:-1], seconds)
 
     def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
@@ -365,14 +373,11 @@ class Actor:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
-        """Restore ``block`` from a cold copy of its tokens after another prefix, if the
-        approximate-hit policy accepts it; the window must end right before the block."""
-        if self.ctx.next_position != block.start and self.ctx.n_resident:
-            return False
+    def _approximate_query(self, block: Block) -> ApproximateQuery | None:
+        """The approximate hit for ``block`` the session's policy would accept, if any."""
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
-            return False
+            return None
         query = ApproximateQuery(
             cache_class=block.cache_class,
             start=block.start,
@@ -381,8 +386,15 @@ class Actor:
             n_bytes=entry.n_bytes,
         )
         if query.shift and not self.ctx.capabilities.position_shift:
+            return None
+        return query if self.approximate(query) else None
+
+    async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
+        """Restore ``block`` from a cold copy of its tokens after another prefix, if the
+        approximate-hit policy accepts it; the window must end right before the block."""
+        if self.ctx.next_position != block.start and self.ctx.n_resident:
             return False
-        if not self.approximate(query):
+        if self._approximate_query(block) is None:
             return False
         entry = self.cold.similar(block.key(self.window.fingerprint))  # counted and touched
         if entry is None:
@@ -404,29 +416,31 @@ class Actor:
         )
         return True
 
-    async def _prefill(self, block: Block, keep: set[int]) -> None:
-        if await self._approximate_hit(block, keep):
-            return
-        await self._make_room(block.n_tokens, keep | {block.id})
+    async def _prefill(self, blocks: list[Block], keep: set[int]) -> None:
+        """Compute adjacent blocks in one engine call (batched: many small segments cost
+        one call, not one each)."""
+        ids = {b.id for b in blocks}
+        await self._make_room(sum(b.n_tokens for b in blocks), keep | ids)
         began = time.perf_counter()
         await self._engine(
             "prefill",
             self.ctx.prefill,
-            block.tokens,
-            start=block.start,
+            [t for b in blocks for t in b.tokens],
+            start=blocks[0].start,
             checkpoint=anyio.from_thread.check_cancelled,
         )
-        self._observe("observe_prefill", block.start, block.n_tokens, began)
-        self._tally.prefilled += block.n_tokens
-        self._taint_if_after_approximate(block)
-        if block.id in self._recompute:
-            entry = self.cold.peek(block.key(self.window.fingerprint))
-            why = self._estimate(block, entry.n_bytes) if entry is not None else ""
-            self.choices[block.id] = (
-                f"recomputed (restore policy: {why})" if why else ("recomputed (restore policy)")
-            )
-        else:
-            self.choices[block.id] = "prefilled"
+        self._observe("observe_prefill", blocks[0].start, sum(b.n_tokens for b in blocks), began)
+        for block in blocks:
+            self._tally.prefilled += block.n_tokens
+            self._taint_if_after_approximate(block)
+            if block.id in self._recompute:
+                entry = self.cold.peek(block.key(self.window.fingerprint))
+                why = self._estimate(block, entry.n_bytes) if entry is not None else ""
+                self.choices[block.id] = (
+                    f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
+                )
+            else:
+                self.choices[block.id] = "prefilled"
 
     def _taint_if_after_approximate(self, block: Block) -> None:
         """``block`` was just computed: tainted iff an approximate block is resident before it."""
@@ -570,8 +584,21 @@ class Actor:
                 continue
             if i and self.state(layout[i - 1]) is not Residency.HOT:
                 await self._restore(layout[i - 1], set())  # the tail must end right before it
-            await self._prefill(block, pred)
-            i += 1
+            if await self._approximate_hit(block, pred):
+                i += 1
+                continue
+            run, room = [block], self._room(pred)
+            while i + len(run) < len(layout):
+                after = layout[i + len(run)]
+                if (
+                    self.state(after) is not Residency.DROPPED
+                    or sum(b.n_tokens for b in run) + after.n_tokens > room
+                    or self._approximate_query(after) is not None
+                ):
+                    break
+                run.append(after)
+            await self._prefill(run, pred)
+            i += len(run)
 
     async def _last_logits(self) -> None:
         """Make sure logits follow the context's last token.

@@ -11,7 +11,7 @@ import msgspec
 
 from ._config import SETTINGS, Config, load_config
 from ._describe import ModelInfo, describe_model
-from ._errors import KvrtError
+from ._errors import ConfigError, KvrtError
 from ._units import format_size
 
 __all__ = ["main"]
@@ -38,7 +38,7 @@ _HELP = {
     "hot_eviction": "hot eviction policy by name (class_lru, score_lru)",
     "cold_victim": "cold victim policy by name (class_lru)",
     "cold_admission": "which evicted blocks keep KV bytes (all, skip_small_volatile)",
-    "restore": "restore-vs-recompute policy (always, size_threshold, calibrated)",
+    "restore": "restore-vs-recompute policy (always, never, size_threshold, calibrated)",
     "approximate": "approximate-hit policy (never, allow, stable_only)",
     "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
@@ -97,18 +97,50 @@ def _parser() -> argparse.ArgumentParser:
     _common(run)
 
     bench = sub.add_parser(
-        "bench", help="measure restore, time to first token and decode side by side"
+        "bench",
+        help="measure kvrt beside the engine alone: restore vs recompute, an agent trace, "
+        "bandwidth, decode, many sessions",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="the quick session-level figures (the default)"
+        "--quick",
+        action="store_true",
+        help="only restore bandwidth, time to first token and decode (a minute)",
     )
     bench.add_argument(
-        "--tokens", type=int, default=1024, metavar="N", help="segment size (default 1024)"
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="re-sent segment size (default 2048; 1024 with --quick)",
     )
     bench.add_argument(
         "--decode", type=int, default=64, metavar="N", help="tokens to decode (default 64)"
     )
-    bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bench.add_argument(
+        "--sizes",
+        type=_int_list,
+        default=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        metavar="N,N,...",
+        help="block sizes for restore vs recompute (default 16,32,...,4096)",
+    )
+    bench.add_argument(
+        "--turns", type=int, default=20, metavar="N", help="agent trace turns (default 20)"
+    )
+    bench.add_argument(
+        "--sessions",
+        type=_int_list,
+        default=(1, 4, 8),
+        metavar="N,N,...",
+        help="session counts to decode at once (default 1,4,8)",
+    )
+    bench.add_argument(
+        "--plot",
+        default="kvrt-bench.png",
+        metavar="PATH",
+        help="where the PNG plot goes (default kvrt-bench.png)",
+    )
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    bench.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _common(bench)
     return parser
 
@@ -224,29 +256,75 @@ def _run(args: argparse.Namespace) -> None:
     )
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
 def _bench(args: argparse.Namespace) -> None:
     import anyio
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from ._bench import run_quick_bench
+    from ._bench_full import run_full_bench, steps_of
 
     config = _config_from(args)
     console = Console(stderr=args.json)
+    if args.quick:
+        total = 5
+    else:
+        total = steps_of(args.sizes, args.turns, args.sessions)
+        if max(args.sizes) + 512 > 8192 or args.turns < 1:
+            raise ConfigError("--sizes must stay below 7680 tokens and --turns above 0")
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("measuring", total=5)
+        task = progress.add_task("measuring", total=total)
 
         def step(what: str) -> None:
             progress.update(task, description=what, advance=1)
 
-        figures = anyio.run(
-            lambda: run_quick_bench(config, tokens=args.tokens, decode=args.decode, progress=step)
-        )
+        if args.quick:
+            figures: Any = anyio.run(
+                lambda: run_quick_bench(
+                    config, tokens=args.tokens or 1024, decode=args.decode, progress=step
+                )
+            )
+        else:
+            figures = anyio.run(
+                lambda: run_full_bench(
+                    config,
+                    sizes=args.sizes,
+                    turns=args.turns,
+                    tokens=args.tokens or 2048,
+                    decode=args.decode,
+                    sessions=args.sessions,
+                    progress=step,
+                )
+            )
+    if not args.quick and not args.no_plot:
+        from ._plot import plot_bench
+
+        written = plot_bench(figures, args.plot)
+        figures = msgspec.structs.replace(figures, plot=str(written))
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
         return
-    f = figures
+    if args.quick:
+        Console().print(_quick_table(figures))
+    else:
+        _print_full(figures)
+
+
+def _quick_table(f: Any) -> Any:
+    from rich.table import Table
+
     table = Table(
         title=f"kvrt bench --quick on {f.backend} ({f.segment_tokens}-token segment, "
         f"{format_size(f.restore_bytes)})"
@@ -276,7 +354,79 @@ def _bench(args: argparse.Namespace) -> None:
         f"{f.reference_decode_tps:.1f}",
         f"{f.decode_ratio:.2f}x",
     )
-    Console().print(table)
+    return table
+
+
+def _print_full(b: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    c = b.crossover
+    table = Table(title=f"restore vs recompute by block size (blocks start at position {c.start})")
+    for column in ("tokens", "bytes", "restore ms", "recompute ms", "restore faster by"):
+        table.add_column(column, justify="right")
+    for p in c.points:
+        table.add_row(
+            str(p.tokens),
+            format_size(p.n_bytes),
+            f"{p.restore_ms:.2f}",
+            f"{p.recompute_ms:.1f}",
+            f"{p.speedup:.1f}x",
+        )
+    out.print(table)
+    out.print(
+        f"measured crossover: {c.measured if c.measured is not None else 'none'} tokens; "
+        f"the calibrated policy restores from {c.calibrated if c.calibrated is not None else 'no size'} "
+        f"tokens on (fitted from {c.calibrated_restores} restores and {c.calibrated_prefills} prefills)"
+    )
+    t = b.trace
+    table = Table(
+        title=f"agent trace: {t.turns} turns, contexts of {min(t.context_tokens)}-"
+        f"{max(t.context_tokens)} tokens (kvrt hot window {t.kvrt_hot_tokens})"
+    )
+    for column in ("system", "total prefill s", "median first token ms", "vs kvrt"):
+        table.add_column(column, justify="right")
+    for column in ("vs kvrt, approximate",):
+        table.add_column(column, justify="right")
+    for system in t.systems:
+        ratio = t.prefill_ratios.get(system.name)
+        loose = t.approximate_prefill_ratios.get(system.name)
+        table.add_row(
+            system.name,
+            f"{system.total_prefill_s:.2f}",
+            f"{system.median_ttft_ms:.0f}",
+            "-" if ratio is None else f"{ratio:.2f}x slower",
+            "-" if loose is None else f"{loose:.2f}x slower",
+        )
+    out.print(table)
+    out.print(
+        f"kvrt over the trace: {t.kvrt_restored_tokens} tokens restored exactly, "
+        f"{t.kvrt_prefilled_tokens} prefilled; with approximate hits allowed, "
+        f"{t.approximate_restored_tokens} restored approximately, "
+        f"{t.approximate_prefilled_tokens} prefilled"
+    )
+    out.print(_quick_table(b.quick))
+    table = Table(title="many sessions on one model, decoding at once")
+    for column in ("sessions", "aggregate tok/s", "vs one", "peak RSS", "cold peak / budget"):
+        table.add_column(column, justify="right")
+    for p in b.sessions:
+        table.add_row(
+            str(p.sessions),
+            f"{p.tokens_per_s:.1f}",
+            f"{p.ratio_to_one:.2f}x",
+            format_size(p.peak_rss_bytes),
+            f"{format_size(p.cold_peak_bytes)} / {format_size(p.cold_budget_bytes)}",
+        )
+    out.print(table)
+    table = Table(title="read against the goals (figures, not assertions)")
+    for column in ("figure", "goal", "measured", "met"):
+        table.add_column(column)
+    for g in b.goals:
+        table.add_row(g.figure, g.goal, g.measured, "yes" if g.met else "no")
+    out.print(table)
+    if b.plot:
+        out.print(f"plot: {b.plot}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from ._backend import Engine
 from ._config import EngineConfig
 from ._errors import ConfigError
 
-__all__ = ["BACKENDS", "open_engine", "reference_greedy_tps"]
+__all__ = ["BACKENDS", "open_engine", "reference_greedy_tps", "reference_trace"]
 
 BACKENDS: dict[str, str] = {
     "llama": "adapters.llama:LlamaEngine",
@@ -35,3 +35,17 @@ def reference_greedy_tps(
         raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
     module = importlib.import_module(f"adapters.{config.backend}._reference")
     return str(module.REFERENCE_NAME), float(module.reference_greedy_tps(path, prompt, n, config))
+
+
+def reference_trace(
+    config: EngineConfig, path: str, prompts: list[list[int]], n_ctx: int
+) -> dict[str, list[tuple[float, float]]]:
+    """The backend's own way of serving a sequence of prompts without kvrt, for benchmarks:
+    per system, per prompt, seconds to the first token and for the whole call."""
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
+    module = importlib.import_module(f"adapters.{config.backend}._reference")
+    result: dict[str, list[tuple[float, float]]] = module.reference_trace(
+        path, prompts, n_ctx, config
+    )
+    return result

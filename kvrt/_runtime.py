@@ -50,6 +50,8 @@ class Runtime(metaclass=NoPublicConstructor):
         self._tg = tg
         self._sessions: set[Session] = set()
         self._policies: dict[tuple[str, str], Any] = {}
+        self._observers: list[Any] = []
+        """Policy instances that learn from every session's measured work."""
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -66,13 +68,16 @@ class Runtime(metaclass=NoPublicConstructor):
     def policy(self, kind: str, name: str | None = None) -> Any:
         """The runtime's instance of a policy (the configured one when ``name`` is None).
 
-        One instance per name serves every session that picks it, so a calibrated policy
-        learns from all of them.
+        One instance per name serves every session that picks it; a policy that calibrates
+        itself (``observe_restore``/``observe_prefill``) learns from every session's
+        restores and prefills once it exists, whichever policy those sessions use.
         """
         chosen = name or getattr(self.config.policies, kind)
         found = self._policies.get((kind, chosen))
         if found is None:
             found = self._policies[(kind, chosen)] = _policy(kind, chosen)
+            if hasattr(found, "observe_restore") or hasattr(found, "observe_prefill"):
+                self._observers.append(found)
         return found
 
     def chat_segment(
@@ -170,6 +175,7 @@ class Runtime(metaclass=NoPublicConstructor):
             admission=admission.admit,
             restore=restorer,
             approximate=approximator.accept,
+            observers=self._observers,
         )
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg)

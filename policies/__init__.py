@@ -26,4 +26,5 @@ from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
 from .restore import AlwaysRestore as AlwaysRestore
 from .restore import CalibratedCost as CalibratedCost
+from .restore import NeverRestore as NeverRestore
 from .restore import SizeThreshold as SizeThreshold

@@ -6,7 +6,7 @@ from kvrt._types import RestoreQuery
 
 from ._registry import register
 
-__all__ = ["AlwaysRestore", "CalibratedCost", "SizeThreshold"]
+__all__ = ["AlwaysRestore", "CalibratedCost", "NeverRestore", "SizeThreshold"]
 
 KIND = "restore"
 
@@ -17,6 +17,14 @@ class AlwaysRestore:
 
     def restore(self, query: RestoreQuery) -> bool:
         return True
+
+
+@register(KIND, "never")
+class NeverRestore:
+    """Recompute every cold block: the baseline a benchmark measures restoring against."""
+
+    def restore(self, query: RestoreQuery) -> bool:
+        return False
 
 
 @register(KIND, "size_threshold")

@@ -72,3 +72,28 @@ def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
         assert third["status"]["prefilled_tokens"] < 40
         assert all(t["status"]["hot_tokens"] <= session["hot_budget"] for t in session["turns"])
         assert all(t["text"] for t in session["turns"])
+
+
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_kvrt_bench_reports_every_section_and_plots(backend: str, tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    argv = ["-m", "kvrt", "bench", "--sizes", "16,64", "--turns", "3", "--sessions", "1,2"]
+    argv += ["--tokens", "256", "--decode", "8", "--json", "--plot", str(png)]
+    report = json.loads(run(*argv, "--backend", backend))
+    crossover = report["crossover"]
+    assert [p["tokens"] for p in crossover["points"]] == [16, 64]
+    assert all(p["restore_ms"] > 0 and p["recompute_ms"] > 0 for p in crossover["points"])
+    assert crossover["calibrated_restores"] > 0 and crossover["calibrated_prefills"] > 0
+    trace = report["trace"]
+    names = [s["name"] for s in trace["systems"]]
+    assert names[:2] == ["kvrt", "kvrt, approximate hits allowed"]
+    if backend == "llama":
+        assert names[2:] == ["llama_cpp.Llama", "llama_cpp.Llama + LlamaRAMCache"]
+    assert all(len(s["ttft_ms"]) == 3 for s in trace["systems"])
+    assert set(trace["prefill_ratios"]) == set(names[2:])
+    assert [p["sessions"] for p in report["sessions"]] == [1, 2]
+    assert all(p["cold_peak_bytes"] <= p["cold_budget_bytes"] for p in report["sessions"])
+    assert report["quick"]["segment_tokens"] > 200
+    assert {g["met"] for g in report["goals"]} <= {True, False} and len(report["goals"]) >= 6
+    assert report["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -90,7 +90,7 @@ async def test_unknown_policy_names() -> None:
     async with kvrt.open_runtime() as rt:
         with pytest.raises(
             kvrt.ConfigError,
-            match=r"no restore policy named 'sometimes' \(known: always, calibrated, size_threshold\)",
+            match=r"no restore policy named 'sometimes' \(known: always, calibrated, never, size_threshold\)",
         ):
             async with rt.open_session(hot_tokens=512, restore="sometimes"):
                 pass

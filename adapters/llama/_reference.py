@@ -28,3 +28,45 @@ def reference_greedy_tps(
     elapsed = time.perf_counter() - started
     llm.close()
     return got / elapsed
+
+
+TRACE_NAMES = ("llama_cpp.Llama", "llama_cpp.Llama + LlamaRAMCache")
+
+
+def reference_trace(
+    path: str, prompts: list[list[int]], n_ctx: int, config: EngineConfig | None = None
+) -> dict[str, list[tuple[float, float]]]:
+    """Each prompt sent in turn to ``llama_cpp.Llama`` as users run it, without and with its
+    ``LlamaRAMCache``; per system, per turn: seconds to the first token and for the call.
+
+    Without the cache, Llama reuses only the prefix its previous prompt shares; with it, the
+    saved state of the longest matching earlier prompt is loaded first (and a state saved
+    after every call).
+    """
+    import llama_cpp
+
+    from kvrt._util import physical_cores
+
+    config = config or EngineConfig()
+    threads = config.threads or physical_cores()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for name in TRACE_NAMES:
+        llm = llama_cpp.Llama(
+            path, n_ctx=n_ctx, n_batch=config.batch, n_threads=threads, verbose=False
+        )
+        if name.endswith("LlamaRAMCache"):
+            llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))  # type: ignore[attr-defined]
+        turns = []
+        for prompt in prompts:
+            started = time.perf_counter()
+            first = None
+            for _chunk in llm.create_completion(
+                prompt, max_tokens=1, temperature=0.0, top_k=1, repeat_penalty=1.0, stream=True
+            ):
+                if first is None:
+                    first = time.perf_counter() - started
+            total = time.perf_counter() - started
+            turns.append((first if first is not None else total, total))
+        llm.close()
+        out[name] = turns
+    return out
