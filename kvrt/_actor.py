@@ -392,7 +392,7 @@ class Actor:
     async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
         approximate-hit policy accepts it; the window must end right before the block."""
-        if self.ctx.next_position != block.start and self.ctx.n_resident:
+        if self.ctx.next_position != block.start:
             return False
         if self._approximate_query(block) is None:
             return False
@@ -401,7 +401,7 @@ class Actor:
             return False
         with self.cold.pinned([entry.key]):
             await self._make_room(block.n_tokens, keep | {block.id})
-            if self.ctx.next_position != block.start and self.ctx.n_resident:
+            if self.ctx.next_position != block.start:
                 return False
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
@@ -444,6 +444,8 @@ class Actor:
 
     def _taint_if_after_approximate(self, block: Block) -> None:
         """``block`` was just computed: tainted iff an approximate block is resident before it."""
+        if not self.tainted:
+            return
         resident = self.resident()
         if any(
             b.id in self.tainted
@@ -540,8 +542,19 @@ class Actor:
                     self._recompute.add(block.id)
         try:
             await self._place_blocks(layout, planned)
+            await self._converge(layout, planned)
         finally:
             self._recompute = set()
+
+    async def _converge(self, layout: list[Block], planned: set[int]) -> None:
+        """Bring back planned blocks that computing later ones pushed out, in exchange for
+        unplanned ones, so the window ends as the eviction policy chose."""
+        for block in layout:
+            if block.id in planned and self.state(block) is Residency.COLD:
+                try:
+                    await self._restore_run([block], planned)
+                except HotWindowFullError:
+                    return  # only planned or protected blocks left to evict
 
     async def _place_blocks(self, layout: list[Block], planned: set[int]) -> None:
         i, computing = 0, False

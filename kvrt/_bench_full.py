@@ -321,7 +321,8 @@ async def _decode_at_once(rt: Runtime, n: int, decode: int) -> tuple[float, int,
 
     async def one(i: int) -> None:
         async with rt.open_session(hot_tokens=512, name=f"bench-{i}") as s:
-            text = _text_of(rt, 300, salt=7000 + i)
+            # Larger than the window: each session parks blocks in the shared cold store.
+            text = _text_of(rt, 700, salt=7000 + i)
             await s.ensure_context([rt.chat_segment("doc", "user", text, generation_prompt=True)])
             readies[i].set()
             await go.wait()

@@ -32,6 +32,9 @@ class Segment(msgspec.Struct, frozen=True):
     cache_class: CacheClass = CacheClass.VOLATILE
     parse_special: bool = False
     """Read chat-template markup such as ``<|im_start|>`` as special tokens."""
+    score: float | None = None
+    """Importance for the ``score_lru`` hot-eviction policy (higher stays longer), e.g. the
+    attention mass the caller measured on it; ``None`` ranks lowest within its class."""
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +50,7 @@ class Block:
     prefix: str
     """Digest of every logical token before ``start``."""
     last_used: int
+    score: float | None = None
     _key: ColdKey | None = None
 
     @property
@@ -127,6 +131,7 @@ class HotWindow:
                 )
             block.last_used = now
             block.index = index
+            block.score = seg.score
             layout.append(block)
         return layout, list(current.values())
 
@@ -248,6 +253,7 @@ class HotWindow:
             start=block.start,
             n_tokens=block.n_tokens,
             last_used=block.last_used,
+            score=block.score,
         )
 
     def eviction_order(

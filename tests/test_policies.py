@@ -101,6 +101,7 @@ def test_restore_policies(n_tokens: int, start: int, n_bytes: int, cache_class: 
 
     query = RestoreQuery(cache_class=cache_class, start=start, n_tokens=n_tokens, n_bytes=n_bytes)
     assert policies.get("restore", "always").restore(query)
+    assert not policies.get("restore", "never").restore(query)
     threshold = policies.get("restore", "size_threshold")
     assert threshold.restore(query) is (n_tokens >= threshold.min_tokens)
 

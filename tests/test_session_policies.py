@@ -7,7 +7,7 @@ import pytest
 import kvrt
 from kvrt import Residency
 
-from ._agent import FILE_A, SYSTEM, greedy
+from ._agent import FILE_A, FILE_B, SYSTEM, greedy
 
 pytestmark = pytest.mark.anyio
 
@@ -94,3 +94,26 @@ async def test_unknown_policy_names() -> None:
         ):
             async with rt.open_session(hot_tokens=512, restore="sometimes"):
                 pass
+
+
+async def test_score_lru_evicts_the_lowest_score_first(anyio_backend: str) -> None:
+    def ctx(score_a: float, score_b: float) -> list[kvrt.Segment]:
+        return [
+            kvrt.Segment("system", SYSTEM, cache_class=kvrt.CacheClass.TASK_PINNED),
+            kvrt.Segment("file:a.py", FILE_A, score=score_a),
+            kvrt.Segment("file:b.py", FILE_B, score=score_b),
+            kvrt.Segment("user", "Which file defines mul_3?"),
+        ]
+
+    def evicted(report: kvrt.SessionReport) -> set[str]:
+        return {b.segment for b in report.blocks if b.residency is not Residency.HOT}
+
+    async with kvrt.open_runtime() as rt:
+        async with rt.open_session(hot_tokens=512) as by_age:
+            await by_age.ensure_context(ctx(5.0, 1.0))
+            assert evicted(by_age.explain()) == {"file:a.py"}  # equal class and age: earliest
+        async with rt.open_session(hot_tokens=512, hot_eviction="score_lru") as by_score:
+            await by_score.ensure_context(ctx(5.0, 1.0))
+            assert evicted(by_score.explain()) == {"file:b.py"}  # the lower score goes first
+            await by_score.ensure_context(ctx(1.0, 5.0))  # the caller's scores changed
+            assert evicted(by_score.explain()) == {"file:a.py"}
