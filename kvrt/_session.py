@@ -69,7 +69,9 @@ class Session(metaclass=NoPublicConstructor):
                 print(piece.text, end="")
 
     Calls run one at a time, in the order they were made. Cancelling a call leaves the
-    session consistent and usable, and loses no KV that had left the hot window.
+    session consistent and usable, and loses no KV that had left the hot window: a running
+    call is stopped at its next await point (at most one engine chunk away) and settled
+    before the cancellation reaches the caller.
     """
 
     def __init__(self, actor: Actor, name: str, tg: TaskGroup) -> None:
@@ -101,11 +103,20 @@ class Session(metaclass=NoPublicConstructor):
             raise
         return call
 
+    async def _abandon(self, call: Call) -> None:
+        """Give up on ``call``; if it is running, wait (shielded) until the actor has
+        settled it, so the caller sees the session consistent again. A queued call is
+        skipped by the actor without touching anything, so there is nothing to wait for."""
+        call.abandon()
+        if self._actor.current is call:
+            with anyio.CancelScope(shield=True):
+                await call.done.wait()
+
     async def _outcome(self, call: Call) -> Any:
         try:
             await call.done.wait()
         except BaseException:
-            call.abandon()
+            await self._abandon(call)
             raise
         finally:
             if call.done.is_set():
@@ -218,7 +229,7 @@ class Session(metaclass=NoPublicConstructor):
         finally:
             receive.close()
             if not call.done.is_set():
-                call.abandon()
+                await self._abandon(call)
 
     async def generate_text(self, max_tokens: int = 256, **kwargs: Any) -> str:
         """The whole continuation as one string (see :meth:`generate`)."""

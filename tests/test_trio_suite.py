@@ -47,3 +47,18 @@ async def test_trio_cancellation_leaves_session_usable() -> None:
         assert report.counters.generated_tokens >= 5
         more = await greedy(session, 4)
         assert len(more) == 4
+
+
+@pytest.mark.trio
+async def test_deadline_mid_prefill_returns_a_settled_session() -> None:
+    files = (("file:a.py", FILE_A), ("file:b.py", FILE_B))
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as session:
+        with trio.move_on_after(0.3) as scope:  # far less than the prefill takes
+            await session.ensure_context(context(*files, question="Compare them."))
+        assert scope.cancelled_caught
+        report = session.explain()  # right away: the cancelled call has been settled
+        assert report.mailbox["in_flight"] == 0
+        assert report.consistent, report.problems
+        assert report.counters.cancelled_calls == 1
+        status = await session.ensure_context(context(*files, question="Compare them."))
+        assert status.logical_tokens > 512
