@@ -157,6 +157,7 @@ class Actor:
         self.fault: Callable[[str], None] | None = None
         """Test hook, called with a label before every await point of a command."""
         self._tally = _Tally()
+        self._resident: dict[int, int] | None = None
 
     # -- the task --
 
@@ -217,10 +218,19 @@ class Actor:
     async def _engine(self, label: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self.fault is not None:
             self.fault(label)
-        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self.limiter)
+        self._resident = None
+        try:
+            return await anyio.to_thread.run_sync(
+                partial(fn, *args, **kwargs), limiter=self.limiter
+            )
+        finally:
+            self._resident = None  # the engine's record may have changed
 
     def resident(self) -> dict[int, int]:
-        return HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+        """Position -> token of what the engine holds (rebuilt after every engine call)."""
+        if self._resident is None:
+            self._resident = HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+        return self._resident
 
     def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
         found = self.window.residency(
@@ -233,9 +243,12 @@ class Actor:
     async def _tidy(self) -> None:
         """Remove resident tokens that belong to no whole block (half-done work)."""
         for start, end in self.window.strays(self.resident()):
-            await anyio.to_thread.run_sync(
-                partial(self.ctx.evict, start, end, EvictMode.GAP), limiter=self.limiter
-            )
+            try:
+                await anyio.to_thread.run_sync(
+                    partial(self.ctx.evict, start, end, EvictMode.GAP), limiter=self.limiter
+                )
+            finally:
+                self._resident = None
 
     # -- moving single blocks --
 
