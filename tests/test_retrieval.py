@@ -195,3 +195,25 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
             # Unpinned now: the other session's eviction goes through.
             assert await t.evict("file:b.py") > 0
             assert t.explain().consistent
+
+
+async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> None:
+    edited = FILE_A.replace("return a + b + 13", "return a - b - 13")  # its last function
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=1024) as s:
+        block = rt.config.session.block_tokens
+        old = rt.engine.tokenize(FILE_A, add_special=False)
+        new = rt.engine.tokenize(edited, add_special=False)
+        same = 0  # whole leading blocks with the same tokens
+        while (same + 1) * block <= min(len(old), len(new)) and (
+            old[same * block : (same + 1) * block] == new[same * block : (same + 1) * block]
+        ):
+            same += 1
+        assert 0 < same < len(new) // block + 1  # the edit is past the first block
+
+        await s.ensure_context(ctx(("file:a.py", FILE_A), question="What does add_13 return?"))
+        await s.evict("file:a.py")
+        status = await s.ensure_context(ctx(("file:a.py", edited), question="And now?"))
+        assert status.restored_tokens == same * block  # the unchanged blocks come back
+        choices = [b.choice for b in blocks_of(s.explain(), "file:a.py")]
+        assert choices[:same] == ["restored from cold"] * same
+        assert set(choices[same:]) == {"prefilled"}
