@@ -274,18 +274,21 @@ class OvRequest:
                 )
             self._length -= end - start
 
-    def insert(self, index: int, block: npt.NDArray[np.float32]) -> None:
-        """Splice a buffer from :meth:`take` back in before entry ``index``."""
+    def insert(self, index: int, blocks: Sequence[npt.NDArray[Any]]) -> None:
+        """Splice buffers shaped like :meth:`take`'s (adjacent, in order) in before entry
+        ``index``; f16 buffers are widened layer by layer as they are merged."""
         m = self._model
-        if (
-            block.ndim != 5
-            or block.shape[:3] != (m.n_layers, 2, m.n_kv_heads)
-            or block.shape[4] != m.head_dim
-        ):
-            raise BridgeArgumentError(
-                f"KV block shape {block.shape} does not fit this model "
-                f"({m.n_layers} layers, {m.n_kv_heads} KV heads, head dim {m.head_dim})"
-            )
+        for block in blocks:
+            if (
+                block.ndim != 5
+                or block.shape[:3] != (m.n_layers, 2, m.n_kv_heads)
+                or block.shape[4] != m.head_dim
+                or block.dtype not in (np.float16, np.float32)
+            ):
+                raise BridgeArgumentError(
+                    f"KV block shape {block.shape} ({block.dtype}) does not fit this model "
+                    f"({m.n_layers} layers, {m.n_kv_heads} KV heads, head dim {m.head_dim})"
+                )
         if not 0 <= index <= self._length:
             raise BridgeArgumentError(f"insert index {index} is outside [0, {self._length}]")
         with self._use() as req:
@@ -298,11 +301,10 @@ class OvRequest:
                         if self._length
                         else np.empty((1, m.n_kv_heads, 0, m.head_dim), np.float32)
                     )
-                    merged = np.concatenate(
-                        [data[:, :, :index], block[layer, j][None], data[:, :, index:]], axis=2
-                    )
-                    state.state = ov.Tensor(np.ascontiguousarray(merged, dtype=np.float32))
-            self._length += block.shape[3]
+                    parts = [data[:, :, :index], *(b[layer, j][None] for b in blocks)]
+                    merged = np.concatenate([*parts, data[:, :, index:]], axis=2, dtype=np.float32)
+                    state.state = ov.Tensor(merged)
+            self._length += sum(b.shape[3] for b in blocks)
 
     def rotate(self, start: int, end: int, delta: int) -> None:
         """Re-rotate the keys of entries [start, end) by ``delta`` positions."""

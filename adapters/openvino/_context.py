@@ -100,11 +100,12 @@ class OpenVinoEngineContext(KvWindow):
         with translate_errors(f"exporting [{start}, {end})"):
             return self._req.take(i, j).reshape(-1).view(np.uint8)
 
-    def _kv(self, block: ColdBlock) -> npt.NDArray[np.float32]:
+    def _stored(self, block: ColdBlock) -> npt.NDArray[Any]:
+        """The block's values as stored (f16 where that was lossless, else f32), shaped
+        like the state: a view of the read-only cold bytes."""
         m = self._model
         n = block.meta.n_tokens
         values = m.n_layers * 2 * m.n_kv_heads * n * m.head_dim
-        # Blocks are stored as f16 where that was lossless, else as f32.
         sizes: dict[int, np.dtype[Any]] = {
             values * 2: np.dtype(np.float16),
             values * 4: np.dtype(np.float32),
@@ -115,23 +116,24 @@ class OpenVinoEngineContext(KvWindow):
                 f"cold block holds {block.data.size} bytes; {n} tokens of this model take "
                 f"{values * 2} (f16) or {values * 4} (f32)"
             )
-        return unpack(block.data.view(stored).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim))
+        return block.data.view(stored).reshape(m.n_layers, 2, m.n_kv_heads, n, m.head_dim)
 
     def _put_run(self, blocks: Sequence[ColdBlock], i: int) -> bool:
-        # The state is rewritten whole on every splice: splice a run once, not per block.
-        run = np.concatenate([self._kv(block) for block in blocks], axis=3)
+        # The state is rewritten whole on every splice: splice a run once, not per block,
+        # widening each block straight into the merged state.
+        stored = [self._stored(block) for block in blocks]
         with translate_errors(f"admitting [{blocks[0].meta.start}, {blocks[-1].meta.end})"):
-            self._req.insert(i, run)
+            self._req.insert(i, stored)
         return True
 
     def _put(self, block: ColdBlock, i: int, target: int) -> None:
         m = self._model
-        kv = self._kv(block)
+        kv = self._stored(block)
         if target != block.meta.start:
-            kv = kv.copy()  # unpacking f32 blocks is a view of the read-only cold bytes
+            kv = unpack(kv).copy()  # unpacking f32 blocks is a view of the read-only bytes
             kv[:, 0] = rotate_keys(kv[:, 0], target - block.meta.start, m.inv_freq, m.rotary_layout)
         with translate_errors(f"admitting [{block.meta.start}, {block.meta.end})"):
-            self._req.insert(i, kv)
+            self._req.insert(i, [kv])
 
     def _reset(self) -> None:
         with translate_errors("clearing the request"):
