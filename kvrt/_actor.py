@@ -591,7 +591,6 @@ class Actor:
                     i + len(run) < len(layout)
                     and layout[i + len(run)].id in planned
                     and self.state(layout[i + len(run)]) is Residency.COLD
-                    and sum(b.n_tokens for b in run) < self.window.budget // 2
                 ):
                     run.append(layout[i + len(run)])
                 restored = await self._restore_run(run, pred)
