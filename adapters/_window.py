@@ -291,7 +291,9 @@ class KvWindow(abc.ABC):
             raise InvalidRangeError(
                 f"range [{s}, {e}) has gaps: only {j - i} of its {e - s} positions are resident"
             )
-        data = self._take(i, j, s, e)
+        return self._cold_block(self._take(i, j, s, e), i, j, s)
+
+    def _cold_block(self, data: npt.NDArray[np.uint8], i: int, j: int, s: int) -> ColdBlock:
         data.flags.writeable = False
         meta = ColdBlockMeta(
             fingerprint=self._facts.fingerprint,
@@ -303,6 +305,33 @@ class KvWindow(abc.ABC):
         self._counters.exported_tokens += j - i
         self._counters.exported_bytes += int(data.size)
         return ColdBlock(meta=meta, data=data)
+
+    def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]:
+        """Export adjacent ranges, one cold block each, reading the engine once where it can."""
+        for (_, end), (start, _) in itertools.pairwise(ranges):
+            if end != start:
+                raise InvalidRangeError(f"ranges meeting at {end} and {start} are not adjacent")
+        if len(ranges) < 2:
+            return [self.export(s, e) for s, e in ranges]
+        s, e, i, j = self._resident_slice(ranges[0][0], ranges[-1][1])
+        if j - i != e - s:
+            raise InvalidRangeError(
+                f"range [{s}, {e}) has gaps: only {j - i} of its {e - s} positions are resident"
+            )
+        parts = self._take_run(i, [(a - s, b - s) for a, b in ranges], s, e)
+        if parts is None:
+            return [self.export(a, b) for a, b in ranges]
+        return [
+            self._cold_block(part, i + a - s, i + b - s, a)
+            for part, (a, b) in zip(parts, ranges, strict=True)
+        ]
+
+    def _take_run(
+        self, i: int, pieces: Sequence[tuple[int, int]], start: int, end: int
+    ) -> list[npt.NDArray[np.uint8]] | None:
+        """Copy entries out once and cut them into ``pieces`` (offsets from ``i``); None
+        to fall back to one export per piece."""
+        return None
 
     def _check_block(self, block: ColdBlock) -> None:
         meta = block.meta

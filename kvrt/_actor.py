@@ -253,47 +253,86 @@ class Actor:
     # -- moving single blocks --
 
     async def _evict_block(self, block: Block, *, strict: bool = False) -> None:
-        """Commit the block's KV to the cold store, then drop it from the window.
+        await self._evict_blocks([block], strict=strict)
 
-        A cold store that stays full for ``session.cold_wait`` seconds leaves the block with
+    def _needs_export(self, block: Block) -> bool:
+        return (
+            block.key(self.window.fingerprint) not in self.cold
+            and block.id not in self.tainted
+            and self.admission(self.window.view(block))
+        )
+
+    async def _evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
+        """Evict ``blocks`` (in order); adjacent hot blocks that all need a cold copy are
+        exported in one engine call and leave the window in one."""
+        resident = self.resident()
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if self.state(block, resident) is not Residency.HOT:
+                continue
+            last = runs[-1][-1] if runs else None
+            if (
+                last is not None
+                and last.end == block.start
+                and self._needs_export(last)
+                and self._needs_export(block)
+            ):
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            await self._evict_run(run, strict=strict)
+
+    async def _evict_run(self, run: list[Block], *, strict: bool) -> None:
+        """Commit the run's KV to the cold store, then drop it from the window.
+
+        A cold store that stays full for ``session.cold_wait`` seconds leaves a block with
         its tokens only, or, when ``strict`` (an explicit evict), raises and keeps it hot.
         """
-        resident = self.resident()
-        if self.state(block, resident) is not Residency.HOT:
-            return
-        key = block.key(self.window.fingerprint)
-        tainted = block.id in self.tainted
+        fingerprint = self.window.fingerprint
         held = self.ctx.logits_position
-        if held is not None and block.start <= held < block.end and not tainted:
-            # Keep the logits after the block's last computed token: restoring the block
-            # later then needs no recompute, and the continuation stays bit-exact.
-            logits = await self._engine("logits", self.ctx.logits)
-            self._held = (key, held, logits)
-        if key in self.cold:
-            self.choices[block.id] = "evicted: cold copy already held"
-        elif tainted:
-            self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
-        elif self.admission(self.window.view(block)):
-            exported = await self._engine("export", self.ctx.export, block.start, block.end)
-            if self.fault is not None:
-                self.fault("cold put")
-            entry = ColdEntry(key, block.cache_class, exported)
-            try:
-                committed = await self.cold.put(entry, wait=self.config.cold_wait)
-            except ColdStoreFullError:
-                if strict:
-                    raise
-                self.choices[block.id] = (
-                    f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
-                )
+        for block in run:
+            if (
+                held is not None
+                and block.start <= held < block.end
+                and block.id not in self.tainted
+            ):
+                # Keep the logits after the block's last computed token: restoring the block
+                # later then needs no recompute, and the continuation stays bit-exact.
+                logits = await self._engine("logits", self.ctx.logits)
+                self._held = (block.key(fingerprint), held, logits)
+        wanted = [b for b in run if self._needs_export(b)]
+        exported = {}
+        if wanted:
+            ranges = [(b.start, b.end) for b in wanted]
+            cold_blocks = await self._engine("export", self.ctx.export_run, ranges)
+            exported = {b.id: c for b, c in zip(wanted, cold_blocks, strict=True)}
+        for block in run:
+            key = block.key(fingerprint)
+            if block.id in exported:
+                if self.fault is not None:
+                    self.fault("cold put")
+                entry = ColdEntry(key, block.cache_class, exported[block.id])
+                try:
+                    committed = await self.cold.put(entry, wait=self.config.cold_wait)
+                except ColdStoreFullError:
+                    if strict:
+                        raise
+                    self.choices[block.id] = (
+                        f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
+                    )
+                else:
+                    self.choices[block.id] = (
+                        "evicted to cold" if committed else "evicted: too large for the cold store"
+                    )
+            elif key in self.cold:
+                self.choices[block.id] = "evicted: cold copy already held"
+            elif block.id in self.tainted:
+                self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
             else:
-                self.choices[block.id] = (
-                    "evicted to cold" if committed else "evicted: too large for the cold store"
-                )
-        else:
-            self.choices[block.id] = "evicted, tokens only (cold admission policy)"
-        await self._engine("evict", self.ctx.evict, block.start, block.end, EvictMode.GAP)
-        self._tally.evicted += block.n_tokens
+                self.choices[block.id] = "evicted, tokens only (cold admission policy)"
+        await self._engine("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
+        self._tally.evicted += sum(b.n_tokens for b in run)
 
     def _room(self, keep: set[int]) -> int:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
@@ -472,8 +511,7 @@ class Actor:
 
     async def _truncate_from(self, position: int) -> None:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""
-        for block in [b for b in self.window.blocks if b.start >= position]:
-            await self._evict_block(block)
+        await self._evict_blocks([b for b in self.window.blocks if b.start >= position])
         await self._tidy()
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
@@ -527,8 +565,7 @@ class Actor:
         tally.reused = sum(
             b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
         )
-        for block in sorted(stale, key=lambda b: b.start):
-            await self._evict_block(block)
+        await self._evict_blocks(sorted(stale, key=lambda b: b.start))
         self.window.adopt(layout)
         self.tainted &= {b.id for b in layout}
         await self._tidy()
@@ -754,8 +791,7 @@ class Actor:
                 "it stays hot"
             )
         self._tally = tally = _Tally()
-        for block in blocks:
-            await self._evict_block(block, strict=True)
+        await self._evict_blocks(blocks, strict=True)
         self._status(tally)
         return tally.evicted
 

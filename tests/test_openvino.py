@@ -19,6 +19,7 @@ from kvrt import (
     ConfigError,
     EngineConfig,
     EvictMode,
+    InvalidRangeError,
     ModelLoadError,
 )
 from native_bridge.openvino import DETERMINISTIC
@@ -248,4 +249,29 @@ def test_half_precision_caches_restore_exactly(kv_type: str, value_bytes: int) -
     assert block.meta.n_bytes == 40 * 30 * 2 * 3 * 64 * value_bytes
     ctx.evict(20, 60)
     ctx.admit(block)
+    assert np.array_equal(ctx.prefill(probe), expected)
+
+
+def test_export_run_reads_once_and_equals_one_export_per_block(
+    ov_engine: OpenVinoEngine,
+) -> None:
+    tokens = ov_engine.tokenize(STORY * 2)
+    probe = words(ov_engine, " She")
+    n = len(tokens)
+    ref = ov_engine.open_context(512)
+    ref.prefill(tokens)
+    expected = ref.prefill(probe)
+    ctx = ov_engine.open_context(512)
+    ctx.prefill(tokens)
+    ranges = [(16, 48), (48, 80), (80, 90)]
+    run = ctx.export_run(ranges)
+    single = [ctx.export(a, b) for a, b in ranges]
+    assert [b.meta for b in run] == [b.meta for b in single]
+    assert all(np.array_equal(r.data, s.data) for r, s in zip(run, single, strict=True))
+    with pytest.raises(InvalidRangeError, match="not adjacent"):
+        ctx.export_run([(16, 48), (50, 60)])
+    ctx.evict(16, 90, EvictMode.GAP)
+    assert not np.array_equal(ctx.prefill(probe), expected)
+    ctx.evict(n, n + 1)
+    ctx.admit_run(run)
     assert np.array_equal(ctx.prefill(probe), expected)

@@ -100,6 +100,16 @@ class OpenVinoEngineContext(KvWindow):
         with translate_errors(f"exporting [{start}, {end})"):
             return self._req.take(i, j).reshape(-1).view(np.uint8)
 
+    def _take_run(
+        self, i: int, pieces: Sequence[tuple[int, int]], start: int, end: int
+    ) -> list[npt.NDArray[np.uint8]] | None:
+        # Reading the state costs the same for one entry or many: read the run once.
+        with translate_errors(f"exporting [{start}, {end})"):
+            whole = self._req.take(i, i + pieces[-1][1])
+        return [
+            np.ascontiguousarray(whole[:, :, :, a:b]).reshape(-1).view(np.uint8) for a, b in pieces
+        ]
+
     def _stored(self, block: ColdBlock) -> npt.NDArray[Any]:
         """The block's values as stored (f16 where that was lossless, else f32), shaped
         like the state: a view of the read-only cold bytes."""
