@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -41,10 +41,31 @@ from ._residency import Block, HotWindow, Segment
 from ._sampling import Sampler
 from ._types import ApproximateQuery, BlockView, CacheClass, Residency, RestoreQuery
 
-__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
+__all__ = [
+    "Actor",
+    "Admit",
+    "Call",
+    "Command",
+    "Ensure",
+    "Evict",
+    "Generate",
+    "context_tokens",
+    "segment_tokens",
+]
 
 T = TypeVar("T")
 Order = Callable[[Sequence[BlockView]], list[int]]
+
+
+def segment_tokens(engine: Engine, segment: Segment, *, first: bool) -> list[int]:
+    """A segment's tokens as a session places them: special tokens (BOS) only before the
+    context's first segment."""
+    return engine.tokenize(segment.text, add_special=first, parse_special=segment.parse_special)
+
+
+def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
+    """The tokens of a whole context, as a session lays them out."""
+    return [t for i, seg in enumerate(segments) for t in segment_tokens(engine, seg, first=i == 0)]
 
 
 # -- commands --
@@ -121,7 +142,7 @@ class Actor:
         admission: Callable[[BlockView], bool] | None = None,
         restore: Any = None,
         approximate: Callable[[ApproximateQuery], bool] | None = None,
-        observers: Sequence[Any] = (),
+        observers: Iterable[Any] = (),
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -134,7 +155,8 @@ class Actor:
         """The restore-vs-recompute policy object (``restore(query)``, optionally
         ``estimate(query)`` and ``observe_restore``/``observe_prefill`` for calibration)."""
         self.observers = observers
-        """Policies that calibrate themselves from measured work (the runtime's, shared)."""
+        """The runtime's policy instances (a live view): those with ``observe_restore`` /
+        ``observe_prefill`` calibrate themselves from every session's measured work."""
         self.approximate = approximate or (lambda query: False)
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
@@ -387,7 +409,7 @@ class Actor:
             await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
-            self._observe("observe_restore", sum(e.n_bytes for e in entries), began)
+            self._observe("observe_restore", began, sum(e.n_bytes for e in entries))
         self._tally.restored += sum(b.n_tokens for b in run)
         for block, entry in zip(run, entries, strict=False):
             why = self._estimate(block, entry.n_bytes)
@@ -395,17 +417,17 @@ class Actor:
             self.tainted.discard(block.id)
         return len(run)
 
-    def _observe(self, method: str, *args: Any) -> None:
-        """Hand a measured transfer or prefill (``args`` ending in its start time) to every
-        policy that calibrates itself from them."""
-        seconds = time.perf_counter() - args[-1]
+    def _observe(self, method: str, began: float, *args: Any) -> None:
+        """Hand work measured since ``began`` (a restore's bytes, or a prefill's start and
+        tokens) to every policy that calibrates itself from it."""
+        seconds = time.perf_counter() - began
         targets = list(self.observers)
         if self.restorer is not None and self.restorer not in targets:
             targets.append(self.restorer)
         for policy in targets:
             observe = getattr(policy, method, None)
             if observe is not None:
-                observe(*args[:-1], seconds)
+                observe(*args, seconds)
 
     def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
@@ -425,8 +447,9 @@ class Actor:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    def _approximate_query(self, block: Block) -> ApproximateQuery | None:
-        """The approximate hit for ``block`` the session's policy would accept, if any."""
+    def _approximate_entry(self, block: Block) -> ColdEntry | None:
+        """The cold copy of ``block``'s tokens after another prefix that the session's
+        approximate-hit policy accepts, if any."""
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
             return None
@@ -439,25 +462,24 @@ class Actor:
         )
         if query.shift and not self.ctx.capabilities.position_shift:
             return None
-        return query if self.approximate(query) else None
+        return entry if self.approximate(query) else None
 
     async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
         approximate-hit policy accepts it; the window must end right before the block."""
         if self.ctx.next_position != block.start:
             return False
-        if self._approximate_query(block) is None:
-            return False
-        entry = self.cold.similar(block.key(self.window.fingerprint))  # counted and touched
+        entry = self._approximate_entry(block)
         if entry is None:
             return False
+        self.cold.count_approximate(entry.key)
         with self.cold.pinned([entry.key]):
             await self._make_room(block.n_tokens, keep | {block.id})
             if self.ctx.next_position != block.start:
                 return False
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
-            self._observe("observe_restore", entry.n_bytes, began)
+            self._observe("observe_restore", began, entry.n_bytes)
         self.tainted.add(block.id)
         self._tally.approximate += block.n_tokens
         shift = block.start - entry.key.start
@@ -481,7 +503,7 @@ class Actor:
             start=blocks[0].start,
             checkpoint=anyio.from_thread.check_cancelled,
         )
-        self._observe("observe_prefill", blocks[0].start, sum(b.n_tokens for b in blocks), began)
+        self._observe("observe_prefill", began, blocks[0].start, sum(b.n_tokens for b in blocks))
         for block in blocks:
             self._tally.prefilled += block.n_tokens
             self._taint_if_after_approximate(block)
@@ -536,9 +558,7 @@ class Actor:
             key = (seg.text, i == 0, seg.parse_special)
             toks = cache.get(key)
             if toks is None:
-                toks = self.engine.tokenize(
-                    seg.text, add_special=i == 0, parse_special=seg.parse_special
-                )
+                toks = segment_tokens(self.engine, seg, first=i == 0)
             if remember is not None:
                 remember[key] = toks
             out.append((seg, toks))
@@ -655,7 +675,7 @@ class Actor:
                 if (
                     self.state(after) is not Residency.DROPPED
                     or sum(b.n_tokens for b in run) + after.n_tokens > room
-                    or self._approximate_query(after) is not None
+                    or self._approximate_entry(after) is not None
                 ):
                     break
                 run.append(after)

@@ -19,18 +19,26 @@ import anyio
 import msgspec
 import numpy as np
 
+from ._actor import context_tokens
+from ._backend import Engine
 from ._config import Config
 from ._engines import reference_greedy_tps
 from ._residency import Segment
 from ._runtime import open_runtime
 from ._session import Session
 
-__all__ = ["QuickBench", "run_quick_bench"]
+__all__ = ["QuickBench", "run_quick_bench", "text_of"]
 
-DOC = (
-    "The harbour office kept a card for every ship: its name, its cargo, the weather on the "
-    "day it arrived and the pilot who brought it in. "
+PROSE = (
+    "Ledger entry {i}: the clerk counted {i} crates of tea, weighed the salt twice and "
+    "wrote the names of the carters who brought them in from the eastern road. "
 )
+
+
+def text_of(engine: Engine, n: int, salt: int = 0) -> str:
+    """Text of about ``n`` tokens, different for every ``salt``."""
+    words = "".join(PROSE.format(i=salt * 1000 + i) for i in range(n // 25 + 4))
+    return engine.detokenize(engine.tokenize(words, add_special=False)[:n])
 
 
 class QuickBench(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,8 +82,7 @@ async def run_quick_bench(
     hot = max(2048, tokens + 512)
     async with open_runtime(config=config) as rt:
         engine = rt.engine
-        doc_tokens = engine.tokenize(DOC * (tokens // 20 + 4), add_special=False)[:tokens]
-        doc = engine.detokenize(doc_tokens)
+        doc = text_of(engine, tokens)
 
         def context(question: str) -> list[Segment]:
             return [
@@ -117,13 +124,7 @@ async def run_quick_bench(
             async for _piece in s.generate(decode, stop_at_end=False):
                 produced += 1
             session_tps = produced / (time.perf_counter() - started)
-        prompt = [
-            token
-            for i, seg in enumerate(story)
-            for token in engine.tokenize(
-                seg.text, add_special=i == 0, parse_special=seg.parse_special
-            )
-        ]
+        prompt = context_tokens(engine, story)
         question = context("Which ship came first?")
         path = rt.model_info.model.path
 

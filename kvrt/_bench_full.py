@@ -22,7 +22,8 @@ import anyio
 import msgspec
 import psutil
 
-from ._bench import QuickBench, run_quick_bench
+from ._actor import context_tokens
+from ._bench import QuickBench, run_quick_bench, text_of
 from ._config import Config
 from ._engines import reference_trace
 from ._errors import KvrtError
@@ -33,11 +34,6 @@ from ._types import CacheClass
 __all__ = ["FullBench", "run_full_bench"]
 
 Progress = Callable[[str], None]
-
-PROSE = (
-    "Ledger entry {i}: the clerk counted {i} crates of tea, weighed the salt twice and "
-    "wrote the names of the carters who brought them in from the eastern road. "
-)
 
 
 class CrossoverPoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,17 +113,10 @@ class FullBench(msgspec.Struct, frozen=True, kw_only=True):
     plot: str | None = None
 
 
-def _text_of(rt: Runtime, n: int, salt: int) -> str:
-    """Text of about ``n`` tokens, different for every ``salt``."""
-    engine = rt.engine
-    words = "".join(PROSE.format(i=salt * 1000 + i) for i in range(n // 25 + 4))
-    return engine.detokenize(engine.tokenize(words, add_special=False)[:n])
-
-
 # -- restore vs recompute by block size --
 
 
-async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> tuple[Crossover, int]:
+async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> Crossover:
     async with open_runtime(config=config) as rt:
         calibrated = rt.policy("restore", "calibrated")  # learns from everything below
         system = rt.chat_segment("system", "system", "Answer briefly.")
@@ -142,7 +131,7 @@ async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> tu
                 step(f"restore vs recompute, {size}-token blocks")
                 restores, recomputes, n_bytes = [], [], 0
                 for k in range(3 if size <= 512 else 1):
-                    doc = Segment("doc", _text_of(rt, size, salt=size * 10 + k))
+                    doc = Segment("doc", text_of(rt.engine, size, salt=size * 10 + k))
                     await s.ensure_context([system])  # the window holds the prefix only
                     began = time.perf_counter()
                     first = await s.ensure_context([system, doc, question])
@@ -167,16 +156,13 @@ async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> tu
                 )
         measured = next((p.tokens for p in points if p.restore_ms < p.recompute_ms), None)
         restores_seen, prefills_seen = calibrated.observations
-        return (
-            Crossover(
-                points=points,
-                start=start,
-                measured=measured,
-                calibrated=calibrated.crossover(bpt, start=start),
-                calibrated_restores=restores_seen,
-                calibrated_prefills=prefills_seen,
-            ),
-            bpt,
+        return Crossover(
+            points=points,
+            start=start,
+            measured=measured,
+            calibrated=calibrated.crossover(bpt, start=start),
+            calibrated_restores=restores_seen,
+            calibrated_prefills=prefills_seen,
         )
 
 
@@ -186,7 +172,7 @@ TRACE_FILES = [[0], [0], [0, 1], [0, 1], [1], [1, 2], [2], [2], [0, 2], [0, 2]]
 TRACE_FILES += [[3], [3], [3, 4], [4], [4, 0], [0], [0, 5], [5], [5, 1], [1]]
 
 
-def _trace_contexts(rt: Runtime, turns: int, file_tokens: int) -> list[list[Segment]]:
+def _trace_contexts(turns: int, file_tokens: int) -> list[list[Segment]]:
     system = Segment(
         "system",
         "You are a coding agent. Read the files you are shown and answer in one sentence.",
@@ -222,16 +208,6 @@ def _trace_contexts(rt: Runtime, turns: int, file_tokens: int) -> list[list[Segm
         reply = Segment(f"assistant-{t}", f"It returns x times {t % 7} plus {opened[-1]}.")
         history = [*history, question, reply][-4:]  # the last two exchanges stay
     return contexts
-
-
-def _tokens_of(rt: Runtime, segments: Sequence[Segment]) -> list[int]:
-    return [
-        token
-        for i, seg in enumerate(segments)
-        for token in rt.engine.tokenize(
-            seg.text, add_special=i == 0, parse_special=seg.parse_special
-        )
-    ]
 
 
 def _system(name: str, turns: Sequence[tuple[float, float]]) -> TraceSystem:
@@ -270,8 +246,8 @@ async def _serve_trace(
 
 async def _trace(config: Config, turns: int, file_tokens: int, step: Progress) -> Trace:
     async with open_runtime(config=config) as rt:
-        contexts = _trace_contexts(rt, turns, file_tokens)
-        prompts = [_tokens_of(rt, c) for c in contexts]
+        contexts = _trace_contexts(turns, file_tokens)
+        prompts = [context_tokens(rt.engine, c) for c in contexts]
         n_ctx = max(len(p) for p in prompts) + 64
         hot = max(n_ctx, 4 * config.session.block_tokens)
         exact, restored, _, prefilled = await _serve_trace(rt, contexts, hot, "never", step)
@@ -322,7 +298,7 @@ async def _decode_at_once(rt: Runtime, n: int, decode: int) -> tuple[float, int,
     async def one(i: int) -> None:
         async with rt.open_session(hot_tokens=512, name=f"bench-{i}") as s:
             # Larger than the window: each session parks blocks in the shared cold store.
-            text = _text_of(rt, 700, salt=7000 + i)
+            text = text_of(rt.engine, 700, salt=7000 + i)
             await s.ensure_context([rt.chat_segment("doc", "user", text, generation_prompt=True)])
             readies[i].set()
             await go.wait()
@@ -437,7 +413,7 @@ async def run_full_bench(
         if progress is not None:
             progress(what)
 
-    crossover, _ = await _crossover(config, sizes, step)
+    crossover = await _crossover(config, sizes, step)
     trace = await _trace(config, turns, file_tokens, step)
     quick = await run_quick_bench(config, tokens=tokens, decode=decode, progress=step)
     many = await _sessions(config, sessions, decode, step)

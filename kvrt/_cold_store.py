@@ -159,7 +159,7 @@ class ColdStore:
         """An entry with ``key``'s model and tokens after a different prefix, if any.
 
         Prefers one computed at the same position (no re-rotation), then the most recently
-        used. ``count`` records it as an approximate hit and touches it.
+        used. ``count`` records it as an approximate hit (see :meth:`count_approximate`).
         """
         found = [
             self._slots[k]
@@ -170,9 +170,14 @@ class ColdStore:
             return None
         best = max(found, key=lambda s: (s.entry.key.start == key.start, s.last_used))
         if count:
-            self._approx += 1
-            self._touch(best.entry.key)
+            self.count_approximate(best.entry.key)
         return best.entry
+
+    def count_approximate(self, key: ColdKey) -> None:
+        """Record the entry under ``key`` as used for an approximate hit (and touch it)."""
+        if key in self._slots:
+            self._approx += 1
+            self._touch(key)
 
     # -- pins --
 

@@ -50,8 +50,8 @@ class Runtime(metaclass=NoPublicConstructor):
         self._tg = tg
         self._sessions: set[Session] = set()
         self._policies: dict[tuple[str, str], Any] = {}
-        self._observers: list[Any] = []
-        """Policy instances that learn from every session's measured work."""
+        """One instance per policy name; those that calibrate themselves learn from every
+        session's measured work (sessions hold a live view of the values)."""
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -76,8 +76,6 @@ class Runtime(metaclass=NoPublicConstructor):
         found = self._policies.get((kind, chosen))
         if found is None:
             found = self._policies[(kind, chosen)] = _policy(kind, chosen)
-            if hasattr(found, "observe_restore") or hasattr(found, "observe_prefill"):
-                self._observers.append(found)
         return found
 
     def chat_segment(
@@ -175,7 +173,7 @@ class Runtime(metaclass=NoPublicConstructor):
             admission=admission.admit,
             restore=restorer,
             approximate=approximator.accept,
-            observers=self._observers,
+            observers=self._policies.values(),
         )
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg)

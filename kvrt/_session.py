@@ -46,10 +46,6 @@ class Prefetch:
         self._pins.close()
         self._released.set()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._scope.cancel_called
-
     async def wait(self) -> PrefetchReport | None:
         """Wait until the blocks are pinned; what was found (None if cancelled first)."""
         await self._ready.wait()

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import openvino as ov
 import openvino_genai
 import pytest
 
 from adapters.openvino import OpenVinoEngine
+from adapters.openvino._context import OpenVinoEngineContext
 from kvrt import (
     AdmitMode,
     ColdBlock,
@@ -58,15 +60,24 @@ def test_greedy_equals_llm_pipeline(ov_engine: OpenVinoEngine) -> None:
     assert ours == theirs, (ov_engine.detokenize(ours), ov_engine.detokenize(theirs))
 
 
-def test_gap_evict_then_in_place_admit_is_bit_exact(ov_engine: OpenVinoEngine) -> None:
-    tokens = ov_engine.tokenize(STORY * 2)
-    probe = words(ov_engine, " She")
-    n = len(tokens)
-    ref = ov_engine.open_context(512)
+def story_and_reference(
+    engine: OpenVinoEngine,
+) -> tuple[list[int], list[int], npt.NDArray[np.float32], OpenVinoEngineContext]:
+    """The story's tokens, a probe, the probe's logits after the whole story (the
+    reference), and a fresh context holding the story."""
+    tokens = engine.tokenize(STORY * 2)
+    probe = words(engine, " She")
+    ref = engine.open_context(512)
     ref.prefill(tokens)
     expected = ref.prefill(probe)
-    ctx = ov_engine.open_context(512)
+    ctx = engine.open_context(512)
     ctx.prefill(tokens)
+    return tokens, probe, expected, ctx
+
+
+def test_gap_evict_then_in_place_admit_is_bit_exact(ov_engine: OpenVinoEngine) -> None:
+    tokens, probe, expected, ctx = story_and_reference(ov_engine)
+    n = len(tokens)
     block = ctx.export(30, 70)
     assert block.meta.n_bytes == 40 * ov_engine.facts.kv_bytes_per_token
     ctx.evict(30, 70, EvictMode.GAP)
@@ -255,14 +266,8 @@ def test_half_precision_caches_restore_exactly(kv_type: str, value_bytes: int) -
 def test_export_run_reads_once_and_equals_one_export_per_block(
     ov_engine: OpenVinoEngine,
 ) -> None:
-    tokens = ov_engine.tokenize(STORY * 2)
-    probe = words(ov_engine, " She")
+    tokens, probe, expected, ctx = story_and_reference(ov_engine)
     n = len(tokens)
-    ref = ov_engine.open_context(512)
-    ref.prefill(tokens)
-    expected = ref.prefill(probe)
-    ctx = ov_engine.open_context(512)
-    ctx.prefill(tokens)
     ranges = [(16, 48), (48, 80), (80, 90)]
     run = ctx.export_run(ranges)
     single = [ctx.export(a, b) for a, b in ranges]
