@@ -33,12 +33,14 @@ from ._config import load_config as load_config
 from ._describe import ModelInfo as ModelInfo
 from ._describe import describe_model as describe_model
 from ._engines import open_engine as open_engine
+from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ColdBlockMismatchError as ColdBlockMismatchError
 from ._errors import ColdStoreFullError as ColdStoreFullError
 from ._errors import ConfigError as ConfigError
 from ._errors import ContextTooLargeError as ContextTooLargeError
 from ._errors import EngineError as EngineError
 from ._errors import HotWindowFullError as HotWindowFullError
+from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidRangeError as InvalidRangeError
 from ._errors import InvalidTokenError as InvalidTokenError
 from ._errors import KvrtError as KvrtError

@@ -54,13 +54,18 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
+"""A segment's tokenization key: text, first in the context, parse_special, markup."""
 Order = Callable[[Sequence[BlockView]], list[int]]
 
 
 def segment_tokens(engine: Engine, segment: Segment, *, first: bool) -> list[int]:
     """A segment's tokens as a session places them: special tokens (BOS) only before the
-    context's first segment."""
-    return engine.tokenize(segment.text, add_special=first, parse_special=segment.parse_special)
+    context's first segment; special-token markup read only where the segment says so."""
+    out: list[int] = []
+    for text, special in segment.pieces():
+        out += engine.tokenize(text, add_special=first and not out, parse_special=special)
+    return out
 
 
 def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
@@ -167,7 +172,7 @@ class Actor:
         self._recompute: set[int] = set()
         self.prefetched: Callable[[], None] | None = None
         """Releases what the last prefetch holds; called when the next context is placed."""
-        self.token_cache: dict[tuple[str, bool, bool], list[int]] = {}
+        self.token_cache: dict[TokenKey, list[int]] = {}
         """Tokenizations a prefetch did ahead of the call that needs them."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
@@ -195,6 +200,13 @@ class Actor:
             self.finished.set()
 
     async def _run_one(self, call: Call) -> None:
+        try:
+            await self._run_call(call)
+        finally:
+            if isinstance(call.command, Generate):
+                call.command.out.close()  # its reader never waits on a reply that won't come
+
+    async def _run_call(self, call: Call) -> None:
         if call.abandoned is not None:
             self.counters.cancelled_calls += 1
             call.error = call.abandoned
@@ -544,7 +556,7 @@ class Actor:
     def tokenize(
         self,
         segments: Sequence[Segment],
-        remember: dict[tuple[str, bool, bool], list[int]] | None = None,
+        remember: dict[TokenKey, list[int]] | None = None,
     ) -> list[tuple[Segment, list[int]]]:
         """Each segment with its tokens (empty segments left out); safe from any thread.
 
@@ -555,7 +567,7 @@ class Actor:
         for i, seg in enumerate(segments):
             if not isinstance(seg, Segment):
                 raise ContextTooLargeError(f"expected kvrt.Segment, got {type(seg).__name__}")
-            key = (seg.text, i == 0, seg.parse_special)
+            key = (seg.text, i == 0, seg.parse_special, seg.markup)
             toks = cache.get(key)
             if toks is None:
                 toks = segment_tokens(self.engine, seg, first=i == 0)

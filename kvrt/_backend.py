@@ -18,6 +18,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ._checks import check_int, check_number
+
 __all__ = [
     "AdmitMode",
     "Capabilities",
@@ -107,13 +109,27 @@ class Counters(msgspec.Struct, kw_only=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Token choice; ``temperature == 0`` is greedy (argmax)."""
+    """Token choice; ``temperature == 0`` is greedy (argmax).
+
+    Checked when built: ``SamplingParams(top_p=2)`` raises :class:`kvrt.InvalidArgumentError`
+    at once, never later inside a session.
+    """
 
     temperature: float = 0.0
+    """0 or more; 0 is greedy."""
     top_k: int = 0
     """0 keeps every token."""
     top_p: float = 1.0
+    """In (0, 1]: keep the smallest set of likeliest tokens whose mass reaches it."""
     seed: int | None = None
+    """0 or more; None draws from fresh entropy."""
+
+    def __post_init__(self) -> None:
+        check_number("sampling.temperature", self.temperature, low=0.0)
+        check_int("sampling.top_k", self.top_k, low=0)
+        check_number("sampling.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.seed is not None:
+            check_int("sampling.seed", self.seed, low=0)
 
 
 class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):

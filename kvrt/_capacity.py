@@ -206,6 +206,12 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
     reserve = _reserve(policy, mem.total_bytes, notes)
     usable = _usable(inputs, reserve, notes)
     cold_bytes = _host_cold(inputs, notes)
+    if usable is not None and cold_bytes > usable:
+        notes.append(
+            f"host cold budget of {cold_bytes} bytes is more than the {usable} usable bytes: "
+            "capped there"
+        )
+        cold_bytes = usable
 
     memory_tokens: int | None = None
     if usable is not None and kvpt is not None:

@@ -33,6 +33,7 @@ __all__ = [
     "PolicyConfig",
     "SessionConfig",
     "Setting",
+    "check_config",
     "load_config",
 ]
 
@@ -257,6 +258,17 @@ def _layer(values: Mapping[str, Any], describe: Any) -> tuple[dict[str, Any], di
         layer.setdefault(setting.section, {})[setting.name] = value
         source[setting.path] = describe(setting)
     return layer, source
+
+
+def check_config(config: Config) -> Config:
+    """``config`` checked against every field's constraints (a Struct built in code skips
+    them), or a :class:`ConfigError` naming the field."""
+    try:
+        raw = msgspec.to_builtins(config)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid configuration from the Config passed in: {exc}") from None
+    _validate(raw, {}, "the Config passed in")
+    return msgspec.convert(raw, Config, strict=False)
 
 
 def load_config(

@@ -9,12 +9,14 @@ abort the process.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "ColdBlockMismatchError",
     "ColdStoreFullError",
     "ConfigError",
     "ContextTooLargeError",
     "EngineError",
     "HotWindowFullError",
+    "InvalidArgumentError",
     "InvalidRangeError",
     "InvalidTokenError",
     "KvrtError",
@@ -31,6 +33,15 @@ class KvrtError(Exception):
 
 class ConfigError(KvrtError, ValueError):
     """A configuration value is invalid; the message names the field and its source."""
+
+
+class InvalidArgumentError(KvrtError, ValueError):
+    """An argument to a public call is out of range or malformed; the message names the
+    argument and what was expected. Nothing was sent to the session or the engine."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument to a public call has the wrong type (also a ``TypeError``)."""
 
 
 class ModelLoadError(KvrtError):

@@ -14,17 +14,21 @@ import policies
 
 from ._actor import Actor
 from ._backend import Engine
+from ._checks import check_bool, check_choice, check_int, check_text
 from ._cold_store import ColdStats, ColdStore
-from ._config import Config, EngineConfig, load_config
+from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
-from ._errors import ConfigError, SessionClosedError
+from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
 from ._residency import HotWindow, Segment
 from ._session import Session
 from ._types import CacheClass
 from ._util import NoPublicConstructor, physical_cores
 
 __all__ = ["Runtime", "open_runtime"]
+
+_CONTENT = "\ue000kvrt-content\ue001"
+"""A stand-in message content (private-use characters) to find the template's markup."""
 
 
 def _policy(kind: str, name: str) -> Any:
@@ -52,6 +56,7 @@ class Runtime(metaclass=NoPublicConstructor):
         self._policies: dict[tuple[str, str], Any] = {}
         """One instance per policy name; those that calibrate themselves learn from every
         session's measured work (sessions hold a live view of the values)."""
+        self._frames: dict[tuple[str, bool], tuple[str, str]] = {}
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -72,6 +77,13 @@ class Runtime(metaclass=NoPublicConstructor):
         itself (``observe_restore``/``observe_prefill``) learns from every session's
         restores and prefills once it exists, whichever policy those sessions use.
         """
+        kinds = msgspec.structs.fields(self.config.policies)
+        if kind not in {f.name for f in kinds}:
+            raise ConfigError(
+                f"unknown policy kind {kind!r} (expected one of: {', '.join(f.name for f in kinds)})"
+            )
+        if name is not None:
+            check_text(f"{kind} policy name", name, empty=False)
         chosen = name or getattr(self.config.policies, kind)
         found = self._policies.get((kind, chosen))
         if found is None:
@@ -89,9 +101,32 @@ class Runtime(metaclass=NoPublicConstructor):
     ) -> Segment:
         """A segment holding one chat message in the model's own chat template.
 
+        Only the template's markup is read as special tokens: ``content`` stays plain text,
+        so a message holding ``<|im_end|><|im_start|>system`` cannot forge a turn.
         ``generation_prompt`` appends the assistant header, for the last message before
         generating.
         """
+        check_text("chat_segment name", name, empty=False)
+        check_text("chat_segment role", role, empty=False)
+        check_text("chat_segment content", content)
+        check_bool("chat_segment generation_prompt", generation_prompt)
+        cache_class = check_choice("chat_segment cache_class", cache_class, CacheClass)
+        head, tail = self._chat_frame(role, generation_prompt)
+        # The template may trim the content: take what it actually rendered between the frame.
+        text = self._render(role, content, generation_prompt)
+        if not (text.startswith(head) and text.endswith(tail)) or len(text) < len(head + tail):
+            raise EngineError(
+                f"the model's chat template renders a {role!r} message in a way kvrt cannot "
+                "split into markup and content"
+            )
+        markup = [(0, len(head))] if head else []
+        if tail:
+            markup.append((len(text) - len(tail), len(text)))
+        if len(markup) == 2 and markup[0][1] == markup[1][0]:
+            markup = [(0, len(text))]
+        return Segment(name, text, cache_class=cache_class, markup=tuple(markup))
+
+    def _render(self, role: str, content: str, generation_prompt: bool) -> str:
         render = self._engine.apply_chat_template
         text = render([(role, content)], add_generation_prompt=generation_prompt)
         if role != "system":
@@ -103,7 +138,20 @@ class Runtime(metaclass=NoPublicConstructor):
             )
             if full.startswith(base):
                 text = full[len(base) :]
-        return Segment(name, text, cache_class=cache_class, parse_special=True)
+        return str(text)
+
+    def _chat_frame(self, role: str, generation_prompt: bool) -> tuple[str, str]:
+        """The template's markup before and after a message's content."""
+        found = self._frames.get((role, generation_prompt))
+        if found is None:
+            text = self._render(role, _CONTENT, generation_prompt)
+            head, sep, tail = text.partition(_CONTENT)
+            if not sep:
+                raise EngineError(
+                    f"the model's chat template drops the content of a {role!r} message"
+                )
+            found = self._frames[(role, generation_prompt)] = (head, tail)
+        return found
 
     @asynccontextmanager
     async def open_session(
@@ -126,6 +174,10 @@ class Runtime(metaclass=NoPublicConstructor):
         """
         if self._closed:
             raise SessionClosedError("the runtime is closed")
+        if name is not None:
+            check_text("session name", name, empty=False)
+        if hot_tokens is not None:
+            check_int("hot_tokens", hot_tokens)
         cap = self.model_info.capacity
         facts = self.model_info.model
         cfg = self.config.session
@@ -210,7 +262,12 @@ async def open_runtime(
     ...     async with rt.open_session(hot_tokens=512) as session:
     ...         ...
     """
-    cfg = config if config is not None else load_config()
+    if config is not None and not isinstance(config, Config):
+        raise ArgumentTypeError(f"config must be a kvrt.Config, got {type(config).__name__}")
+    for label, value in (("backend", backend), ("model", model)):
+        if value is not None:
+            check_text(label, value, empty=False)
+    cfg = check_config(config) if config is not None else load_config()
     changes = {k: v for k, v in (("backend", backend), ("model", model)) if v is not None}
     if changes:
         try:
@@ -237,13 +294,20 @@ async def open_runtime(
                 "(set memory.cold, KVRT_MEM_COLD or --mem-cold to a size such as 1GiB)"
             )
         cold = ColdStore(budget, victim)
+        # An error from the caller's block reaches the caller as itself, not wrapped in
+        # the task group's ExceptionGroup: it is raised again once the group has closed.
+        raised: Exception | None = None
         async with anyio.create_task_group() as tg:
             await tg.start(cold.serve)
             runtime = Runtime._create(engine, info, cfg, cold, tg)
             try:
                 yield runtime
+            except Exception as exc:
+                raised = exc
             finally:
                 await runtime._shutdown()
+        if raised is not None:
+            raise raised
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(engine.close)

@@ -6,7 +6,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ._backend import SamplingParams
-from ._errors import ConfigError
 
 __all__ = ["Sampler"]
 
@@ -19,13 +18,7 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams) -> None:
-        if not params.temperature >= 0.0:
-            raise ConfigError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {params.top_k}")
-        self.params = params
+        self.params = params  # checked when it was built
         self._rng = np.random.default_rng(params.seed)
 
     def choose(self, logits: npt.NDArray[np.float32]) -> int:

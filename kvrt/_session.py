@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._actor import Actor, Admit, Call, Command, Ensure, Evict, Generate
+from ._actor import Actor, Admit, Call, Command, Ensure, Evict, Generate, TokenKey
 from ._backend import SamplingParams
-from ._errors import SessionClosedError
+from ._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
+from ._errors import ArgumentTypeError, SessionClosedError
 from ._reports import BlockReport, ContextStatus, Piece, PrefetchReport, SessionReport
 from ._residency import Segment
 from ._types import CacheClass, Residency
@@ -77,6 +80,7 @@ class Session(metaclass=NoPublicConstructor):
         self._closed = False
         self._pending: set[Call] = set()
         self._prefetches: set[Prefetch] = set()
+        self._streams: set[_Stream] = set()
 
     @property
     def closed(self) -> bool:
@@ -87,6 +91,13 @@ class Session(metaclass=NoPublicConstructor):
     async def _submit(self, command: Command) -> Call:
         if self._closed:
             raise SessionClosedError(f"session {self.name!r} is closed")
+        # A stream this task left open (a loop that called the session, a generator kept
+        # half-read) would wait for this task to read it while this call waits behind it:
+        # close it first. Its generation stops where it is, keeping what it generated.
+        me = anyio.get_current_task().id
+        for stream in list(self._streams):
+            if stream.reader == me:
+                stream.close()
         call = Call(command)
         self._pending.add(call)
         try:
@@ -133,7 +144,7 @@ class Session(metaclass=NoPublicConstructor):
         without compute, the rest is prefilled, and the hot window is kept within budget
         by the eviction policy. Returns what was reused, restored, prefilled and evicted.
         """
-        result: ContextStatus = await self._request(Ensure(tuple(segments)))
+        result: ContextStatus = await self._request(Ensure(_segments(segments)))
         return result
 
     def prefetch(self, segments: Sequence[Segment], *, hold: float = 60.0) -> Prefetch:
@@ -143,13 +154,15 @@ class Session(metaclass=NoPublicConstructor):
         ``cancel()`` on the result to stop it, or ``await result.wait()`` for what it found.
         Prefetching never changes the session's context.
         """
+        segments = _segments(segments)
+        hold = check_number("hold", hold, low=0.0)
         if self._closed:
             raise SessionClosedError(f"session {self.name!r} is closed")
         job = Prefetch()
         for older in self._prefetches:
             older.cancel()  # the newest prefetch describes the next call
         self._prefetches.add(job)
-        self._tg.start_soon(self._prefetch, tuple(segments), job, hold)
+        self._tg.start_soon(self._prefetch, segments, job, hold)
         return job
 
     async def _prefetch(self, segments: tuple[Segment, ...], job: Prefetch, hold: float) -> None:
@@ -157,13 +170,13 @@ class Session(metaclass=NoPublicConstructor):
         calls = a.counters.ensure_calls
         try:
             with job._scope:
-                tokens: dict[tuple[str, bool, bool], list[int]] = {}
+                tokens: dict[TokenKey, list[int]] = {}
                 try:
                     tokenized = await anyio.to_thread.run_sync(a.tokenize, segments, tokens)
-                except Exception as exc:
+                    keys = a.window.keys_for(tokenized)
+                except Exception as exc:  # the caller's problem, never the runtime's
                     job._error = exc
                     return
-                keys = a.window.keys_for(tokenized)
                 hits = [e for e in map(a.cold.peek, keys) if e is not None]
                 job._pins.enter_context(a.cold.pinned(e.key for e in hits))
                 job._report = PrefetchReport(
@@ -188,13 +201,13 @@ class Session(metaclass=NoPublicConstructor):
             self._prefetches.discard(job)
             job._ready.set()
 
-    async def generate(
+    def generate(
         self,
         max_tokens: int = 256,
         *,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
         segment: str = "assistant",
-        cache_class: CacheClass = CacheClass.VOLATILE,
+        cache_class: CacheClass | str = CacheClass.VOLATILE,
         stop_at_end: bool = True,
         buffer: int | None = None,
     ) -> AsyncIterator[Piece]:
@@ -202,27 +215,59 @@ class Session(metaclass=NoPublicConstructor):
 
         Generated tokens join the context (as blocks of ``segment``). Generation goes on
         past the hot budget by evicting under policy, up to the planner context. Stopping
-        early (``break``, cancellation) keeps what was generated so far.
+        early (``break``, cancellation) keeps what was generated so far. Arguments are
+        checked here, before anything starts; ``sampling`` may be a mapping of
+        :class:`SamplingParams` fields.
+
+        The stream belongs to the task reading it. If that task calls the session again
+        while the stream is open (inside the ``async for``, or after leaving a stream
+        half-read), the stream is closed first: generation stops where it is, keeping what
+        it generated, the loop ends, and the new call runs. Other tasks' calls wait their
+        turn as usual.
         """
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        size = buffer or self._actor.config.stream_buffer
-        send, receive = anyio.create_memory_object_stream[Piece](size)
-        command = Generate(
-            max_tokens, sampling or SamplingParams(), segment, cache_class, stop_at_end, send
+        max_tokens = check_int("max_tokens", max_tokens, low=0)
+        params = (
+            SamplingParams()
+            if sampling is None
+            else check_struct("sampling", sampling, SamplingParams)
         )
+        segment = check_text("segment", segment, empty=False)
+        cache_class = check_choice("cache_class", cache_class, CacheClass)
+        check_bool("stop_at_end", stop_at_end)
+        size = (
+            self._actor.config.stream_buffer
+            if buffer is None
+            else check_int("buffer", buffer, low=1, high=4096)
+        )
+        return self._generate(
+            partial(Generate, max_tokens, params, segment, cache_class, stop_at_end), size
+        )
+
+    async def _generate(
+        self, command_to: Callable[[MemoryObjectSendStream[Piece]], Generate], size: int
+    ) -> AsyncIterator[Piece]:
+        send, receive = anyio.create_memory_object_stream[Piece](size)
+        command = command_to(send)
         try:
             call = await self._submit(command)
         except BaseException:
             send.close()
             receive.close()
             raise
+        stream = _Stream(receive)
+        self._streams.add(stream)
         try:
             async with receive:
-                async for piece in receive:
+                while True:
+                    try:
+                        piece = await receive.receive()
+                    except (anyio.EndOfStream, anyio.ClosedResourceError):
+                        break  # finished, or closed because this task called the session
+                    stream.reader = anyio.get_current_task().id
                     yield piece
             await self._outcome(call)
         finally:
+            self._streams.discard(stream)
             receive.close()
             if not call.done.is_set():
                 await self._abandon(call)
@@ -237,12 +282,12 @@ class Session(metaclass=NoPublicConstructor):
 
         Returns the number of tokens that left the hot window.
         """
-        result: int = await self._request(Evict(target))
+        result: int = await self._request(Evict(_target(target)))
         return result
 
     async def admit(self, target: str | tuple[int, int]) -> int:
         """Restore a segment's (or range's) cold blocks into the hot window, in place."""
-        result: int = await self._request(Admit(target))
+        result: int = await self._request(Admit(_target(target)))
         return result
 
     def explain(self) -> SessionReport:
@@ -321,3 +366,43 @@ class Session(metaclass=NoPublicConstructor):
             )
         self._actor.send.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()
+
+
+class _Stream:
+    """An open ``generate()`` stream and the task that last read from it."""
+
+    def __init__(self, receive: MemoryObjectReceiveStream[Piece]) -> None:
+        self.receive = receive
+        self.reader = anyio.get_current_task().id
+
+    def close(self) -> None:
+        self.receive.close()
+
+
+def _segments(segments: Any) -> tuple[Segment, ...]:
+    """``segments`` as a tuple of :class:`Segment`, or an error naming what is wrong."""
+    if isinstance(segments, (str, bytes, Segment, Mapping)) or not isinstance(segments, Iterable):
+        raise ArgumentTypeError(
+            f"segments must be a sequence of kvrt.Segment, got {type(segments).__name__}"
+        )
+    out = tuple(segments)
+    for i, seg in enumerate(out):
+        if not isinstance(seg, Segment):
+            raise ArgumentTypeError(
+                f"segments[{i}] must be a kvrt.Segment, got {type(seg).__name__}"
+            )
+    return out
+
+
+def _target(target: Any) -> str | tuple[int, int]:
+    """A segment name or a ``(start, end)`` position range, checked."""
+    if isinstance(target, str):
+        return check_text("target segment name", target, empty=False)
+    if isinstance(target, (tuple, list)) and len(target) == 2:
+        start = check_int("range start", target[0], low=0)
+        end = check_int("range end", target[1], low=start + 1)
+        return (start, end)
+    raise ArgumentTypeError(
+        "target must be a segment name or a (start, end) position range, got "
+        f"{type(target).__name__} {target!r}"[:200]
+    )

@@ -296,8 +296,11 @@ class LlamaContext:
             flash_attn = kv_type not in ("f32", "f16", "bf16")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
+        # llama.cpp reserves one output per sequence when it builds the context, and asserts
+        # (aborting the process) if a batch cannot hold them: with two sequences a batch of
+        # one token kills it (measured). The context's batch is at least one per sequence;
+        # kvrt still hands it at most ``n_batch`` tokens per call.
+        params.n_batch = params.n_ubatch = max(n_batch, _N_SEQ)
         params.n_seq_max = _N_SEQ
         params.kv_unified = True
         params.n_threads = threads
@@ -320,7 +323,7 @@ class LlamaContext:
         self.kv_type = kv_type
         self.flash_attn = flash_attn
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
-        self.n_batch: int = llama_cpp.llama_n_batch(ptr)
+        self.n_batch: int = min(n_batch, llama_cpp.llama_n_batch(ptr))
         self.can_shift: bool = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch

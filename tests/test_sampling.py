@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvrt import ConfigError, Sampler, SamplingParams
+from kvrt import ArgumentTypeError, InvalidArgumentError, Sampler, SamplingParams
 
 logits_st = arrays(np.float32, st.integers(2, 64), elements=st.floats(-20, 20, width=32))
 
@@ -34,9 +34,28 @@ def test_top_p_keeps_the_nucleus() -> None:
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=-1.0), SamplingParams(top_p=0.0), SamplingParams(top_k=-2)],
+    ("fields", "message"),
+    [
+        (
+            {"temperature": -1.0},
+            r"sampling\.temperature must be a finite number >= 0\.0, got -1\.0",
+        ),
+        ({"temperature": float("inf")}, "sampling.temperature must be a finite number"),
+        ({"top_p": 0.0}, r"sampling\.top_p must be a finite number in \(0\.0, 1\.0\], got 0\.0"),
+        ({"top_p": float("nan")}, "sampling.top_p must be a finite number"),
+        ({"top_k": -2}, "sampling.top_k must be >= 0, got -2"),
+        ({"seed": -1}, "sampling.seed must be >= 0, got -1"),
+    ],
 )
-def test_bad_params(params: SamplingParams) -> None:
-    with pytest.raises(ConfigError):
-        Sampler(params)
+def test_bad_params(fields: dict[str, float], message: str) -> None:
+    """Refused where they enter: building the params, never later in a session."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields", [{"temperature": "0.5"}, {"seed": "x"}, {"top_k": 1.5}, {"top_p": True}]
+)
+def test_bad_param_types(fields: dict[str, object]) -> None:
+    with pytest.raises(ArgumentTypeError, match=f"sampling.{next(iter(fields))} must be"):
+        SamplingParams(**fields)  # type: ignore[arg-type]

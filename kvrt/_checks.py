@@ -1,0 +1,124 @@
+"""Argument checks for the public entry points.
+
+Every value a caller hands kvrt is checked where it enters, before a command reaches a
+session's actor or anything reaches an engine: a wrong type raises
+:class:`~kvrt.ArgumentTypeError` (also a ``TypeError``), a wrong value
+:class:`~kvrt.InvalidArgumentError` (also a ``ValueError``), and both messages name the
+argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+from ._errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_struct", "check_text"]
+
+E = TypeVar("E", bound=enum.Enum)
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int within ``[low, high]`` (``bool`` is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(
+            f"{name} must be an integer, got {type(value).__name__} {_shown(value)}"
+        )
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidArgumentError(f"{name} must be {_bounds(low, high)}, got {value}")
+    return int(value)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float:
+    """``value`` as a finite float within ``[low, high]`` (``(low, high]`` if ``low_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(
+            f"{name} must be a number, got {type(value).__name__} {_shown(value)}"
+        )
+    number = float(value)
+    below = low is not None and (number <= low if low_open else number < low)
+    if not math.isfinite(number) or below or (high is not None and number > high):
+        bounds = _bounds(low, high, low_open=low_open)
+        raise InvalidArgumentError(f"{name} must be a finite number {bounds}, got {value!r}")
+    return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(
+            f"{name} must be True or False, got {type(value).__name__} {_shown(value)}"
+        )
+    return value
+
+
+def check_text(name: str, value: Any, *, empty: bool = True) -> str:
+    """``value`` as a str that encodes to UTF-8 (no lone surrogates); non-empty unless
+    ``empty``."""
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {_shown(value)}")
+    if not empty and not value:
+        raise InvalidArgumentError(f"{name} must not be empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}"
+        ) from None
+    return value
+
+
+def check_choice(name: str, value: Any, kind: type[E]) -> E:
+    """``value`` as a member of the enum ``kind`` (its member or its value)."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise InvalidArgumentError(
+            f"{name} must be one of {choices}, got {_shown(value)}"
+        ) from None
+
+
+def check_struct(name: str, value: Any, kind: type[S]) -> S:
+    """``value`` as a ``kind`` Struct: an instance is checked against its field
+    constraints, a mapping is converted (unknown keys refused)."""
+    if isinstance(value, kind):
+        raw: Any = msgspec.structs.asdict(value)
+    elif isinstance(value, Mapping):
+        raw = dict(value)
+    else:
+        raise ArgumentTypeError(
+            f"{name} must be a {kind.__name__} or a mapping of its fields, got "
+            f"{type(value).__name__} {_shown(value)}"
+        )
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgumentError(f"invalid {name}: {exc}") from None
+
+
+def _bounds(low: float | None, high: float | None, *, low_open: bool = False) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}]"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"<= {high}"
+    return "a number"
