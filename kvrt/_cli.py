@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -59,8 +60,15 @@ def _config_from(args: argparse.Namespace, extra: dict[str, Any] | None = None) 
     return load_config(args.config, flags=flags)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr and exit 2 (``--help`` shows usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvrt: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvrt",
         description="Lossless long context for local LLM engines.",
     )
@@ -88,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--max-tokens",
-        type=int,
+        type=_count(0, 4096),
         default=32,
         metavar="N",
         help="tokens generated per turn (default 32)",
@@ -108,13 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--tokens",
-        type=int,
+        type=_count(16, 7168),
         default=None,
         metavar="N",
         help="re-sent segment size (default 2048; 1024 with --quick)",
     )
     bench.add_argument(
-        "--decode", type=int, default=64, metavar="N", help="tokens to decode (default 64)"
+        "--decode",
+        type=_count(1, 1024),
+        default=64,
+        metavar="N",
+        help="tokens to decode (default 64)",
     )
     bench.add_argument(
         "--sizes",
@@ -124,7 +136,11 @@ def _parser() -> argparse.ArgumentParser:
         help="block sizes for restore vs recompute (default 16,32,...,4096)",
     )
     bench.add_argument(
-        "--turns", type=int, default=20, metavar="N", help="agent trace turns (default 20)"
+        "--turns",
+        type=_count(1, 200),
+        default=20,
+        metavar="N",
+        help="agent trace turns (default 20)",
     )
     bench.add_argument(
         "--sessions",
@@ -202,7 +218,8 @@ def _run(args: argparse.Namespace) -> None:
     from ._demo import run_demo
 
     config = _config_from(args)
-    hot = config.engine.hot_tokens or 512
+    # engine.hot_tokens caps the window the capacity resolves; the demo's default is 512.
+    hot = min(config.engine.hot_tokens or 512, 8192)
     console = Console(stderr=args.json)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"{args.sessions} sessions x 3 turns", total=args.sessions * 3)
@@ -282,8 +299,12 @@ def _bench(args: argparse.Namespace) -> None:
         total = 5
     else:
         total = steps_of(args.sizes, args.turns, args.sessions)
-        if max(args.sizes) + 512 > 8192 or args.turns < 1:
-            raise ConfigError("--sizes must stay below 7680 tokens and --turns above 0")
+        if max(args.sizes) + 512 > 8192:
+            raise ConfigError("--sizes must stay below 7680 tokens")
+        if max(args.sessions) > 16:
+            raise ConfigError("--sessions must stay at 16 or below")
+        if not args.no_plot:
+            _check_writable(args.plot)  # before minutes of measuring, not after
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=total)
 
@@ -311,7 +332,12 @@ def _bench(args: argparse.Namespace) -> None:
     if not args.quick and not args.no_plot:
         from ._plot import plot_bench
 
-        written = plot_bench(figures, args.plot)
+        try:
+            written = plot_bench(figures, args.plot)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the plot to {args.plot}: {exc.strerror or exc}"
+            ) from None
         figures = msgspec.structs.replace(figures, plot=str(written))
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
@@ -320,6 +346,19 @@ def _bench(args: argparse.Namespace) -> None:
         Console().print(_quick_table(figures))
     else:
         _print_full(figures)
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a --plot path that cannot be written (the file is made, or left, as it was)."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        with target.open("ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _quick_table(f: Any) -> Any:
@@ -429,6 +468,34 @@ def _print_full(b: Any) -> None:
         out.print(f"plot: {b.plot}")
 
 
+def _kvrt_error(exc: BaseException) -> KvrtError | None:
+    """The kvrt error behind ``exc`` (groups from concurrent sessions unwrapped), or None
+    when something else went wrong too."""
+    if isinstance(exc, KvrtError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_kvrt_error(e) for e in exc.exceptions]
+        if found and all(e is not None for e in found):
+            return found[0]
+    return None
+
+
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"expected a number {bounds}, got {value}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -443,8 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(msgspec.json.format(msgspec.json.encode(info)).decode() + "\n")
             else:
                 _print_info(info)
-    except KvrtError as exc:
-        print(f"kvrt: error: {exc}", file=sys.stderr)
+    except (KvrtError, BaseExceptionGroup) as exc:
+        error = _kvrt_error(exc)
+        if error is None:
+            raise
+        print(f"kvrt: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -14,6 +14,7 @@ import policies
 
 from ._actor import Actor
 from ._backend import Engine
+from ._capacity import Limit
 from ._checks import check_bool, check_choice, check_int, check_text
 from ._cold_store import ColdStats, ColdStore
 from ._config import Config, EngineConfig, check_config, load_config
@@ -23,6 +24,7 @@ from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedE
 from ._residency import HotWindow, Segment
 from ._session import Session
 from ._types import CacheClass
+from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
 
 __all__ = ["Runtime", "open_runtime"]
@@ -245,6 +247,35 @@ class Runtime(metaclass=NoPublicConstructor):
         self._cold.close()
 
 
+_LIMIT_SETTING = {
+    Limit.MEMORY: "memory (memory.max, memory.reserve, memory.headroom, memory.cold)",
+    Limit.REQUEST: "engine.context",
+    Limit.HOT_CAP: "engine.hot_tokens",
+    Limit.TRAINED_CONTEXT: "the model's trained context",
+}
+
+
+def _check_fits(info: ModelInfo, cfg: Config) -> None:
+    """Refuse limits that leave no session room, or a cold budget beyond usable memory."""
+    cap = info.capacity
+    asked = cfg.memory.cold
+    if asked is not None and cap.usable_bytes is not None and asked > cap.usable_bytes:
+        raise ConfigError(
+            f"memory.cold of {format_size(asked)} is more than the {format_size(cap.usable_bytes)} "
+            "kvrt may use (free memory less memory.reserve and memory.headroom, capped by "
+            "memory.max); lower memory.cold or raise memory.max"
+        )
+    least = 4 * cfg.session.block_tokens
+    if cap.hot_context_tokens < least:
+        by = ", ".join(_LIMIT_SETTING.get(limit, str(limit)) for limit in cap.hot_limited_by)
+        usable = "unknown" if cap.usable_bytes is None else format_size(cap.usable_bytes)
+        raise ConfigError(
+            f"the limits leave a hot window of {cap.hot_context_tokens} tokens, less than the "
+            f"smallest session's {least} (four blocks of {cfg.session.block_tokens}); limited by "
+            f"{by} (usable memory {usable}, weights {format_size(info.model.weight_bytes)})"
+        )
+
+
 @asynccontextmanager
 async def open_runtime(
     backend: str | None = None,
@@ -287,6 +318,7 @@ async def open_runtime(
     engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
     try:
         info = model_info(engine.facts, cfg)
+        _check_fits(info, cfg)
         budget = info.capacity.host_cold_budget_bytes
         if budget <= 0:
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,15 @@ class OpenVinoEngine:
         self._facts = facts
         self._eos = eos
         self._closed = False
+        self._bytes, self._special = self._vocabulary(tokenizer, facts.n_vocab)
+        self._bos = int(tokenizer.get_bos_token_id())
+        names = sorted(
+            {self._tokenizer.decode([t], skip_special_tokens=False) for t in self._special},
+            key=len,
+            reverse=True,
+        )
+        self._markup = re.compile("|".join(map(re.escape, filter(None, names)))) if names else None
+        """Finds special-token strings in text, to keep them plain where asked."""
 
     @classmethod
     def open(cls, config: EngineConfig) -> OpenVinoEngine:
@@ -105,6 +115,25 @@ class OpenVinoEngine:
             ) from exc
         eos = {int(tokenizer.get_eos_token_id())}
         return cls(model, tokenizer, config, cls._facts_for(model, info, folder, config), eos)
+
+    @staticmethod
+    def _vocabulary(tokenizer: Any, n_vocab: int) -> tuple[list[bytes], frozenset[int]]:
+        """Each token's bytes and the ids of special tokens (markup the detokenizer skips;
+        byte pieces that are not whole characters alone are not special)."""
+        pieces = [b""] * n_vocab
+        for piece, token in tokenizer.get_vocab().items():
+            if 0 <= int(token) < n_vocab:
+                pieces[int(token)] = bytes(piece)
+        shown = tokenizer.decode([[t] for t in range(n_vocab)], skip_special_tokens=True)
+        special = set()
+        for token, (piece, text) in enumerate(zip(pieces, shown, strict=True)):
+            if piece and not text:
+                try:
+                    piece.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue  # part of a character
+                special.add(token)
+        return [b"" if t in special else p for t, p in enumerate(pieces)], frozenset(special)
 
     @staticmethod
     def _facts_for(model: OvModel, info: IrInfo, folder: Path, config: EngineConfig) -> ModelFacts:
@@ -157,7 +186,35 @@ class OpenVinoEngine:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        """Token ids for ``text`` (OpenVINO's tokenizer always reads special-token markup)."""
+        """Token ids for ``text``; markup such as ``<|im_start|>`` becomes the special token
+        only with ``parse_special``.
+
+        OpenVINO's tokenizer always reads special-token strings as the special tokens, so
+        without ``parse_special`` the text is cut inside each such string (after its first
+        character) and the pieces are tokenized apart: the string stays plain characters.
+        """
+        if parse_special or self._markup is None or not self._markup.search(text):
+            return self._encode(text, add_special)
+        pieces, at = [], 0
+        for found in self._markup.finditer(text):
+            pieces.append(text[at : found.start() + 1])
+            at = found.start() + 1
+        pieces.append(text[at:])
+        tokens: list[int] = []
+        for piece in pieces:
+            tokens += self._tokenize_plain(piece, add_special and not tokens)
+        return tokens
+
+    def _tokenize_plain(self, text: str, add_special: bool) -> list[int]:
+        if self._markup is not None and len(text) > 1 and self._markup.search(text, 1):
+            return self.tokenize(text, add_special=add_special)  # a string inside a string
+        tokens = self._encode(text, add_special)
+        added = 1 if add_special and tokens and tokens[0] == self._bos else 0
+        if any(t in self._special for t in tokens[added:]):
+            raise EngineError(f"OpenVINO's tokenizer reads {text!r} as special tokens")
+        return tokens
+
+    def _encode(self, text: str, add_special: bool) -> list[int]:
         encoded = self._tokenizer.encode(text, add_special_tokens=add_special)
         return [int(t) for t in encoded.input_ids.data[0]]
 
@@ -166,7 +223,9 @@ class OpenVinoEngine:
         return str(self._tokenizer.decode([int(t) for t in tokens]))
 
     def token_bytes(self, token: int) -> bytes:
-        return self.detokenize([token]).encode("utf-8")
+        """The token's own bytes (part of a character for byte pieces; empty for markup)."""
+        check_tokens([token], self._facts.n_vocab)
+        return self._bytes[token]
 
     def is_end_of_generation(self, token: int) -> bool:
         check_tokens([token], self._facts.n_vocab)
