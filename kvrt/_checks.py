@@ -111,7 +111,8 @@ def check_struct(name: str, value: Any, kind: type[S]) -> S:
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
-        raise InvalidArgumentError(f"invalid {name}: {exc}") from None
+        where = str(exc).replace("`$.", f"`{name}.").replace("`$`", f"`{name}`")
+        raise InvalidArgumentError(f"invalid {name}: {where}") from None
 
 
 def _bounds(low: float | None, high: float | None, *, low_open: bool = False) -> str:

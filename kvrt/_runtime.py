@@ -80,7 +80,7 @@ class Runtime(metaclass=NoPublicConstructor):
         restores and prefills once it exists, whichever policy those sessions use.
         """
         kinds = msgspec.structs.fields(self.config.policies)
-        if kind not in {f.name for f in kinds}:
+        if check_text("policy kind", kind) not in {f.name for f in kinds}:
             raise ConfigError(
                 f"unknown policy kind {kind!r} (expected one of: {', '.join(f.name for f in kinds)})"
             )

@@ -3,7 +3,9 @@
 A quantized GGUF is first rewritten to F16 (Q4 weights convert with real quality loss
 otherwise), then ``openvino_genai.LLMPipeline(..., enable_save_ov_model=True)`` writes the
 IR beside it. The build happens in a temporary folder renamed into place, so an
-interrupted build never leaves a half model behind.
+interrupted build never leaves a half model behind; folders of builds whose process died
+are removed by the next build, and when two processes build the same IR at once the
+second to finish uses the first one's.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 
 import msgspec
 
-from kvrt._errors import ModelLoadError
-from kvrt._model import file_digest, resolve_model_path
+from kvrt._errors import ConfigError, ModelLoadError
+from kvrt._model import expand_path, file_digest, resolve_model_path
 
 __all__ = ["IR_FILES", "IrInfo", "cache_root", "prepare_ir"]
 
 IR_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
 _INFO = "kvrt-ir.json"
+CACHE_ENV = "KVRT_CACHE_DIR"
 
 Progress = Callable[[str, float], None]
 """Called with a stage description and the fraction done (0 to 1)."""
@@ -40,10 +43,88 @@ class IrInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KVRT_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kvrt"
+    """Where built IRs are kept: ``$KVRT_CACHE_DIR/openvino``, by default under the home
+    folder's ``.cache/kvrt``."""
+    base = os.environ.get(CACHE_ENV)
+    if base:
+        return Path(base) / "openvino"
+    try:
+        home = Path.home()
+    except RuntimeError:
+        raise ConfigError(
+            f"there is no home directory to keep built OpenVINO models in: set {CACHE_ENV} to "
+            "a writable folder"
+        ) from None
+    return home / ".cache" / "kvrt" / "openvino"
+
+
+def _cache_error(root: Path, exc: OSError) -> ConfigError:
+    where = (
+        f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
+        if os.environ.get(CACHE_ENV)
+        else f"the default cache folder {root}"
     )
-    return Path(base) / "openvino"
+    return ConfigError(
+        f"cannot keep built OpenVINO models in {where}: {exc.strerror or exc}; set {CACHE_ENV} "
+        "to a writable folder"
+    )
+
+
+def _built(folder: Path) -> IrInfo | None:
+    """The record of a complete IR kvrt built in ``folder``; None for anything else."""
+    try:
+        if not _is_ir(folder):
+            return None
+        return msgspec.json.decode((folder / _INFO).read_bytes(), type=IrInfo)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
+
+
+def _clean_stale(root: Path) -> None:
+    """Remove what killed builds left behind: build folders whose process is gone."""
+    for entry in root.glob(".build-*"):
+        pid = entry.name.split("-")[1]
+        if pid.isdigit() and pid != str(os.getpid()) and not _pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+    for entry in root.glob(".stale-*"):
+        _remove(entry)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _publish(work: Path, target: Path) -> IrInfo | None:
+    """Rename the finished build into place. If another process finished the same build
+    first, its IR is used (None returned); anything else in the way is moved aside."""
+    for _ in range(3):
+        try:
+            work.rename(target)
+            return _built(target)
+        except OSError:
+            theirs = _built(target)
+            if theirs is not None:
+                return theirs
+        aside = target.with_name(f".stale-{os.getpid()}-{target.name}")
+        try:
+            target.rename(aside)
+        except FileNotFoundError:
+            continue
+        _remove(aside)
+    raise ModelLoadError(f"could not move the built OpenVINO model into {target}")
 
 
 def _is_ir(folder: Path) -> bool:
@@ -54,14 +135,19 @@ def _user_ir(folder: Path) -> tuple[Path, IrInfo]:
     if not _is_ir(folder):
         missing = [name for name in IR_FILES if not (folder / name).is_file()]
         raise ModelLoadError(f"{folder} holds no OpenVINO IR (missing {', '.join(missing)})")
-    info_file = folder / _INFO
-    if info_file.is_file():
-        return folder, msgspec.json.decode(info_file.read_bytes(), type=IrInfo)
+    found = _built(folder)
+    if found is not None:
+        return folder, found
     config = folder / "config.json"
     trained = heads = None
     arch = "unknown"
     if config.is_file():
-        data = msgspec.json.decode(config.read_bytes())
+        try:
+            data = msgspec.json.decode(config.read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ModelLoadError(f"cannot read {config}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ModelLoadError(f"{config} does not hold a JSON object")
         trained = data.get("max_position_embeddings")
         arch = data.get("model_type", arch)
         heads = data.get("num_attention_heads")
@@ -122,19 +208,34 @@ def _rewrite_f16(
 
 def prepare_ir(model: str | None, *, progress: Progress | None = None) -> tuple[Path, IrInfo]:
     """The IR folder for ``model`` (a GGUF file, an IR folder, or ``None``: the embedded model)."""
-    if model is not None and Path(model).expanduser().is_dir():
-        return _user_ir(Path(model).expanduser())
+    if model is not None and expand_path(model).is_dir():
+        return _user_ir(expand_path(model))
     source = resolve_model_path(model)
     digest = file_digest(source)
     root = cache_root()
     target = root / f"{source.stem}-{digest[:16]}"
-    if _is_ir(target) and (target / _INFO).is_file():
-        return target, msgspec.json.decode((target / _INFO).read_bytes(), type=IrInfo)
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    found = _built(target)
+    if found is not None:
+        return target, found
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_stale(root)
+        work = Path(tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=root))
+    except OSError as exc:
+        raise _cache_error(root, exc) from None
     try:
         f16 = work / "model-f16.gguf"
-        arch, name, trained, heads = _rewrite_f16(source, f16, progress)
+        try:
+            arch, name, trained, heads = _rewrite_f16(source, f16, progress)
+        except OSError as exc:
+            if exc.filename is not None and Path(exc.filename).parent == work:
+                raise _cache_error(root, exc) from None
+            raise ModelLoadError(
+                f"cannot read model file {source}: {exc.strerror or exc}"
+            ) from None
+        except Exception as exc:  # the gguf reader's many ways of meeting a broken file
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelLoadError(f"{source} is not a readable GGUF model: {first}") from None
         if progress is not None:
             progress("converting to an OpenVINO IR", 0.6)
         import openvino_genai
@@ -158,12 +259,11 @@ def prepare_ir(model: str | None, *, progress: Progress | None = None) -> tuple[
         if not _is_ir(work):
             raise ModelLoadError(f"openvino_genai wrote no complete IR for {source}")
         try:
-            work.rename(target)
-        except OSError:
-            if not _is_ir(target):  # not someone else's finished build: a real failure
-                raise
+            published = _publish(work, target)
+        except OSError as exc:
+            raise _cache_error(root, exc) from None
         if progress is not None:
             progress("done", 1.0)
-        return target, info
+        return target, published or info
     finally:
         shutil.rmtree(work, ignore_errors=True)
