@@ -91,10 +91,12 @@ async def _read_a_little(stream: Any) -> None:
 
 @pytest.fixture(scope="module", params=["asyncio", "trio"])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
-    with start_blocking_portal(request.param) as portal:
-        with portal.wrap_async_context_manager(kvrt.open_runtime("llama")) as rt:
-            with portal.wrap_async_context_manager(rt.open_session(hot_tokens=512)) as s:
-                yield Harness(portal, rt, s)
+    with (
+        start_blocking_portal(request.param) as portal,
+        portal.wrap_async_context_manager(kvrt.open_runtime("llama")) as rt,
+        portal.wrap_async_context_manager(rt.open_session(hot_tokens=512)) as s,
+    ):
+        yield Harness(portal, rt, s)
 
 
 fuzz = settings(
@@ -189,11 +191,13 @@ def test_errors_are_also_the_builtin_kind() -> None:
         kvrt.SamplingParams(top_p=2)
     with pytest.raises(
         kvrt.InvalidArgumentError,
-        match="Segment.cache_class must be one of 'volatile', 'repo_map', 'task_pinned', got 'bogus'",
+        match=r"Segment\.cache_class must be one of 'volatile', 'repo_map', 'task_pinned', got 'bogus'",
     ):
         kvrt.Segment("a", "b", cache_class="bogus")  # type: ignore[arg-type]
     assert kvrt.Segment("a", "b", cache_class="repo_map").cache_class is kvrt.CacheClass.REPO_MAP  # type: ignore[arg-type]
-    with pytest.raises(kvrt.ArgumentTypeError, match="Segment.parse_special must be True or False"):
+    with pytest.raises(
+        kvrt.ArgumentTypeError, match=r"Segment\.parse_special must be True or False"
+    ):
         kvrt.Segment("a", "b", parse_special="no")  # type: ignore[arg-type]
     with pytest.raises(kvrt.InvalidArgumentError, match="is not valid Unicode text"):
         kvrt.Segment("a", "\ud800")

@@ -1,0 +1,205 @@
+"""The command line, settings, model files and the OpenVINO model cache under hostile
+input: one line on stderr and exit 2, or a clear kvrt error; never a traceback or an abort.
+Each case runs in a child process, so an abort could not take the test run with it."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvrt
+
+pytestmark = pytest.mark.subprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvrt_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrt", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], expected: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("kvrt: error: "), proc.stderr[-2000:]
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["run", "--hot-tokens", "100"], "leave a hot window of 100 tokens"),
+        (["run", "--max-tokens", "-1"], "argument --max-tokens: expected a number from 0"),
+        (["run", "--mem-max", "1MiB"], "leave a hot window of 0 tokens"),
+        (["run", "--mem-reserve", "1000GiB"], "leave a hot window of 0 tokens"),
+        (["run", "--mem-cold", "100000TB"], "memory.cold of"),
+        (["run", "--batch", "0"], "invalid engine.batch from flag --batch"),
+        (["run", "--threads", "x"], "invalid engine.threads from flag --threads"),
+        (["bench", "--decode", "-1"], "argument --decode: expected a number from 1"),
+        (["bench", "--tokens", "-5"], "argument --tokens: expected a number from 16"),
+        (["bench", "--tokens", "0"], "argument --tokens: expected a number from 16"),
+        (["bench", "--tokens", "99999999999"], "argument --tokens: expected a number from 16"),
+        (["bench", "--plot", "/proc/kvrt/x.png", "--turns", "1"], "cannot write the plot"),
+        (["bench", "--sessions", "100"], "--sessions must stay at 16 or below"),
+        (["describe", "--mem-headroom", "200%"], "invalid memory.headroom from flag"),
+        (["describe", "~nosuchuser/x.gguf"], "cannot resolve the model path"),
+        (["nonsense"], "invalid choice: 'nonsense'"),
+    ],
+)
+def test_bad_flags(args: list[str], expected: str) -> None:
+    one_error_line(kvrt_cli(*args), expected)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"KVRT_HOT_TOKENS": "1"}, "leave a hot window of 1 tokens"),
+        ({"KVRT_CONTEXT": "100"}, "limited by engine.context"),
+        ({"KVRT_BATCH": "abc"}, "invalid engine.batch from environment variable KVRT_BATCH"),
+        ({"KVRT_MEM_COLD": "-5"}, "invalid memory.cold from environment variable"),
+        ({"KVRT_BACKEND": "tpu"}, "expected one of: llama, openvino"),
+        ({"KVRT_COLD_WAIT": "inf"}, "invalid session.cold_wait"),
+        ({"KVRT_HOT_EVICTION": "fifo"}, "no hot_eviction policy named 'fifo'"),
+        ({"KVRT_CONFIG": "/proc"}, "cannot read config file /proc"),
+        ({"KVRT_MODEL": "/dev/null"}, "model path is not a file: /dev/null"),
+    ],
+)
+def test_bad_settings(env: dict[str, str], expected: str) -> None:
+    one_error_line(kvrt_cli("run", "--sessions", "1", "--max-tokens", "1", env=env), expected)
+
+
+def test_malformed_config_files(tmp_path: Path) -> None:
+    for name, body, expected in (
+        ("cut.json", b'{"engine": {"batch": 1', "is not valid json"),
+        ("list.json", b"[1, 2]", "must hold a table of sections"),
+        ("bytes.json", b"\xff\xfe", "is not valid json"),
+        ("cut.toml", b"engine = [", "is not valid toml"),
+        ("kind.json", b'{"engine": {"batch": "x"}}', "invalid engine.batch from config file"),
+    ):
+        path = tmp_path / name
+        path.write_bytes(body)
+        one_error_line(kvrt_cli("describe", env={"KVRT_CONFIG": str(path)}), expected)
+
+
+def test_a_batch_of_one_token_works() -> None:
+    """llama.cpp asserts on a one-token batch with two sequences; kvrt never lets it."""
+    proc = kvrt_cli("run", "--batch", "1", "--sessions", "1", "--max-tokens", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"sessions"' in proc.stdout
+
+
+def _broken_models(folder: Path) -> dict[str, Path]:
+    data = kvrt.embedded_model_path().read_bytes()
+
+    def patched(offset: int, value: int) -> bytes:
+        out = bytearray(data)
+        struct.pack_into("<Q" if offset else "<I", out, offset or 4, value)
+        return bytes(out)
+
+    cases = {f"cut-{n}": data[:n] for n in (3, 10, 1000, 100_000, len(data) // 2, len(data) - 100)}
+    cases["version-99"] = patched(0, 99)
+    cases["tensors-huge"] = patched(8, 2**40)
+    cases["keys-huge"] = patched(16, 2**40)
+    cases["keys-zero"] = patched(16, 0)
+    paths = {}
+    for name, body in cases.items():
+        paths[name] = folder / f"{name}.gguf"
+        paths[name].write_bytes(body)
+    paths["folder"] = folder
+    paths["dev-null"] = Path("/dev/null")
+    return paths
+
+
+LOAD_ALL = textwrap.dedent(
+    """
+    import sys
+    import kvrt
+    backend, paths = sys.argv[1], sys.argv[2:]
+    for path in paths:
+        try:
+            kvrt.open_engine(kvrt.EngineConfig(backend=backend, model=path)).close()
+            print("LOADED", path)
+        except kvrt.ModelLoadError as exc:
+            print("ModelLoadError", path)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_broken_model_files(backend: str, tmp_path: Path) -> None:
+    paths = _broken_models(tmp_path)
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_ALL, backend, *map(str, paths.values())],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "KVRT_CACHE_DIR": str(cache)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [
+        word for p in paths.values() for word in ("ModelLoadError", str(p))
+    ], proc.stdout + proc.stderr[-2000:]
+    if (cache / "openvino").exists():
+        assert list((cache / "openvino").iterdir()) == []  # no half builds left behind
+
+
+BUILD = (
+    "from adapters.openvino._prepare import prepare_ir; "
+    "folder, info = prepare_ir(None); print('BUILT', folder.name, info.architecture)"
+)
+
+
+def _build(cache: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "KVRT_CACHE_DIR": str(cache)},
+    )
+
+
+def test_openvino_builds_killed_or_racing(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    killed = _build(cache)
+    root = cache / "openvino"
+    for _ in range(600):  # wait until the build has started writing
+        if root.exists() and any(root.glob(".build-*/*")):
+            break
+        subprocess.run(["sleep", "0.05"], check=True)
+    killed.kill()
+    killed.communicate()
+    assert [p.name.startswith(".build-") for p in root.iterdir()] == [True]
+    one, two = _build(cache), _build(cache)
+    outs = [p.communicate(timeout=600) for p in (one, two)]
+    assert [p.returncode for p in (one, two)] == [0, 0], [err[-2000:] for _, err in outs]
+    built = {out.split()[1] for out, _ in outs}
+    assert len(built) == 1
+    assert [p.name for p in root.iterdir()] == list(built)  # one build, no junk left
+
+
+def test_openvino_cache_folder_problems(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a folder should be")
+    for where, expected in (
+        (blocked, "cannot keep built OpenVINO models in KVRT_CACHE_DIR="),
+        (Path("/proc/kvrt"), "cannot keep built OpenVINO models in KVRT_CACHE_DIR=/proc/kvrt"),
+    ):
+        proc = kvrt_cli("describe", "--backend", "openvino", env={"KVRT_CACHE_DIR": str(where)})
+        one_error_line(proc, expected)
