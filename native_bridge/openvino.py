@@ -163,6 +163,10 @@ class OvModel:
         self.head_dim = int(shape[3].get_length())
         self.n_vocab = int(model.output("logits").get_partial_shape()[2].get_length())
         self.inv_freq, self.rotary_layout = _find_rope(model)
+        # The CPU plugin's runtime cache outlives the compiled model: with it, every model
+        # compiled and released kept ~16 MB (measured over runtime open/close cycles);
+        # without it, RSS stays flat and decode speed is unchanged (measured).
+        config = {"CPU_RUNTIME_CACHE_CAPACITY": "0", **config}
         try:
             self._compiled = core.compile_model(model, device, config)
         except Exception as exc:
@@ -176,7 +180,13 @@ class OvModel:
         self.path = xml_path
 
     def request(self) -> OvRequest:
+        if self._compiled is None:
+            raise BridgeArgumentError("the model is closed")
         return OvRequest(self)
+
+    def close(self) -> None:
+        """Release the compiled model (its weights and kernels); requests must be closed."""
+        self._compiled = None
 
 
 class OvRequest:

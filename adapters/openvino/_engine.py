@@ -256,4 +256,9 @@ class OpenVinoEngine:
         )
 
     def close(self) -> None:
+        """Release the compiled model and the tokenizer (contexts must be closed first)."""
+        if self._closed:
+            return
         self._closed = True
+        self._model.close()
+        self._tokenizer = None
