@@ -3,7 +3,8 @@ bounded time, and the session works afterwards.
 
 Arbitrary values (wrong types, NaN, infinities, negatives, huge numbers, empty and junk
 text, NUL bytes) go into every argument of the public entry points of a real session on
-the real engine, on asyncio and on trio, each call under a deadline.
+the real engines (llama.cpp on asyncio and trio, OpenVINO on trio), each call under a
+deadline.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvrt
+import kvrt._config
 
 DEADLINE = 60.0
 
@@ -89,11 +91,14 @@ async def _read_a_little(stream: Any) -> None:
         await stream.aclose()
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
+@pytest.fixture(
+    scope="module", params=[("asyncio", "llama"), ("trio", "llama"), ("trio", "openvino")]
+)
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    event_loop, backend = request.param
     with (
-        start_blocking_portal(request.param) as portal,
-        portal.wrap_async_context_manager(kvrt.open_runtime("llama")) as rt,
+        start_blocking_portal(event_loop) as portal,
+        portal.wrap_async_context_manager(kvrt.open_runtime(backend)) as rt,
         portal.wrap_async_context_manager(rt.open_session(hot_tokens=512)) as s,
     ):
         yield Harness(portal, rt, s)
@@ -201,3 +206,29 @@ def test_errors_are_also_the_builtin_kind() -> None:
         kvrt.Segment("a", "b", parse_special="no")  # type: ignore[arg-type]
     with pytest.raises(kvrt.InvalidArgumentError, match="is not valid Unicode text"):
         kvrt.Segment("a", "\ud800")
+
+
+text_junk = st.one_of(
+    st.text(max_size=16),
+    st.sampled_from(["", " ", "-1", "0", "1e400", "nan", "inf", "10%", "200%", "8GiB", "1 TB"]),
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    setting=st.sampled_from(kvrt._config.SETTINGS),
+    value=text_junk,
+    as_flag=st.booleans(),
+)
+def test_every_setting_any_value(setting: kvrt._config.Setting, value: str, as_flag: bool) -> None:
+    """A setting from the environment or a flag gives a Config or one ConfigError naming it."""
+    try:
+        if as_flag:
+            kvrt.load_config(env={}, flags={setting.name: value})
+        else:
+            kvrt.load_config(env={setting.env: value})
+    except kvrt.ConfigError as exc:
+        assert setting.path in str(exc), str(exc)
+        assert (setting.flag if as_flag else setting.env) in str(exc), str(exc)

@@ -317,3 +317,19 @@ def test_closing_a_runtime_returns_its_memory() -> None:
     for _, inside, after in rows:
         assert after < inside - 500 * 2**20, rows  # the model's ~1.3 GB is given back
     assert rows[-1][2] - rows[1][2] < 40 * 2**20, rows
+
+
+def test_no_home_directory_asks_for_a_cache_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.openvino import _prepare
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("KVRT_CACHE_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(
+        ConfigError, match="no home directory to keep built OpenVINO models in: set KVRT_CACHE_DIR"
+    ):
+        _prepare.cache_root()
+    monkeypatch.setenv("KVRT_CACHE_DIR", "/somewhere")
+    assert _prepare.cache_root() == Path("/somewhere/openvino")
