@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ._errors import ConfigError
+from ._errors import ArgumentTypeError, ConfigError
 from ._units import parse_size
 
 __all__ = [
@@ -232,8 +232,10 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(
+            f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     try:
         if path.suffix.lower() == ".toml":
             data: Any = tomllib.loads(raw.decode("utf-8"))
@@ -283,7 +285,14 @@ def load_config(
     maps setting names (``"cold"``, ``"kv_type"``) or paths (``"memory.cold"``) to values,
     ``None`` values being ignored.
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
+    for label, given in (("env", env), ("flags", flags)):
+        if given is not None and not isinstance(given, Mapping):
+            raise ArgumentTypeError(f"{label} must be a mapping, got {type(given).__name__}")
     env = os.environ if env is None else env
+    if bad := [k for k, v in env.items() if str(k).startswith("KVRT_") and not isinstance(v, str)]:
+        raise ArgumentTypeError(f"environment values must be str, {bad[0]} is not")
     merged: dict[str, Any] = {}
 
     file_path = path if path is not None else (env.get(CONFIG_ENV) or None)

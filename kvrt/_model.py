@@ -48,6 +48,8 @@ def embedded_model_path() -> Path:
 
 def expand_path(model: str | os.PathLike[str]) -> Path:
     """``model`` with ``~`` expanded, or a :class:`ModelLoadError` saying why it cannot be."""
+    if "\0" in str(model):
+        raise ModelLoadError(f"the model path {str(model)!r} holds a NUL character")
     try:
         return Path(model).expanduser()
     except RuntimeError as exc:  # ~user with no such user, or no home directory

@@ -232,3 +232,30 @@ def test_every_setting_any_value(setting: kvrt._config.Setting, value: str, as_f
     except kvrt.ConfigError as exc:
         assert setting.path in str(exc), str(exc)
         assert (setting.flag if as_flag else setting.env) in str(exc), str(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    path=st.one_of(st.none(), junk),
+    env=st.one_of(junk, st.dictionaries(st.sampled_from(["KVRT_BATCH", "KVRT_MEM_COLD"]), junk)),
+    flags=st.one_of(junk, st.dictionaries(st.sampled_from(["batch", "cold", "nope", 5]), junk)),
+)
+def test_load_config_any_argument(path: object, env: object, flags: object) -> None:
+    try:
+        kvrt.load_config(path, env=env, flags=flags)  # type: ignore[arg-type]
+    except kvrt.KvrtError:
+        pass
+
+
+@settings(max_examples=40, deadline=None)
+@given(backend=st.one_of(st.just("llama"), junk), model=junk, config=st.one_of(st.none(), junk))
+def test_open_runtime_any_argument(backend: object, model: object, config: object) -> None:
+    async def open_one() -> None:
+        with anyio.fail_after(DEADLINE):
+            try:
+                async with kvrt.open_runtime(backend, model=model, config=config) as rt:  # type: ignore[arg-type]
+                    assert rt.model_info.capacity.hot_context_tokens > 0
+            except kvrt.KvrtError:
+                pass
+
+    anyio.run(open_one)

@@ -47,6 +47,8 @@ def cache_root() -> Path:
     folder's ``.cache/kvrt``."""
     base = os.environ.get(CACHE_ENV)
     if base:
+        if "\0" in base:
+            raise ConfigError(f"{CACHE_ENV} holds a NUL character")
         return Path(base) / "openvino"
     try:
         home = Path.home()
