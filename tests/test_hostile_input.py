@@ -9,6 +9,7 @@ deadline.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -241,10 +242,8 @@ def test_every_setting_any_value(setting: kvrt._config.Setting, value: str, as_f
     flags=st.one_of(junk, st.dictionaries(st.sampled_from(["batch", "cold", "nope", 5]), junk)),
 )
 def test_load_config_any_argument(path: object, env: object, flags: object) -> None:
-    try:
+    with contextlib.suppress(kvrt.KvrtError):
         kvrt.load_config(path, env=env, flags=flags)  # type: ignore[arg-type]
-    except kvrt.KvrtError:
-        pass
 
 
 @settings(max_examples=40, deadline=None)
