@@ -564,9 +564,7 @@ class Actor:
         """
         out = []
         cache = self.token_cache
-        for i, seg in enumerate(segments):
-            if not isinstance(seg, Segment):
-                raise ContextTooLargeError(f"expected kvrt.Segment, got {type(seg).__name__}")
+        for i, seg in enumerate(segments):  # Segments, checked by the session handle
             key = (seg.text, i == 0, seg.parse_special, seg.markup)
             toks = cache.get(key)
             if toks is None:

@@ -190,6 +190,12 @@ class Runtime(metaclass=NoPublicConstructor):
                 f"hot_tokens must be between {least} (four blocks of {cfg.block_tokens}) and the "
                 f"model's trained context of {facts.trained_context}, got {hot!r}"
             )
+        if hot > cap.hot_context_tokens and Limit.MEMORY in cap.hot_limited_by:
+            raise ConfigError(
+                f"a hot window of {hot} tokens needs {format_size(hot * facts.kv_bytes_per_token)} "
+                f"of KV, but the memory limits leave room for {cap.hot_context_tokens} tokens "
+                "(memory.max, memory.reserve, memory.headroom, memory.cold)"
+            )
         if cfg.sink_tokens + cfg.recent_tokens + 2 * cfg.block_tokens > hot:
             raise ConfigError(
                 f"a hot window of {hot} tokens cannot hold the sinks ({cfg.sink_tokens}), the recent "

@@ -182,3 +182,22 @@ async def test_limits_that_leave_no_room_are_refused(backend: str) -> None:
     with pytest.raises(kvrt.ConfigError, match=r"invalid engine\.batch from the Config passed in"):
         async with kvrt.open_runtime(backend, config=Config(engine=kvrt.EngineConfig(batch=0))):
             pass
+
+
+async def test_a_session_larger_than_memory_allows_says_so() -> None:
+    """With a memory cap that leaves room for about 1,000 hot tokens, a session asking for
+    4,096 is refused with the figures, and one within the room opens."""
+    probe = kvrt.describe_model(Config(memory=MemoryConfig(cold=64 * 2**20)))
+    m = probe.model
+    floor = 256 * 2**20  # the reserve's floor on a machine of 1 GiB or more
+    room = 1000 * m.kv_bytes_per_token + m.weight_bytes + 64 * 2**20 + floor
+    tight = Config(memory=MemoryConfig(cold=64 * 2**20, max=room, reserve=0, headroom=0.0))
+    async with kvrt.open_runtime("llama", config=tight) as rt:
+        assert 512 <= rt.model_info.capacity.hot_context_tokens < 4096
+        with pytest.raises(
+            kvrt.ConfigError, match=r"a hot window of 4096 tokens needs .* room for \d+ tokens"
+        ):
+            async with rt.open_session(hot_tokens=4096):
+                pass
+        async with rt.open_session(hot_tokens=512) as s:
+            await s.ensure_context(STORY)
