@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvrt._errors import EngineError, KvrtError, ModelLoadError
-from native_bridge import BridgeError, BridgeLoadError
+from kvrt.native_bridge import BridgeError, BridgeLoadError
 
 __all__ = ["translate_errors"]
 

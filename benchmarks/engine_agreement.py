@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from adapters.llama import LlamaEngine
-from adapters.openvino import OpenVinoEngine
 from kvrt import EngineConfig
+from kvrt.adapters.llama import LlamaEngine
+from kvrt.adapters.openvino import OpenVinoEngine
 
 PROMPTS = [
     "Why is the sky blue?",

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvrt import AdmitMode, EngineConfig, open_engine
 from kvrt._engines import reference_greedy_tps
-from native_bridge.llama import LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaContext, LlamaModel
 
 TEXT = (
     "In the archive of the old harbour office, every ship that ever docked had a card: its "

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from adapters.llama import LlamaEngine
 from kvrt import AdmitMode, EngineConfig, EvictMode
+from kvrt.adapters.llama import LlamaEngine
 
 DOC = (
     "Project notes. The parser reads the config file, the planner splits the context into a "

@@ -12,8 +12,8 @@ from ._errors import ConfigError
 __all__ = ["BACKENDS", "open_engine", "reference_greedy_tps", "reference_trace"]
 
 BACKENDS: dict[str, str] = {
-    "llama": "adapters.llama:LlamaEngine",
-    "openvino": "adapters.openvino:OpenVinoEngine",
+    "llama": "kvrt.adapters.llama:LlamaEngine",
+    "openvino": "kvrt.adapters.openvino:OpenVinoEngine",
 }
 
 
@@ -33,7 +33,7 @@ def reference_greedy_tps(
     """The backend's own greedy decode loop without kvrt, for benchmarks: name and tokens/s."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"adapters.{config.backend}._reference")
+    module = importlib.import_module(f"kvrt.adapters.{config.backend}._reference")
     return str(module.REFERENCE_NAME), float(module.reference_greedy_tps(path, prompt, n, config))
 
 
@@ -44,7 +44,7 @@ def reference_trace(
     per system, per prompt, seconds to the first token and for the whole call."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"adapters.{config.backend}._reference")
+    module = importlib.import_module(f"kvrt.adapters.{config.backend}._reference")
     result: dict[str, list[tuple[float, float]]] = module.reference_trace(
         path, prompts, n_ctx, config
     )

@@ -10,8 +10,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-import policies
-
+from . import policies
 from ._actor import Actor
 from ._backend import Engine
 from ._capacity import Limit

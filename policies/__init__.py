@@ -3,9 +3,9 @@
 Each policy answers one question from a frozen snapshot handed to it and is registered by
 name, so configuration can pick it (the runtime's defaults are ``kvrt.PolicyConfig``'s):
 
->>> import policies
+>>> from kvrt import policies
 >>> policies.get("hot_eviction", "class_lru")
-<policies.hot_eviction.ClassThenLRU object at ...>
+<kvrt.policies.hot_eviction.ClassThenLRU object at ...>
 """
 
 from . import approximate as approximate

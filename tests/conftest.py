@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from adapters.llama import LlamaEngine
 from kvrt import EngineConfig
+from kvrt.adapters.llama import LlamaEngine
 
 STORY = (
     "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "

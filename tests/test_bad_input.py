@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from adapters.llama import LlamaEngine
 from kvrt import (
     AdmitMode,
     ColdBlock,
@@ -26,6 +25,7 @@ from kvrt import (
     ModelLoadError,
     embedded_model_path,
 )
+from kvrt.adapters.llama import LlamaEngine
 
 from .conftest import STORY
 
@@ -221,9 +221,9 @@ def test_cli_missing_model_is_a_clear_error(tmp_path: Path) -> None:
 ABORT_PRONE = textwrap.dedent(
     """
     import numpy as np
-    import native_bridge
-    from native_bridge.llama import LlamaContext, LlamaModel
-    from adapters.llama import LlamaEngine
+    from kvrt import native_bridge
+    from kvrt.native_bridge.llama import LlamaContext, LlamaModel
+    from kvrt.adapters.llama import LlamaEngine
     import kvrt
 
     caught = []

@@ -10,8 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import policies
-from kvrt import CacheClass, ColdBlock, ColdBlockMeta, ColdKey, ColdStoreFullError, KvrtError
+from kvrt import (
+    CacheClass,
+    ColdBlock,
+    ColdBlockMeta,
+    ColdKey,
+    ColdStoreFullError,
+    KvrtError,
+    policies,
+)
 from kvrt._cold_store import ColdEntry, ColdStore, token_digest
 
 

@@ -159,7 +159,7 @@ def test_broken_model_files(backend: str, tmp_path: Path) -> None:
 
 
 BUILD = (
-    "from adapters.openvino._prepare import prepare_ir; "
+    "from kvrt.adapters.openvino._prepare import prepare_ir; "
     "folder, info = prepare_ir(None); print('BUILT', folder.name, info.architecture)"
 )
 

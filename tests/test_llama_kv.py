@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.llama import LlamaEngine
 from kvrt import AdmitMode, EvictMode
+from kvrt.adapters.llama import LlamaEngine
 
 from .conftest import STORY, words
 

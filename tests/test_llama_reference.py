@@ -5,8 +5,8 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from adapters.llama import LlamaEngine
 from kvrt import SamplingParams
+from kvrt.adapters.llama import LlamaEngine
 
 PROMPTS = [
     "Write a short poem about a lighthouse in a storm.",

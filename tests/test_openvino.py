@@ -12,8 +12,6 @@ import openvino as ov
 import openvino_genai
 import pytest
 
-from adapters.openvino import OpenVinoEngine
-from adapters.openvino._context import OpenVinoEngineContext
 from kvrt import (
     AdmitMode,
     ColdBlock,
@@ -24,7 +22,9 @@ from kvrt import (
     InvalidRangeError,
     ModelLoadError,
 )
-from native_bridge.openvino import DETERMINISTIC
+from kvrt.adapters.openvino import OpenVinoEngine
+from kvrt.adapters.openvino._context import OpenVinoEngineContext
+from kvrt.native_bridge.openvino import DETERMINISTIC
 
 from .conftest import STORY
 
@@ -211,7 +211,7 @@ def test_user_ir_folder_in_the_export_layout(ov_engine: OpenVinoEngine, tmp_path
 def test_interrupted_build_leaves_no_half_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from adapters.openvino import prepare_ir
+    from kvrt.adapters.openvino import prepare_ir
 
     def fail(*args: object, **kwargs: object) -> None:
         raise RuntimeError("conversion interrupted")
@@ -320,7 +320,7 @@ def test_closing_a_runtime_returns_its_memory() -> None:
 
 
 def test_no_home_directory_asks_for_a_cache_folder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adapters.openvino import _prepare
+    from kvrt.adapters.openvino import _prepare
 
     def no_home() -> Path:
         raise RuntimeError("Could not determine home directory.")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import policies
+from kvrt import policies
 from kvrt._types import BlockView, CacheClass, ColdEntryView
 
 classes = st.sampled_from(list(CacheClass))

@@ -70,7 +70,7 @@ async def test_restore_policy_can_choose_to_recompute(anyio_backend: str) -> Non
 
 
 def policies_min_tokens() -> int:
-    import policies
+    from kvrt import policies
 
     return int(policies.get("restore", "size_threshold").min_tokens)
 

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt._errors import ColdBlockMismatchError, InvalidRangeError
-from native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
 
 from .._errors import translate_errors
 from .._window import KvWindow

@@ -11,8 +11,8 @@ from kvrt._config import EngineConfig
 from kvrt._errors import ConfigError, EngineError, ModelLoadError
 from kvrt._model import GgufMetadata, file_digest, resolve_model_path
 from kvrt._util import physical_cores
-from native_bridge import BridgeError
-from native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
+from kvrt.native_bridge import BridgeError
+from kvrt.native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
 
 from .._errors import translate_errors
 from .._window import check_tokens

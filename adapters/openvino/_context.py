@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt._errors import ColdBlockMismatchError, EngineError
-from native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack
+from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack
 
 from .._errors import translate_errors
 from .._window import KvWindow

@@ -12,7 +12,7 @@ from typing import Any
 from kvrt._backend import ModelFacts
 from kvrt._config import EngineConfig
 from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadError
-from native_bridge.openvino import DETERMINISTIC, KV_PRECISIONS, OvModel
+from kvrt.native_bridge.openvino import DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
 from .._window import check_tokens

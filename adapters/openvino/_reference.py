@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from kvrt._config import EngineConfig
-from native_bridge.openvino import OvModel
+from kvrt.native_bridge.openvino import OvModel
 
 from ._engine import PROFILES
 
