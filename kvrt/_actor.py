@@ -40,6 +40,14 @@ from ._reports import ContextStatus, Piece, SessionCounters
 from ._residency import Block, HotWindow, Segment
 from ._sampling import Sampler
 from ._types import ApproximateQuery, BlockView, CacheClass, Residency, RestoreQuery
+from .policy import (
+    Approximate,
+    Calibrating,
+    ColdAdmission,
+    Estimating,
+    HotEviction,
+    Restore,
+)
 
 __all__ = [
     "Actor",
@@ -49,6 +57,7 @@ __all__ = [
     "Ensure",
     "Evict",
     "Generate",
+    "SessionPolicies",
     "context_tokens",
     "segment_tokens",
 ]
@@ -122,6 +131,25 @@ class Call:
             self.scope.cancel()
 
 
+@dataclass(frozen=True, slots=True)
+class SessionPolicies:
+    """The policy instances one session consults (the runtime's, one per name)."""
+
+    hot_eviction: HotEviction
+    cold_admission: ColdAdmission
+    restore: Restore
+    approximate: Approximate
+    runtime: Iterable[object] = ()
+    """Every policy instance of the runtime (a live view): those that calibrate themselves
+    learn from every session's measured restores and prefills."""
+
+    def learners(self) -> list[Calibrating]:
+        found = [p for p in self.runtime if isinstance(p, Calibrating)]
+        if isinstance(self.restore, Calibrating) and self.restore not in found:
+            found.append(self.restore)
+        return found
+
+
 @dataclass(slots=True)
 class _Tally:
     reused: int = 0
@@ -142,27 +170,15 @@ class Actor:
         window: HotWindow,
         cold: ColdStore,
         limiter: anyio.CapacityLimiter,
-        order: Order,
         config: SessionConfig,
-        admission: Callable[[BlockView], bool] | None = None,
-        restore: Any = None,
-        approximate: Callable[[ApproximateQuery], bool] | None = None,
-        observers: Iterable[Any] = (),
+        policies: SessionPolicies,
     ) -> None:
         self.engine = engine
         self.ctx = ctx
         self.window = window
         self.cold = cold
         self.limiter = limiter
-        self.order = order
-        self.admission = admission or (lambda block: True)
-        self.restorer = restore
-        """The restore-vs-recompute policy object (``restore(query)``, optionally
-        ``estimate(query)`` and ``observe_restore``/``observe_prefill`` for calibration)."""
-        self.observers = observers
-        """The runtime's policy instances (a live view): those with ``observe_restore`` /
-        ``observe_prefill`` calibrate themselves from every session's measured work."""
-        self.approximate = approximate or (lambda query: False)
+        self.policies = policies
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
         self.tainted: set[int] = set()
@@ -293,7 +309,7 @@ class Actor:
         return (
             block.key(self.window.fingerprint) not in self.cold
             and block.id not in self.tainted
-            and self.admission(self.window.view(block))
+            and self.policies.cold_admission.admit(self.window.view(block))
         )
 
     async def _evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
@@ -394,7 +410,9 @@ class Actor:
                     f"the hot window ({self.window.budget} tokens) cannot make room for {need} more: "
                     "every resident block is protected (sinks, the recent window or in use)"
                 )
-            await self._evict_block(self.window.eviction_order(candidates, self.order)[0])
+            await self._evict_block(
+                self.window.eviction_order(candidates, self.policies.hot_eviction.order)[0]
+            )
 
     async def _restore(self, block: Block, keep: set[int]) -> bool:
         return await self._restore_run([block], keep) > 0
@@ -421,7 +439,7 @@ class Actor:
             await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
-            self._observe("observe_restore", began, sum(e.n_bytes for e in entries))
+            self._observed_restore(began, sum(e.n_bytes for e in entries))
         self._tally.restored += sum(b.n_tokens for b in run)
         for block, entry in zip(run, entries, strict=False):
             why = self._estimate(block, entry.n_bytes)
@@ -429,17 +447,17 @@ class Actor:
             self.tainted.discard(block.id)
         return len(run)
 
-    def _observe(self, method: str, began: float, *args: Any) -> None:
-        """Hand work measured since ``began`` (a restore's bytes, or a prefill's start and
-        tokens) to every policy that calibrates itself from it."""
+    def _observed_restore(self, began: float, n_bytes: int) -> None:
+        """Hand a restore measured since ``began`` to every policy that calibrates itself."""
         seconds = time.perf_counter() - began
-        targets = list(self.observers)
-        if self.restorer is not None and self.restorer not in targets:
-            targets.append(self.restorer)
-        for policy in targets:
-            observe = getattr(policy, method, None)
-            if observe is not None:
-                observe(*args, seconds)
+        for policy in self.policies.learners():
+            policy.observe_restore(n_bytes, seconds)
+
+    def _observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
+        """Hand a prefill measured since ``began`` to every policy that calibrates itself."""
+        seconds = time.perf_counter() - began
+        for policy in self.policies.learners():
+            policy.observe_prefill(start, n_tokens, seconds)
 
     def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
@@ -451,10 +469,10 @@ class Actor:
 
     def _estimate(self, block: Block, n_bytes: int) -> str:
         """The restore policy's cost estimates for ``block``, as text ("" if it has none)."""
-        estimate = getattr(self.restorer, "estimate", None)
-        if estimate is None:
+        restorer = self.policies.restore
+        if not isinstance(restorer, Estimating):
             return ""
-        restore_s, recompute_s = estimate(self._query(block, n_bytes))
+        restore_s, recompute_s = restorer.estimate(self._query(block, n_bytes))
         return (
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
@@ -474,7 +492,7 @@ class Actor:
         )
         if query.shift and not self.ctx.capabilities.position_shift:
             return None
-        return entry if self.approximate(query) else None
+        return entry if self.policies.approximate.accept(query) else None
 
     async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
@@ -491,7 +509,7 @@ class Actor:
                 return False
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
-            self._observe("observe_restore", began, entry.n_bytes)
+            self._observed_restore(began, entry.n_bytes)
         self.tainted.add(block.id)
         self._tally.approximate += block.n_tokens
         shift = block.start - entry.key.start
@@ -515,7 +533,7 @@ class Actor:
             start=blocks[0].start,
             checkpoint=anyio.from_thread.check_cancelled,
         )
-        self._observe("observe_prefill", began, blocks[0].start, sum(b.n_tokens for b in blocks))
+        self._observed_prefill(began, blocks[0].start, sum(b.n_tokens for b in blocks))
         for block in blocks:
             self._tally.prefilled += block.n_tokens
             self._taint_if_after_approximate(block)
@@ -611,14 +629,14 @@ class Actor:
         that must be computed on, blocks are placed in order and a computed block's
         predecessor is made resident first.
         """
-        planned = self.window.plan_hot(self.order)
+        planned = self.window.plan_hot(self.policies.hot_eviction.order)
         self._recompute = set()
         resident = self.resident()
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
                 entry = self.cold.peek(block.key(self.window.fingerprint))
                 query = self._query(block, entry.n_bytes if entry is not None else 0)
-                if self.restorer is not None and not self.restorer.restore(query):
+                if not self.policies.restore.restore(query):
                     self._recompute.add(block.id)
         try:
             await self._place_blocks(layout, planned)

@@ -23,6 +23,7 @@ __all__ = [
     "ModelLoadError",
     "OperationCancelledError",
     "SessionClosedError",
+    "UnknownPolicyError",
     "UnknownSegmentError",
 ]
 
@@ -74,6 +75,13 @@ class ColdStoreFullError(KvrtError):
 
 class ContextTooLargeError(KvrtError, ValueError):
     """The context asked for does not fit the session's planner context."""
+
+
+class UnknownPolicyError(ConfigError, KeyError):
+    """No policy of that kind is registered under that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class UnknownSegmentError(KvrtError, KeyError):

@@ -10,8 +10,9 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from . import policies
-from ._actor import Actor
+from . import policies as policies  # registers the built-in policies
+from . import policy
+from ._actor import Actor, SessionPolicies
 from ._backend import Engine
 from ._capacity import Limit
 from ._checks import check_bool, check_choice, check_int, check_text
@@ -34,9 +35,9 @@ _CONTENT = "\ue000kvrt-content\ue001"
 
 def _policy(kind: str, name: str) -> Any:
     try:
-        return policies.get(kind, name)
-    except KeyError as exc:
-        raise ConfigError(f"invalid policies.{kind}: {exc.args[0]}") from None
+        return policy.create(kind, name)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid policies.{kind}: {exc}") from None
 
 
 class Runtime(metaclass=NoPublicConstructor):
@@ -204,10 +205,13 @@ class Runtime(metaclass=NoPublicConstructor):
         for bound in (facts.trained_context, self.config.engine.context):
             if bound is not None:
                 planner = min(planner, bound)
-        order = self.policy("hot_eviction", hot_eviction)
-        admission = self.policy("cold_admission", cold_admission)
-        restorer = self.policy("restore", restore)
-        approximator = self.policy("approximate", approximate)
+        chosen = SessionPolicies(
+            hot_eviction=self.policy("hot_eviction", hot_eviction),
+            cold_admission=self.policy("cold_admission", cold_admission),
+            restore=self.policy("restore", restore),
+            approximate=self.policy("approximate", approximate),
+            runtime=self._policies.values(),
+        )
         self._serial += 1
         label = name or f"session-{self._serial}"
         ctx = await anyio.to_thread.run_sync(
@@ -227,12 +231,8 @@ class Runtime(metaclass=NoPublicConstructor):
             window=window,
             cold=self._cold,
             limiter=self.engine_limiter,
-            order=order.order,
             config=cfg,
-            admission=admission.admit,
-            restore=restorer,
-            approximate=approximator.accept,
-            observers=self._policies.values(),
+            policies=chosen,
         )
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg)

@@ -1,21 +1,23 @@
 """Pluggable decision objects: pure, synchronous, no I/O, no clock reads.
 
 Each policy answers one question from a frozen snapshot handed to it and is registered by
-name, so configuration can pick it (the runtime's defaults are ``kvrt.PolicyConfig``'s):
+name in :mod:`kvrt.policy`, whose protocols it implements, so configuration can pick it
+(the runtime's defaults are ``kvrt.PolicyConfig``'s):
 
 >>> from kvrt import policies
 >>> policies.get("hot_eviction", "class_lru")
 <kvrt.policies.hot_eviction.ClassThenLRU object at ...>
 """
 
+from kvrt.policy import create as create
+from kvrt.policy import names as names
+from kvrt.policy import register as register
+
 from . import approximate as approximate
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import hot_eviction as hot_eviction
 from . import restore as restore
-from ._registry import get as get
-from ._registry import names as names
-from ._registry import register as register
 from .approximate import AllowApproximate as AllowApproximate
 from .approximate import AllowStableApproximate as AllowStableApproximate
 from .approximate import NeverApproximate as NeverApproximate
@@ -28,3 +30,6 @@ from .restore import AlwaysRestore as AlwaysRestore
 from .restore import CalibratedCost as CalibratedCost
 from .restore import NeverRestore as NeverRestore
 from .restore import SizeThreshold as SizeThreshold
+
+get = create
+"""A new instance of a registered policy (``kvrt.policy.create``)."""

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvrt._types import ApproximateQuery, CacheClass
-
-from ._registry import register
+from kvrt.policy import ApproximateQuery, CacheClass, register
 
 __all__ = ["AllowApproximate", "AllowStableApproximate", "NeverApproximate"]
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvrt._types import BlockView, CacheClass
-
-from ._registry import register
+from kvrt.policy import BlockView, CacheClass, register
 
 __all__ = ["AdmitAll", "SkipSmallVolatile"]
 

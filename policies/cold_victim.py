@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrt._types import ColdEntryView
-
-from ._registry import register
+from kvrt.policy import ColdEntryView, register
 
 __all__ = ["ColdClassThenLRU"]
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrt._types import BlockView
-
-from ._registry import register
+from kvrt.policy import BlockView, register
 
 __all__ = ["ClassThenLRU", "ScoreThenLRU"]
 

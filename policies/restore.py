@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvrt._types import RestoreQuery
-
-from ._registry import register
+from kvrt.policy import RestoreQuery, register
 
 __all__ = ["AlwaysRestore", "CalibratedCost", "NeverRestore", "SizeThreshold"]
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import pytest
 
 import kvrt
-from kvrt import Residency
+import kvrt.policy
+from kvrt import Config, Residency
 
 from ._agent import FILE_A, FILE_B, SYSTEM, greedy
 
@@ -117,3 +120,60 @@ async def test_score_lru_evicts_the_lowest_score_first(anyio_backend: str) -> No
             assert evicted(by_score.explain()) == {"file:b.py"}  # the lower score goes first
             await by_score.ensure_context(ctx(1.0, 5.0))  # the caller's scores changed
             assert evicted(by_score.explain()) == {"file:a.py"}
+
+
+class NewestFirst:
+    """A user's own hot-eviction policy: the most recently used block leaves first."""
+
+    instances = 0
+
+    def __init__(self) -> None:
+        NewestFirst.instances += 1
+        self.calls = 0
+
+    def order(self, candidates: Sequence[kvrt.policy.BlockView]) -> list[int]:
+        self.calls += 1
+        return [b.id for b in sorted(candidates, key=lambda b: (-b.last_used, -b.start))]
+
+
+class NotAPolicy:
+    pass
+
+
+@pytest.fixture
+def own_policies() -> Iterator[None]:
+    kvrt.policy.register("hot_eviction", "newest_first", NewestFirst)
+    kvrt.policy.register("restore", "not_a_policy", NotAPolicy)
+    yield
+    kvrt.policy.unregister("hot_eviction", "newest_first")
+    kvrt.policy.unregister("restore", "not_a_policy")
+
+
+async def test_a_policy_of_ones_own_plugs_in_by_name(
+    anyio_backend: str, own_policies: None
+) -> None:
+    ctx = context("Which function adds 7?")
+    assert "newest_first" in kvrt.policy.names("hot_eviction")
+    assert isinstance(NewestFirst(), kvrt.policy.HotEviction)
+    by_config = Config(policies=kvrt.PolicyConfig(hot_eviction="newest_first"))
+    async with kvrt.open_runtime(config=by_config) as rt:
+        mine = rt.policy("hot_eviction")
+        assert isinstance(mine, NewestFirst)
+        async with rt.open_session(hot_tokens=512) as s:
+            await s.ensure_context(ctx)
+            assert mine.calls > 0
+            assert s.explain().consistent
+    async with kvrt.open_runtime() as rt:
+        async with rt.open_session(hot_tokens=512, hot_eviction="newest_first") as s:
+            await s.ensure_context(ctx)
+            assert rt.policy("hot_eviction", "newest_first").calls > 0
+        with pytest.raises(
+            kvrt.ConfigError,
+            match=r"the restore policy 'not_a_policy' does not implement kvrt\.policy\.Restore",
+        ):
+            async with rt.open_session(hot_tokens=512, restore="not_a_policy"):
+                pass
+    with pytest.raises(kvrt.ConfigError, match="already registered"):
+        kvrt.policy.register("hot_eviction", "newest_first", NewestFirst)
+    with pytest.raises(kvrt.ConfigError, match="unknown policy kind 'hot'"):
+        kvrt.policy.register("hot", "x", NewestFirst)

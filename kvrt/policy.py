@@ -1,0 +1,182 @@
+"""Policy contracts: one question per kind, the frozen view each receives, and a registry
+by name so your own policy plugs in without touching kvrt.
+
+Policies are pure, synchronous objects: no I/O, no clock reads (times are handed to
+them), no engine calls. The mechanism decides what *may* happen (sinks and the recent
+window never leave the hot window; pinned cold entries are never dropped); a policy only
+orders or accepts among what may.
+
+| kind | protocol | answers |
+|---|---|---|
+| ``hot_eviction`` | :class:`HotEviction` | which resident blocks leave the hot window first |
+| ``cold_victim`` | :class:`ColdVictim` | which cold-store entries are dropped first |
+| ``cold_admission`` | :class:`ColdAdmission` | whether an evicted block keeps its KV bytes |
+| ``restore`` | :class:`Restore` | restore an exact cold hit, or compute it again |
+| ``approximate`` | :class:`Approximate` | accept the same tokens computed after another prefix |
+
+Register a factory (usually the class) under a kind and a name, then pick it by that name
+in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
+``--hot-eviction``) or per session (``rt.open_session(hot_eviction="mine")``)::
+
+    import kvrt.policy
+
+    class NewestFirst:
+        def order(self, candidates):
+            return [b.id for b in sorted(candidates, key=lambda b: -b.last_used)]
+
+    kvrt.policy.register("hot_eviction", "newest_first", NewestFirst)
+
+A runtime makes one instance per name and shares it among the sessions that pick it. A
+restore policy that also has :class:`Calibrating`'s methods is fed every session's
+measured restores and prefills; one with :class:`Estimating`'s shows its estimates in
+``explain()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from ._errors import ConfigError, UnknownPolicyError
+from ._types import ApproximateQuery, BlockView, CacheClass, ColdEntryView, RestoreQuery
+
+__all__ = [
+    "KINDS",
+    "Approximate",
+    "ApproximateQuery",
+    "BlockView",
+    "CacheClass",
+    "Calibrating",
+    "ColdAdmission",
+    "ColdEntryView",
+    "ColdVictim",
+    "Estimating",
+    "HotEviction",
+    "Restore",
+    "RestoreQuery",
+    "create",
+    "names",
+    "register",
+    "unregister",
+]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class HotEviction(Protocol):
+    def order(self, candidates: Sequence[BlockView]) -> list[int]:
+        """Ids of ``candidates`` (resident blocks that may leave), first to leave first."""
+        ...
+
+
+@runtime_checkable
+class ColdVictim(Protocol):
+    def order(self, entries: Sequence[ColdEntryView]) -> list[int]:
+        """Ids of ``entries`` (cold entries that may be dropped), first to drop first."""
+        ...
+
+
+@runtime_checkable
+class ColdAdmission(Protocol):
+    def admit(self, block: BlockView) -> bool:
+        """Whether ``block``, leaving the hot window, keeps its KV bytes in the cold store
+        (False: it keeps its tokens only and is computed again when it comes back)."""
+        ...
+
+
+@runtime_checkable
+class Restore(Protocol):
+    def restore(self, query: RestoreQuery) -> bool:
+        """Whether to restore an exact cold hit (True) or compute it again (False)."""
+        ...
+
+
+@runtime_checkable
+class Approximate(Protocol):
+    def accept(self, query: ApproximateQuery) -> bool:
+        """Whether to restore a block's tokens computed after a different prefix, with
+        keys re-rotated to the new position (not equal to recomputing; always labelled)."""
+        ...
+
+
+@runtime_checkable
+class Calibrating(Protocol):
+    """Optional for any policy: learns from the runtime's measured work."""
+
+    def observe_restore(self, n_bytes: int, seconds: float) -> None: ...
+
+    def observe_prefill(self, start: int, n_tokens: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class Estimating(Protocol):
+    """Optional for a restore policy: its cost estimates, shown in ``explain()``."""
+
+    def estimate(self, query: RestoreQuery) -> tuple[float, float]:
+        """Seconds to restore, seconds to compute again."""
+        ...
+
+
+KINDS: dict[str, type] = {
+    "hot_eviction": HotEviction,
+    "cold_victim": ColdVictim,
+    "cold_admission": ColdAdmission,
+    "restore": Restore,
+    "approximate": Approximate,
+}
+"""Every policy kind and the protocol its policies implement."""
+
+_REGISTRY: dict[str, dict[str, Callable[[], Any]]] = {kind: {} for kind in KINDS}
+
+
+def register(kind: str, name: str, factory: Callable[[], Any] | None = None) -> Any:
+    """Make ``factory`` (a class, or any callable returning a policy) the ``kind`` policy
+    called ``name``. Without ``factory`` it is a class decorator. A name is registered once.
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"unknown policy kind {kind!r} (expected one of: {', '.join(KINDS)})")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a policy name must be a non-empty str, got {name!r}")
+
+    def add(made: T) -> T:
+        if not callable(made):
+            raise ConfigError(f"the {kind} policy {name!r} must be a class or a callable")
+        table = _REGISTRY[kind]
+        if name in table:
+            raise ConfigError(f"a {kind} policy named {name!r} is already registered")
+        table[name] = made
+        return made
+
+    return add if factory is None else add(factory)
+
+
+def create(kind: str, name: str) -> Any:
+    """A new instance of the ``kind`` policy registered as ``name``, checked against its
+    protocol; :class:`~kvrt.ConfigError` if there is none."""
+    if kind not in KINDS:
+        raise ConfigError(f"unknown policy kind {kind!r} (expected one of: {', '.join(KINDS)})")
+    table = _REGISTRY[kind]
+    factory = table.get(name)
+    if factory is None:
+        known = ", ".join(sorted(table)) or "none"
+        raise UnknownPolicyError(f"no {kind} policy named {name!r} (known: {known})")
+    made = factory()
+    protocol = KINDS[kind]
+    if not isinstance(made, protocol):
+        raise ConfigError(
+            f"the {kind} policy {name!r} does not implement kvrt.policy.{protocol.__name__}"
+        )
+    return made
+
+
+def unregister(kind: str, name: str) -> None:
+    """Forget the ``kind`` policy ``name`` (for test suites; runtimes keep the instances
+    they made)."""
+    if _REGISTRY.get(kind, {}).pop(name, None) is None:
+        raise UnknownPolicyError(f"no {kind} policy named {name!r}")
+
+
+def names(kind: str) -> list[str]:
+    """Registered names of ``kind``, sorted."""
+    return sorted(_REGISTRY.get(kind, {}))
