@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvrt._errors import EngineError, KvrtError, ModelLoadError
+from kvrt import EngineError, KvrtError, ModelLoadError
 from kvrt.native_bridge import BridgeError, BridgeLoadError
 
 __all__ = ["translate_errors"]

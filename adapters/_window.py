@@ -17,7 +17,14 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvrt._backend import (
+from kvrt import (
+    ColdBlockMismatchError,
+    EngineError,
+    HotWindowFullError,
+    InvalidRangeError,
+    InvalidTokenError,
+)
+from kvrt.backend import (
     AdmitMode,
     Capabilities,
     Checkpoint,
@@ -27,16 +34,9 @@ from kvrt._backend import (
     EvictMode,
     Logits,
     ModelFacts,
+    Sampler,
     SamplingParams,
 )
-from kvrt._errors import (
-    ColdBlockMismatchError,
-    EngineError,
-    HotWindowFullError,
-    InvalidRangeError,
-    InvalidTokenError,
-)
-from kvrt._sampling import Sampler
 
 __all__ = ["KvWindow", "as_position", "check_tokens"]
 

@@ -1,10 +1,6 @@
 """The engine backend protocol kvrt's runtime drives, and the values that cross it.
 
-Adapters (``adapters.llama``, later ``adapters.openvino``) implement :class:`Engine` (one
-loaded model, shared) and :class:`EngineContext` (one KV window, owned by one session).
-Both are synchronous: the runtime calls them from worker threads, one call at a time per
-context. Positions are the engine's token positions; a hot window holds one token per
-position, in increasing order, possibly with gaps left by gap eviction.
+Published for adapter authors as :mod:`kvrt.backend`, which documents the contract.
 """
 
 from __future__ import annotations

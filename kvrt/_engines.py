@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import cast
 
 from ._backend import Engine
@@ -11,19 +12,23 @@ from ._errors import ConfigError
 
 __all__ = ["BACKENDS", "open_engine", "reference_greedy_tps", "reference_trace"]
 
-BACKENDS: dict[str, str] = {
-    "llama": "kvrt.adapters.llama:LlamaEngine",
-    "openvino": "kvrt.adapters.openvino:OpenVinoEngine",
+BACKENDS: dict[str, tuple[str, str]] = {
+    "llama": ("kvrt.adapters.llama", "LlamaEngine"),
+    "openvino": ("kvrt.adapters.openvino", "OpenVinoEngine"),
 }
+"""Backend name -> the adapter package and its Engine class (see :mod:`kvrt.backend`)."""
+
+
+def _adapter(backend: str) -> ModuleType:
+    found = BACKENDS.get(backend)
+    if found is None:
+        raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    return importlib.import_module(found[0])
 
 
 def open_engine(config: EngineConfig) -> Engine:
     """Load the model named by ``config`` on the backend it names."""
-    target = BACKENDS.get(config.backend)
-    if target is None:
-        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
-    module_name, _, class_name = target.partition(":")
-    engine_class = getattr(importlib.import_module(module_name), class_name)
+    engine_class = getattr(_adapter(config.backend), BACKENDS[config.backend][1])
     return cast(Engine, engine_class.open(config))
 
 
@@ -31,10 +36,8 @@ def reference_greedy_tps(
     config: EngineConfig, path: str, prompt: list[int], n: int
 ) -> tuple[str, float]:
     """The backend's own greedy decode loop without kvrt, for benchmarks: name and tokens/s."""
-    if config.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"kvrt.adapters.{config.backend}._reference")
-    return str(module.REFERENCE_NAME), float(module.reference_greedy_tps(path, prompt, n, config))
+    adapter = _adapter(config.backend)
+    return str(adapter.REFERENCE_NAME), float(adapter.reference_greedy_tps(path, prompt, n, config))
 
 
 def reference_trace(
@@ -42,10 +45,7 @@ def reference_trace(
 ) -> dict[str, list[tuple[float, float]]]:
     """The backend's own way of serving a sequence of prompts without kvrt, for benchmarks:
     per system, per prompt, seconds to the first token and for the whole call."""
-    if config.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {config.backend!r}; known: {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"kvrt.adapters.{config.backend}._reference")
-    result: dict[str, list[tuple[float, float]]] = module.reference_trace(
+    result: dict[str, list[tuple[float, float]]] = _adapter(config.backend).reference_trace(
         path, prompts, n_ctx, config
     )
     return result

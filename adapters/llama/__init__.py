@@ -2,3 +2,6 @@
 
 from ._context import LlamaEngineContext as LlamaEngineContext
 from ._engine import LlamaEngine as LlamaEngine
+from ._reference import REFERENCE_NAME as REFERENCE_NAME
+from ._reference import reference_greedy_tps as reference_greedy_tps
+from ._reference import reference_trace as reference_trace

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
-from kvrt._errors import ColdBlockMismatchError, InvalidRangeError
+from kvrt import ColdBlockMismatchError, InvalidRangeError
+from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
 
 from .._errors import translate_errors

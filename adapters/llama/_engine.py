@@ -6,11 +6,15 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvrt._backend import ModelFacts
-from kvrt._config import EngineConfig
-from kvrt._errors import ConfigError, EngineError, ModelLoadError
-from kvrt._model import GgufMetadata, file_digest, resolve_model_path
-from kvrt._util import physical_cores
+from kvrt import ConfigError, EngineError, ModelLoadError
+from kvrt.backend import (
+    EngineConfig,
+    GgufMetadata,
+    ModelFacts,
+    file_digest,
+    physical_cores,
+    resolve_model_path,
+)
 from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvrt._config import EngineConfig
+from kvrt.backend import EngineConfig
 
 __all__ = ["REFERENCE_NAME", "reference_greedy_tps"]
 
@@ -45,7 +45,7 @@ def reference_trace(
     """
     import llama_cpp
 
-    from kvrt._util import physical_cores
+    from kvrt.backend import physical_cores
 
     config = config or EngineConfig()
     threads = config.threads or physical_cores()

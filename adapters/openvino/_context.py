@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrt._backend import Capabilities, ColdBlock, Logits, ModelFacts
-from kvrt._errors import ColdBlockMismatchError, EngineError
+from kvrt import ColdBlockMismatchError, EngineError
+from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack
 
 from .._errors import translate_errors

@@ -9,9 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrt._backend import ModelFacts
-from kvrt._config import EngineConfig
-from kvrt._errors import ConfigError, EngineError, InvalidRangeError, ModelLoadError
+from kvrt import ConfigError, EngineError, InvalidRangeError, ModelLoadError
+from kvrt.backend import EngineConfig, ModelFacts
 from kvrt.native_bridge.openvino import DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvrt._errors import ConfigError, ModelLoadError
-from kvrt._model import expand_path, file_digest, resolve_model_path
+from kvrt import ConfigError, ModelLoadError
+from kvrt.backend import expand_path, file_digest, resolve_model_path
 
 __all__ = ["IR_FILES", "IrInfo", "cache_root", "prepare_ir"]
 

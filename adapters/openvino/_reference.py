@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from kvrt._config import EngineConfig
+from kvrt.backend import EngineConfig
 from kvrt.native_bridge.openvino import OvModel
 
 from ._engine import PROFILES

@@ -1,0 +1,56 @@
+"""The engine contract: what an adapter implements so kvrt can drive an engine.
+
+This is the page an adapter author reads. An adapter is a package with one class that
+implements :class:`Engine` (one loaded model, shared by every session) and whose
+``open_context`` returns an :class:`EngineContext` (one KV window, owned by one session).
+Both are synchronous: kvrt calls them from worker threads, one call at a time per context,
+so an adapter never awaits. Positions are the engine's token positions; a context holds
+one token per position, in increasing order, possibly with gaps left by gap eviction.
+
+What a context must do, and what kvrt relies on:
+
+- ``prefill(tokens, start=...)`` appends tokens (in chunks, calling ``checkpoint`` between
+  them so a cancelled call stops cleanly) and returns the logits after the last one;
+  ``step(token)`` decodes one; ``logits()`` returns the last logits again.
+- ``evict(start, end, EvictMode.GAP)`` removes a range and leaves every other position as
+  it was; ``EvictMode.SLIDE`` shifts the tail down (RoPE re-rotation).
+- ``export(start, end)`` returns a :class:`ColdBlock`: immutable KV bytes plus the
+  :class:`ColdBlockMeta` needed to check them later (model fingerprint, KV type,
+  positions, tokens). ``admit(block, AdmitMode.IN_PLACE)`` puts it back at its positions,
+  whole or not at all; bytes of another model, layout or position are refused with
+  :class:`~kvrt.ColdBlockMismatchError`, never handed to native code.
+- ``capabilities`` says honestly what is exact (``exact_in_place``) and what is not.
+- Engine errors become kvrt errors (:class:`~kvrt.EngineError`, :class:`~kvrt.ModelLoadError`
+  ...) at the adapter boundary, with ``raise ... from exc``; no argument that could abort
+  the process may reach native code.
+
+An adapter package may also export ``REFERENCE_NAME``, ``reference_greedy_tps`` and
+``reference_trace``: the engine's own decode loop without kvrt, which ``kvrt bench``
+measures beside kvrt.
+
+The helpers below (model paths, digests, GGUF metadata, a sampler, the engine settings)
+are there so an adapter needs nothing private from kvrt.
+"""
+
+from __future__ import annotations
+
+from ._backend import AdmitMode as AdmitMode
+from ._backend import Capabilities as Capabilities
+from ._backend import Checkpoint as Checkpoint
+from ._backend import ColdBlock as ColdBlock
+from ._backend import ColdBlockMeta as ColdBlockMeta
+from ._backend import Counters as Counters
+from ._backend import Engine as Engine
+from ._backend import EngineContext as EngineContext
+from ._backend import EvictMode as EvictMode
+from ._backend import Logits as Logits
+from ._backend import ModelFacts as ModelFacts
+from ._backend import SamplingParams as SamplingParams
+from ._config import EngineConfig as EngineConfig
+from ._model import GgufMetadata as GgufMetadata
+from ._model import expand_path as expand_path
+from ._model import file_digest as file_digest
+from ._model import read_gguf_metadata as read_gguf_metadata
+from ._model import resolve_model_path as resolve_model_path
+from ._sampling import Sampler as Sampler
+from ._util import physical_cores as physical_cores
