@@ -12,11 +12,11 @@ import time
 import anyio
 import msgspec
 
-from ._config import Config
-from ._reports import ContextStatus
-from ._residency import Segment
-from ._runtime import Runtime, open_runtime
-from ._types import CacheClass
+from kvrt._config import Config
+from kvrt._reports import ContextStatus
+from kvrt._residency import Segment
+from kvrt._runtime import Runtime, open_runtime
+from kvrt._types import CacheClass
 
 __all__ = ["DemoReport", "run_demo"]
 

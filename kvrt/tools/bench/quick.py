@@ -19,13 +19,13 @@ import anyio
 import msgspec
 import numpy as np
 
-from ._actor import context_tokens
-from ._backend import Engine
-from ._config import Config
-from ._engines import reference_greedy_tps
-from ._residency import Segment
-from ._runtime import open_runtime
-from ._session import Session
+from kvrt._actor import context_tokens
+from kvrt._backend import Engine
+from kvrt._config import Config
+from kvrt._engines import reference_greedy_tps
+from kvrt._residency import Segment
+from kvrt._runtime import open_runtime
+from kvrt._session import Session
 
 __all__ = ["QuickBench", "run_quick_bench", "text_of"]
 

@@ -10,10 +10,10 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from ._config import SETTINGS, Config, load_config
-from ._describe import ModelInfo, describe_model
-from ._errors import ConfigError, KvrtError
-from ._units import format_size
+from kvrt._config import SETTINGS, Config, load_config
+from kvrt._describe import ModelInfo, describe_model
+from kvrt._errors import ConfigError, KvrtError
+from kvrt._units import format_size
 
 __all__ = ["main"]
 
@@ -215,7 +215,7 @@ def _run(args: argparse.Namespace) -> None:
     from rich.progress import Progress
     from rich.table import Table
 
-    from ._demo import run_demo
+    from kvrt.tools.demo import run_demo
 
     config = _config_from(args)
     # engine.hot_tokens caps the window the capacity resolves; the demo's default is 512.
@@ -290,8 +290,8 @@ def _bench(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from ._bench import run_quick_bench
-    from ._bench_full import run_full_bench, steps_of
+    from kvrt.tools.bench.full import run_full_bench, steps_of
+    from kvrt.tools.bench.quick import run_quick_bench
 
     config = _config_from(args)
     console = Console(stderr=args.json)
@@ -330,7 +330,7 @@ def _bench(args: argparse.Namespace) -> None:
                 )
             )
     if not args.quick and not args.no_plot:
-        from ._plot import plot_bench
+        from kvrt.tools.bench.plot import plot_bench
 
         try:
             written = plot_bench(figures, args.plot)

@@ -1,13 +1,13 @@
 """Engine-layer figures, measured side by side in one run (not a test: machines are noisy).
 
-    python benchmarks/engine_figures.py [--tokens 1024] [--decode 64] [--json]
+    python -m kvrt.tools.bench.engine_figures [--tokens 1024] [--decode 64] [--json]
 
 - export / admit bandwidth of a KV block next to a numpy copy of the same bytes;
 - time to admit a block next to the time to prefill the same tokens;
 - greedy decode tokens/s through kvrt's adapter next to the engine's own loop
   (llama_cpp.Llama and a bare bridge loop; for OpenVINO a bare infer-request loop).
 
-    python benchmarks/engine_figures.py --backend openvino
+    python -m kvrt.tools.bench.engine_figures --backend openvino
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvrt import AdmitMode, EngineConfig, open_engine
+from kvrt import AdmitMode, EngineConfig, EvictMode, open_engine
 from kvrt._engines import reference_greedy_tps
 from kvrt.native_bridge.llama import LlamaContext, LlamaModel
 
@@ -113,7 +113,7 @@ def main() -> None:
 
         admit_times = []
         for _ in range(args.repeat):
-            ctx.evict(0, n)
+            ctx.evict(0, n, EvictMode.GAP)
             t = time.perf_counter()
             evict_admit()
             admit_times.append(time.perf_counter() - t)
@@ -127,10 +127,11 @@ def main() -> None:
             parse_special=True,
         )
         dec = engine.open_context(len(prompt) + args.decode + 8)
-        dec.prefill(prompt)
+        logits = dec.prefill(prompt)
         t = time.perf_counter()
-        out = dec.generate(args.decode, stop_at_end=False)
-        kvrt_tps = len(out) / (time.perf_counter() - t)
+        for _ in range(args.decode):  # greedy, as the references decode
+            logits = dec.step(int(np.argmax(logits)))
+        kvrt_tps = args.decode / (time.perf_counter() - t)
         progress.advance(task)
 
         _, raw_tps = reference_greedy_tps(config, engine.facts.path, prompt, args.decode)

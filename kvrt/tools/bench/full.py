@@ -22,14 +22,14 @@ import anyio
 import msgspec
 import psutil
 
-from ._actor import context_tokens
-from ._bench import QuickBench, run_quick_bench, text_of
-from ._config import Config
-from ._engines import reference_trace
-from ._errors import KvrtError
-from ._residency import Segment
-from ._runtime import Runtime, open_runtime
-from ._types import CacheClass
+from kvrt._actor import context_tokens
+from kvrt._config import Config
+from kvrt._engines import reference_trace
+from kvrt._errors import KvrtError
+from kvrt._residency import Segment
+from kvrt._runtime import Runtime, open_runtime
+from kvrt._types import CacheClass
+from kvrt.tools.bench.quick import QuickBench, run_quick_bench, text_of
 
 __all__ = ["FullBench", "run_full_bench"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._bench_full import FullBench
-from ._errors import KvrtError
+from kvrt._errors import KvrtError
+from kvrt.tools.bench.full import FullBench
 
 __all__ = ["plot_bench"]
 

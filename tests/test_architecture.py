@@ -1,0 +1,130 @@
+"""The rooms and the arrows between them, read from the imports of every module.
+
+- the core (``kvrt/`` less ``kvrt/tools/``) never imports its tools;
+- ``policies/`` imports nothing of kvrt but the public ``kvrt.policy``;
+- ``adapters/`` imports only ``kvrt`` (public names), ``kvrt.backend`` and the bridge;
+- ``native_bridge/`` imports nothing of kvrt;
+- nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERIC = {"adapters", "policies", "native_bridge"}
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def package_of(path: Path) -> str:
+    """The dotted package ``path`` belongs to, as installed (``adapters/x`` is in
+    ``kvrt.adapters``)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in GENERIC:
+        parts.insert(0, "kvrt")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts[:-1]) if path.name != "__init__.py" else ".".join(parts)
+
+
+def imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, absolute, including imports inside functions."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = package_of(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            yield target
+            yield from (f"{target}.{alias.name}" for alias in node.names)
+
+
+def kvrt_imports(path: Path) -> set[str]:
+    return {m for m in imports(path) if m == "kvrt" or m.startswith("kvrt.")}
+
+
+def test_the_core_never_imports_its_tools() -> None:
+    core = [
+        p
+        for p in modules("kvrt")
+        if "tools" not in p.relative_to(ROOT).parts and p.name != "__main__.py"  # the CLI's door
+    ]
+    assert len(core) > 20
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in core
+        for m in kvrt_imports(p)
+        if m.startswith("kvrt.tools")
+    }
+    assert not wrong
+
+
+def test_policies_see_only_the_policy_contract() -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("policies")
+        for m in kvrt_imports(p)
+        if not (m.startswith("kvrt.policy") or m.startswith("kvrt.policies"))
+    }
+    assert not wrong
+
+
+def test_adapters_see_only_public_kvrt_and_the_bridge() -> None:
+    def allowed(m: str) -> bool:
+        top = m.split(".")
+        return (len(top) <= 2 and not top[-1].startswith("_")) or m.startswith(
+            ("kvrt.backend", "kvrt.native_bridge", "kvrt.adapters")
+        )
+
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("adapters")
+        for m in kvrt_imports(p)
+        if not allowed(m)
+    }
+    assert not wrong
+
+
+def test_the_bridge_imports_nothing_of_kvrt() -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("native_bridge")
+        for m in kvrt_imports(p)
+        if not m.startswith("kvrt.native_bridge")
+    }
+    assert not wrong
+
+
+@pytest.mark.parametrize(
+    "folder", ["kvrt", "adapters", "policies", "native_bridge", "tests", "examples"]
+)
+def test_nothing_imports_generic_top_level_names(folder: str) -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules(folder)
+        for m in imports(p)
+        if m.split(".")[0] in GENERIC
+    }
+    assert not wrong
+
+
+def test_the_reader_sees_a_wrong_arrow() -> None:
+    """The checks can fail: a private import in an adapter is seen."""
+    source = ROOT / "adapters" / "_window.py"
+    assert any(m.startswith("kvrt.backend") for m in kvrt_imports(source))
+    fake = ast.parse("from kvrt._actor import Actor\nfrom .._errors import x\n")
+    names = {n.module for n in ast.walk(fake) if isinstance(n, ast.ImportFrom)}
+    assert "kvrt._actor" in names
