@@ -29,8 +29,8 @@ from ._cold_store import ColdEntry, ColdKey, ColdStore
 from ._config import SessionConfig
 from ._errors import (
     ColdStoreFullError,
-    ContextTooLargeError,
     HotWindowFullError,
+    InvalidContextError,
     InvalidRangeError,
     KvrtError,
     OperationCancelledError,
@@ -591,7 +591,7 @@ class Actor:
                 remember[key] = toks
             out.append((seg, toks))
         if not any(toks for _, toks in out):
-            raise ContextTooLargeError("the context is empty")
+            raise InvalidContextError("the context is empty: every segment's text is empty")
         return [(seg, toks) for seg, toks in out if toks]
 
     async def _ensure(self, segments: Sequence[Segment]) -> ContextStatus:
@@ -746,6 +746,14 @@ class Actor:
         c.prefilled_tokens += tally.prefilled
         c.evicted_tokens += tally.evicted
         sizes = self.residency_tokens()
+        resident = self.resident()
+        invisible = dict.fromkeys(
+            b.segment
+            for b in self.window.blocks
+            if self.window.residency(b, resident, ()) is not Residency.HOT
+        )
+        exact_restores = self.ctx.capabilities.exact_in_place
+        approximate_context = self.approximate_context_tokens()
         return ContextStatus(
             reused_tokens=tally.reused,
             restored_tokens=tally.restored,
@@ -756,8 +764,13 @@ class Actor:
             logical_tokens=self.window.length,
             cold_tokens=sizes[Residency.COLD],
             dropped_tokens=sizes[Residency.DROPPED],
-            exact_restores=self.ctx.capabilities.exact_in_place,
-            approximate_context_tokens=self.approximate_context_tokens(),
+            exact_restores=exact_restores,
+            exact=not approximate_context
+            and not tally.approximate
+            and (exact_restores or not tally.restored),
+            visible_tokens=sizes[Residency.HOT],
+            invisible_segments=tuple(invisible),
+            approximate_context_tokens=approximate_context,
         )
 
     def approximate_context_tokens(self) -> int:

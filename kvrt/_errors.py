@@ -14,9 +14,11 @@ __all__ = [
     "ColdStoreFullError",
     "ConfigError",
     "ContextTooLargeError",
+    "ContextTypeError",
     "EngineError",
     "HotWindowFullError",
     "InvalidArgumentError",
+    "InvalidContextError",
     "InvalidRangeError",
     "InvalidTokenError",
     "KvrtError",
@@ -43,6 +45,16 @@ class InvalidArgumentError(KvrtError, ValueError):
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
     """An argument to a public call has the wrong type (also a ``TypeError``)."""
+
+
+class InvalidContextError(InvalidArgumentError):
+    """The segments given do not make a context: none at all, nothing but empty text, or
+    two segments with one name (names must be unique in a context)."""
+
+
+class ContextTypeError(InvalidContextError, ArgumentTypeError):
+    """Something other than a :class:`kvrt.Segment` where a segment is expected (also a
+    ``TypeError``)."""
 
 
 class ModelLoadError(KvrtError):
@@ -74,7 +86,8 @@ class ColdStoreFullError(KvrtError):
 
 
 class ContextTooLargeError(KvrtError, ValueError):
-    """The context asked for does not fit the session's planner context."""
+    """The context asked for does not fit the session's planner context (and nothing
+    else: a malformed context is an :class:`InvalidContextError`)."""
 
 
 class UnknownPolicyError(ConfigError, KeyError):

@@ -19,28 +19,51 @@ __all__ = [
 
 
 class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """What one ``ensure_context`` call did, in tokens."""
+    """What one call (``ensure_context``, and the tally of ``evict``/``admit``/``generate``)
+    did, in tokens, and what the model attends to afterwards.
+
+    The work counters count work done, not context tokens: a block computed, pushed out by
+    a later one and brought back in the same call counts in ``prefilled_tokens``,
+    ``evicted_tokens`` and ``restored_tokens``. The context counters (``logical_tokens``
+    and its parts ``visible_tokens`` + ``cold_tokens`` + ``dropped_tokens``) describe the
+    context once the call is done. The model attends only to ``visible_tokens``:
+    ``invisible_segments`` names the segments it does not fully see.
+    """
 
     reused_tokens: int
-    """Already hot and unchanged."""
+    """Work: already hot and unchanged, nothing done."""
     restored_tokens: int
-    """Brought back from the cold store without computing anything (exact hits)."""
+    """Work: brought back from the cold store without computing anything (exact hits)."""
     prefilled_tokens: int
-    """Computed by the engine."""
+    """Work: computed by the engine."""
     evicted_tokens: int
-    """Left the hot window (their KV bytes committed to the cold store first)."""
+    """Work: left the hot window (their KV bytes committed to the cold store first)."""
     hot_tokens: int
+    """KV cells the engine context holds now."""
     logical_tokens: int
+    """The whole context, hot or not."""
     cold_tokens: int
-    """Context tokens whose KV is in the cold store, not in the window."""
+    """Context tokens whose KV is in the cold store, not in the window: not attended to."""
     dropped_tokens: int
-    """Context tokens with neither hot nor cold KV (not attended to)."""
+    """Context tokens with neither hot nor cold KV: not attended to."""
     exact_restores: bool
-    """Restored tokens are bit-identical to never having evicted them (false for a
-    quantized KV cache that re-quantizes on import: then restores are approximate)."""
+    """The engine's capability: restores on this engine and KV precision are bit-identical
+    to never having evicted (false for a quantized KV cache that re-quantizes on import).
+    What this call did is :attr:`exact`."""
+    exact: bool = True
+    """This call's result: the hot context equals what a fresh prefill of it would hold.
+    False when anything came back approximately (``approximate_tokens``), was computed
+    after an approximate block (``approximate_context_tokens``), or was restored on an
+    engine whose restores are not exact."""
+    visible_tokens: int = 0
+    """Context tokens the model attends to now: the hot blocks of the context."""
+    invisible_segments: tuple[str, ...] = ()
+    """Names of segments with any block not hot (cold or dropped), in context order:
+    generation does not see them whole."""
     approximate_tokens: int = 0
-    """Restored from a cold copy of the same tokens after a different prefix (only when
-    the session's approximate-hit policy allows it): cheap, but not what recomputing gives."""
+    """Work: restored from a cold copy of the same tokens after a different prefix (only
+    when the session's approximate-hit policy allows it): cheap, but not what recomputing
+    gives."""
     approximate_context_tokens: int = 0
     """Resident tokens whose KV derives from an approximate restore (the restored blocks
     and what was computed after them); 0 means the hot context equals a fresh prefill."""

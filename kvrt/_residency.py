@@ -15,7 +15,12 @@ import msgspec
 
 from ._checks import check_bool, check_choice, check_int, check_number, check_text
 from ._cold_store import ColdKey, token_digest
-from ._errors import ArgumentTypeError, ContextTooLargeError, UnknownSegmentError
+from ._errors import (
+    ArgumentTypeError,
+    ContextTooLargeError,
+    InvalidContextError,
+    UnknownSegmentError,
+)
 from ._types import BlockView, CacheClass, Residency
 
 __all__ = ["Block", "HotWindow", "Segment"]
@@ -164,7 +169,7 @@ class HotWindow:
         names = [seg.name for seg, _ in segments]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
-            raise ContextTooLargeError(f"segment name {dup!r} appears twice; names must be unique")
+            raise InvalidContextError(f"segment name {dup!r} appears twice; names must be unique")
         total = sum(len(toks) for _, toks in segments)
         if total > self.planner_context:
             biggest = max(segments, key=lambda s: len(s[1]))

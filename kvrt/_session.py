@@ -14,7 +14,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._actor import Actor, Admit, Call, Command, Ensure, Evict, Generate, TokenKey
 from ._backend import SamplingParams
 from ._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
-from ._errors import ArgumentTypeError, SessionClosedError
+from ._errors import ArgumentTypeError, ContextTypeError, InvalidContextError, SessionClosedError
 from ._reports import BlockReport, ContextStatus, Piece, PrefetchReport, SessionReport
 from ._residency import Segment
 from ._types import CacheClass, Residency
@@ -382,15 +382,21 @@ class _Stream:
 def _segments(segments: Any) -> tuple[Segment, ...]:
     """``segments`` as a tuple of :class:`Segment`, or an error naming what is wrong."""
     if isinstance(segments, (str, bytes, Segment, Mapping)) or not isinstance(segments, Iterable):
-        raise ArgumentTypeError(
+        raise ContextTypeError(
             f"segments must be a sequence of kvrt.Segment, got {type(segments).__name__}"
         )
     out = tuple(segments)
     for i, seg in enumerate(out):
         if not isinstance(seg, Segment):
-            raise ArgumentTypeError(
+            raise ContextTypeError(
                 f"segments[{i}] must be a kvrt.Segment, got {type(seg).__name__}"
             )
+    if not out:
+        raise InvalidContextError("the context is empty: give at least one segment")
+    names = [seg.name for seg in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise InvalidContextError(f"segment name {dup!r} appears twice; names must be unique")
     return out
 
 

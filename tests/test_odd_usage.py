@@ -201,3 +201,74 @@ async def test_a_session_larger_than_memory_allows_says_so() -> None:
                 pass
         async with rt.open_session(hot_tokens=512) as s:
             await s.ensure_context(STORY)
+
+
+async def test_malformed_contexts_are_invalid_not_too_large(backend: str) -> None:
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
+        for bad, kind, message in (
+            ({"name": "user"}, TypeError, "segments must be a sequence of kvrt.Segment, got dict"),
+            ("Hello", TypeError, "segments must be a sequence of kvrt.Segment, got str"),
+            ([STORY[0], "Hello"], TypeError, r"segments\[1\] must be a kvrt.Segment, got str"),
+            ([], ValueError, "the context is empty: give at least one segment"),
+            ([kvrt.Segment("a", "")], ValueError, "the context is empty: every segment's text"),
+            ([*STORY, *STORY], ValueError, "segment name 'story' appears twice"),
+        ):
+            with pytest.raises(kvrt.InvalidContextError, match=message) as caught:
+                await s.ensure_context(bad)  # type: ignore[arg-type]
+            assert isinstance(caught.value, kind)
+            assert not isinstance(caught.value, kvrt.ContextTooLargeError)
+        await s.ensure_context(STORY)
+        assert s.explain().consistent
+
+
+async def test_the_status_says_what_the_model_sees(backend: str) -> None:
+    ctx = context(("file:a.py", FILE_A), question="What does add_3 return?")
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as s:
+        first = await s.ensure_context(ctx)
+        assert first.exact and first.invisible_segments == ()
+        assert first.visible_tokens == first.logical_tokens
+        await s.evict("file:a.py")
+        after = await s.ensure_context([*ctx[:2], *ctx[3:]])  # a.py no longer sent
+        assert after.visible_tokens == after.logical_tokens
+        big = context(
+            ("file:a.py", FILE_A), ("file:b.py", FILE_A.replace("add", "sub")), question="?"
+        )
+        async with rt.open_session(hot_tokens=512) as small:
+            status = await small.ensure_context(big)
+            assert status.invisible_segments  # 512 hot tokens cannot hold both files
+            assert status.visible_tokens + status.cold_tokens + status.dropped_tokens == (
+                status.logical_tokens
+            )
+            assert status.visible_tokens < status.logical_tokens
+            blocks = small.explain().blocks
+            unseen = [b.segment for b in blocks if b.residency is not kvrt.Residency.HOT]
+            assert status.invisible_segments == tuple(dict.fromkeys(unseen))
+            assert status.visible_tokens == sum(
+                b.n_tokens for b in blocks if b.residency is kvrt.Residency.HOT
+            )
+
+
+async def test_errors_inside_the_blocks_come_out_as_themselves(backend: str) -> None:
+    with pytest.raises(TimeoutError):
+        async with kvrt.open_runtime(backend) as rt:
+            with anyio.fail_after(0.01):
+                await anyio.sleep(5)
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.5):
+            async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
+                await s.ensure_context(STORY)
+                await anyio.sleep(30)
+
+    class Mine(Exception):
+        pass
+
+    with pytest.raises(Mine):
+        async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512):
+            raise Mine
+    try:
+        async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
+            await s.evict("nothing")
+    except kvrt.KvrtError as exc:  # caught as itself, no ExceptionGroup in the way
+        assert isinstance(exc, kvrt.UnknownSegmentError)
+    else:
+        raise AssertionError("no error")

@@ -63,6 +63,7 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
             status = await s.ensure_context(MOVED)
             assert status.approximate_tokens == n_file
             assert status.restored_tokens == 0  # nothing here was an exact hit
+            assert not status.exact and status.exact_restores  # the call, the capability
             n_after = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
             assert status.approximate_context_tokens == n_file + n_after
             report = s.explain()
@@ -91,6 +92,7 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
             assert again.restored_tokens == n_file + n_after  # the old question went cold too
             assert again.prefilled_tokens == 0
             assert again.approximate_tokens == again.approximate_context_tokens == 0
+            assert again.exact
             assert not any(b.approximate for b in s.explain().blocks)
             assert await greedy(s, 16) == expected
 

@@ -130,7 +130,7 @@ async def test_bad_input(backend: str) -> None:
                 match=r"needs \d+ tokens but the session's planner context is 1024 \(largest segment 'huge'",
             ):
                 await s.ensure_context([kvrt.Segment("huge", FILE_A * 4)])
-            with pytest.raises(kvrt.ContextTooLargeError, match="segment name 'x' appears twice"):
+            with pytest.raises(kvrt.InvalidContextError, match="segment name 'x' appears twice"):
                 await s.ensure_context([kvrt.Segment("x", "a"), kvrt.Segment("x", "b")])
             await s.ensure_context(context(question="Hello?"))
             with pytest.raises(
