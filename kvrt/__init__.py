@@ -5,6 +5,10 @@ host-RAM cold store and paged back, bit-exactly where positions allow, when an a
 them again. This module is the whole public surface; everything else is private.
 """
 
+import msgspec as _msgspec
+
+from . import backend as backend
+from . import policy as policy
 from ._backend import AdmitMode as AdmitMode
 from ._backend import Capabilities as Capabilities
 from ._backend import ColdBlock as ColdBlock
@@ -32,6 +36,7 @@ from ._config import SessionConfig as SessionConfig
 from ._config import load_config as load_config
 from ._describe import ModelInfo as ModelInfo
 from ._describe import describe_model as describe_model
+from ._docs import document_fields as _document_fields
 from ._engines import open_engine as open_engine
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ColdBlockMismatchError as ColdBlockMismatchError
@@ -70,3 +75,76 @@ from ._types import Residency as Residency
 from ._units import parse_size as parse_size
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AdmitMode",
+    "ArgumentTypeError",
+    "BlockReport",
+    "CacheClass",
+    "Capabilities",
+    "Capacity",
+    "CapacityInputs",
+    "ColdBlock",
+    "ColdBlockMeta",
+    "ColdBlockMismatchError",
+    "ColdKey",
+    "ColdStats",
+    "ColdStoreFullError",
+    "Config",
+    "ConfigError",
+    "ContextStatus",
+    "ContextTooLargeError",
+    "ContextTypeError",
+    "Counters",
+    "Engine",
+    "EngineConfig",
+    "EngineContext",
+    "EngineError",
+    "EvictMode",
+    "HotWindowFullError",
+    "InvalidArgumentError",
+    "InvalidContextError",
+    "InvalidRangeError",
+    "InvalidTokenError",
+    "KvrtError",
+    "LayerProfile",
+    "Limit",
+    "MemoryConfig",
+    "MemoryPolicy",
+    "MemoryReading",
+    "ModelFacts",
+    "ModelInfo",
+    "ModelLoadError",
+    "OperationCancelledError",
+    "Piece",
+    "PolicyConfig",
+    "Prefetch",
+    "PrefetchReport",
+    "Residency",
+    "Runtime",
+    "Sampler",
+    "SamplingParams",
+    "Segment",
+    "Session",
+    "SessionClosedError",
+    "SessionConfig",
+    "SessionCounters",
+    "SessionReport",
+    "UnknownPolicyError",
+    "UnknownSegmentError",
+    "backend",
+    "describe_model",
+    "embedded_model_path",
+    "load_config",
+    "open_engine",
+    "open_runtime",
+    "parse_size",
+    "policy",
+    "read_memory",
+    "resolve_capacity",
+]
+
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) and issubclass(_value, _msgspec.Struct):
+        _document_fields(_value)

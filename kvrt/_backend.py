@@ -53,41 +53,64 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine knows about its loaded model and KV layout."""
 
     backend: str
+    """The engine that loaded the model: ``llama`` or ``openvino``."""
     path: str
+    """The model file (or IR folder) loaded."""
     name: str | None
+    """The model's own name from its metadata, if it has one."""
     architecture: str
+    """The architecture name (``llama``, ``gemma3`` ...)."""
     fingerprint: str
+    """Model digest plus KV layout: cold bytes fit only an engine with the same one."""
     n_layers: int
+    """Transformer layers."""
     n_head: int
+    """Attention (query) heads."""
     n_head_kv: int
+    """Key/value heads (fewer than ``n_head`` with grouped-query attention)."""
     head_dim: int
+    """Size of one head."""
     n_vocab: int
+    """Tokens in the vocabulary."""
     trained_context: int
+    """The context length the model was trained for, in tokens."""
     sliding_window: int | None
     """From the model file's metadata."""
     sliding_window_live: int | None
     """As the loaded engine reports it (``llama_model_n_swa``)."""
     sliding_window_pattern: int | None
+    """Every how many layers one attends globally, where the model says."""
     swa_full: bool
+    """The engine keeps windowed layers at full size, so the window saves no memory."""
     rope_freq_base: float | None
+    """RoPE base frequency, where known."""
     kv_type: str
+    """The KV cache precision (``f16``, ``q8_0``, ``f32`` ...)."""
     kv_bytes_per_token: int
+    """KV bytes one token costs across all layers at ``kv_type``."""
     weight_bytes: int
+    """Bytes of weights loaded."""
     file_bytes: int
+    """Bytes of the model file(s) on disk."""
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine context can do with its KV cache, stated honestly."""
 
     remove_middle: bool
+    """A range can leave the middle of the window with every other position kept (gap eviction)."""
     position_shift: bool
+    """Positions can be shifted (slide eviction, tail admission with re-rotated keys)."""
     exact_in_place: bool
     """An in-place admit gives logits bit-identical to never evicting."""
     exact_tail: bool
     """A tail admit after a shift is bit-identical (false where keys are re-rotated)."""
     sliding_window: int | None
+    """The sliding window of windowed layers, if the model has any."""
     kv_type: str
+    """The KV cache precision restores work at."""
     notes: tuple[str, ...] = ()
+    """What else to know, in words."""
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -98,10 +121,15 @@ class Counters(msgspec.Struct, kw_only=True):
     decode_tokens: int = 0
     """Tokens generated and fed back one at a time."""
     evicted_tokens: int = 0
+    """Tokens removed from the window."""
     exported_tokens: int = 0
+    """Tokens whose KV was exported as cold bytes."""
     exported_bytes: int = 0
+    """Bytes exported."""
     admitted_tokens: int = 0
+    """Tokens whose KV came back from cold bytes."""
     admitted_bytes: int = 0
+    """Bytes admitted."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,10 +162,13 @@ class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: str
     """Model digest plus KV layout: bytes only fit an engine with the same one."""
     kv_type: str
+    """The KV precision of the bytes."""
     start: int
     """Position of the first token when the block was exported."""
     tokens: tuple[int, ...]
+    """The block's tokens."""
     n_bytes: int
+    """Size of the KV bytes."""
 
     @property
     def n_tokens(self) -> int:
@@ -153,7 +184,9 @@ class ColdBlock:
     """Immutable KV bytes of a token range, with their metadata."""
 
     meta: ColdBlockMeta
+    """What the bytes are: checked before they go back into an engine."""
     data: npt.NDArray[np.uint8]
+    """The KV bytes, as the engine exported them."""
 
 
 class EngineContext(Protocol):

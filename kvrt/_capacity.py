@@ -60,11 +60,14 @@ class LayerProfile(msgspec.Struct, frozen=True, kw_only=True):
     """Which layers attend over the whole context and which over a sliding window."""
 
     n_layers: int
+    """All layers."""
     n_swa_layers: int = 0
+    """Layers that attend over a sliding window only."""
     sliding_window: int | None = None
-    # True when the engine sizes windowed layers like dense ones (llama.cpp does with
-    # several sequences in one unified cache), so the window saves no memory.
+    """Their window, in tokens."""
     swa_full: bool = False
+    """The engine sizes windowed layers like dense ones (llama.cpp does with several
+    sequences in one unified cache), so the window saves no memory."""
 
     @property
     def windowed(self) -> bool:
@@ -80,53 +83,83 @@ class MemoryReading(msgspec.Struct, frozen=True, kw_only=True):
     """Live memory figures; ``None`` where the source could not be read."""
 
     free_bytes: int | None = None
+    """Free memory where the hot window lives."""
     total_bytes: int | None = None
+    """Total memory where the hot window lives."""
     host_free_bytes: int | None = None
+    """Free host RAM (where the cold store lives)."""
     host_total_bytes: int | None = None
-    # The hot window lives in host RAM (CPU engines): hot and cold draw on one pool.
+    """Total host RAM."""
     hot_in_host_memory: bool = True
+    """The hot window lives in host RAM (CPU engines): hot and cold draw on one pool."""
 
 
 class MemoryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """The user's memory policy; ``None`` means "derive from live memory"."""
 
     max_bytes: int | None = None
+    """Cap on the memory kvrt plans for (``memory.max``)."""
     reserve_bytes: int | None = None
+    """Memory left for everything else (``memory.reserve``)."""
     headroom: float | None = None
+    """Fraction of usable memory kept free (``memory.headroom``)."""
     host_cold_bytes: int | None = None
+    """The host cold store's budget (``memory.cold``)."""
     overhead_bytes: int = 0
+    """Fixed per-context overhead planned for (``memory.overhead``)."""
 
 
 class CapacityInputs(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the derivation reads; any model figure may be unknown."""
 
     trained_context: int | None = None
+    """The model's trained context."""
     kv_bytes_per_token: int | None = None
+    """KV bytes one token costs."""
     weight_bytes: int | None = None
+    """Bytes of weights."""
     layers: LayerProfile | None = None
+    """Which layers are windowed."""
     request_context: int | None = None
+    """The context asked for (``engine.context``)."""
     hot_cap_tokens: int | None = None
+    """A cap on the hot window (``engine.hot_tokens``)."""
     # Model-native sparse attention that can attend past the trained context.
     sparse_beyond_trained: bool = False
+    """The model's own sparse attention reaches past its trained context."""
     memory: MemoryReading = msgspec.field(default_factory=MemoryReading)
+    """Live memory figures."""
     policy: MemoryPolicy = msgspec.field(default_factory=MemoryPolicy)
+    """The user's memory policy."""
 
 
 class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     """The resolved sizes, with what limited each of them and why."""
 
     hot_context_tokens: int
+    """Tokens the hot window may hold: what the model attends to at once."""
     planner_effective_context: int
+    """Tokens a session's context may span: hot plus what the cold budget parks, within the trained context."""
     effective_context: int
+    """The dense window (equal to the hot window), for engines with no cold store."""
     cold_store_tokens: int
+    """Tokens of KV the host cold budget holds."""
     host_cold_budget_bytes: int
+    """The cold store's budget in host RAM."""
     usable_bytes: int | None
+    """Memory kvrt may plan for: free less reserve, capped, less headroom."""
     reserve_bytes: int | None
+    """Memory left for everything else."""
     headroom: float
+    """Fraction of usable memory kept free."""
     kv_bytes_per_token: int | None
+    """KV bytes one token costs."""
     hot_limited_by: tuple[Limit, ...]
+    """What bounded the hot window."""
     planner_limited_by: tuple[Limit, ...]
+    """What bounded the planner context."""
     notes: tuple[str, ...] = ()
+    """How unknown figures were treated, in words."""
 
 
 def tokens_for_bytes(budget: int, kv_bytes_per_token: int, layers: LayerProfile | None) -> int:

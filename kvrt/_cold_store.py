@@ -51,6 +51,7 @@ class ColdKey(msgspec.Struct, frozen=True):
     tokens: str
     """Digest of the block's own tokens."""
     start: int
+    """Position of the block's first token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +76,24 @@ class ColdEntry:
 
 
 class ColdStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The cold store's figures, shared by every session of a runtime."""
+
     entries: int
+    """Blocks held."""
     bytes: int
+    """Bytes held."""
     budget_bytes: int
+    """The store's budget; ``bytes`` never passes it."""
     exact_hits: int
+    """Lookups that found an exact copy (same model, prefix, tokens, position)."""
     approximate_hits: int
+    """Approximate copies used (same tokens after another prefix)."""
     misses: int
+    """Lookups that found nothing."""
     puts: int
+    """Blocks stored."""
     evictions: int
+    """Blocks dropped to stay within budget (the cold-victim policy's choice)."""
     refused: int
     """Entries larger than the whole budget."""
     pinned: int
@@ -92,6 +103,7 @@ class ColdStats(msgspec.Struct, frozen=True, kw_only=True):
     full_failures: int
     """Puts that gave up after the bounded wait."""
     queue: dict[str, int]
+    """The bounded stream of puts toward the store: buffered, size, waiting senders."""
 
 
 class ColdVictimPolicy(Protocol):

@@ -65,15 +65,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Which engine and model, and how the engine's contexts are built."""
 
     backend: BackendName = "llama"
+    """The engine: ``llama`` (llama.cpp) or ``openvino``."""
     model: str | None = None
     """Path of a GGUF model; ``None`` means the embedded SmolLM2-135M-Instruct."""
     kv_type: KvType = "f16"
+    """KV cache precision (OpenVINO: ``f32``, ``f16``, ``bf16``, ``u8``)."""
     threads: Positive | None = None
+    """Engine threads (default: physical cores)."""
     context: Positive | None = None
     """The logical context a request asks for (caps both hot and planner context)."""
     hot_tokens: Positive | None = None
     """A cap on the hot window, below what memory allows."""
     batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
+    """Prefill batch size in tokens."""
     require_exact: bool = False
     """Refuse a KV precision whose restores cannot be bit-exact (OpenVINO's ``u8``)."""
     openvino_profile: Literal["deterministic", "default"] = "deterministic"
@@ -106,9 +110,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Policies by registered name (see ``policies.names(kind)``)."""
 
     hot_eviction: str = "class_lru"
+    """Which resident blocks leave the hot window first."""
     cold_victim: str = "class_lru"
+    """Which cold-store entries are dropped first when it is full."""
     cold_admission: str = "all"
+    """Which evicted blocks keep their KV bytes."""
     restore: str = "always"
+    """Whether an exact cold hit is restored or computed again."""
     approximate: str = "never"
     """Whether same tokens after a different prefix may be restored (with a RoPE fix-up)."""
 
@@ -117,9 +125,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """kvrt's whole configuration."""
 
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    """Memory policy (``[memory]``)."""
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    """Engine and model (``[engine]``)."""
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    """How sessions cut and keep context (``[session]``)."""
     policies: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    """Policies by registered name (``[policies]``)."""
 
 
 class Setting(msgspec.Struct, frozen=True):

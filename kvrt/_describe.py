@@ -24,8 +24,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A loaded model's facts with the capacity resolved for it."""
 
     model: ModelFacts
+    """What the engine reports of the model."""
     capacity: Capacity
+    """The sizes resolved from model, memory and policy."""
     memory: MemoryReading
+    """The live memory reading they were resolved from."""
 
     @property
     def hot_context_tokens(self) -> int:

@@ -19,8 +19,8 @@ __all__ = [
 
 
 class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """What one call (``ensure_context``, and the tally of ``evict``/``admit``/``generate``)
-    did, in tokens, and what the model attends to afterwards.
+    """What one ``ensure_context`` call did, in tokens, and what the model attends to
+    afterwards.
 
     The work counters count work done, not context tokens: a block computed, pushed out by
     a later one and brought back in the same call counts in ``prefilled_tokens``,
@@ -73,33 +73,55 @@ class Piece(msgspec.Struct, frozen=True, kw_only=True):
     """One generated token and the text it completes (may be empty mid-character)."""
 
     text: str
+    """The text this token completes; empty while a character's bytes are incomplete."""
     token: int
+    """The token id."""
     index: int
+    """Position of the token in this ``generate()`` call, from 0."""
 
 
 class SessionCounters(msgspec.Struct, kw_only=True):
     """Totals over a session's life."""
 
     reused_tokens: int = 0
+    """Tokens already hot and kept, over all calls."""
     restored_tokens: int = 0
+    """Tokens restored exactly from the cold store."""
     approximate_tokens: int = 0
+    """Tokens restored approximately."""
     prefilled_tokens: int = 0
+    """Tokens computed by prefill."""
     evicted_tokens: int = 0
+    """Tokens that left the hot window."""
     generated_tokens: int = 0
+    """Tokens generated."""
     ensure_calls: int = 0
+    """``ensure_context`` calls."""
     generate_calls: int = 0
+    """``generate`` calls."""
     cancelled_calls: int = 0
+    """Calls cancelled (or skipped because their caller gave up)."""
 
 
 class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One block of a session's context, as ``explain()`` shows it."""
+
     segment: str
+    """The segment the block belongs to."""
     index: int
+    """Its place in the segment, from 0."""
     start: int
+    """Position of its first token in the context."""
     n_tokens: int
+    """Its tokens."""
     cache_class: CacheClass
+    """Its segment's cache class."""
     residency: Residency
+    """Where its KV is: ``hot`` (attended to), ``cold`` (restorable bytes) or ``dropped`` (tokens only)."""
     protected: bool
+    """A sink or in the recent window: never evicted."""
     last_used: int
+    """A logical clock: larger is more recent."""
     choice: str | None = None
     """The last residency decision about this block (restored, recomputed, evicted ...)."""
     approximate: bool = False
@@ -111,23 +133,39 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     """A session's state: sizes, every block, the cold store, the mailbox, counters."""
 
     name: str
+    """The session's name."""
     closed: bool
+    """Whether the session is closed."""
     hot_budget: int
+    """Tokens the hot window may hold."""
     hot_tokens: int
+    """KV cells the engine context holds now."""
     planner_context: int
+    """Tokens the context may span, hot and cold."""
     logical_tokens: int
+    """The context's tokens now."""
     blocks: list[BlockReport]
+    """Every block of the context, in order."""
     residency_tokens: dict[str, int]
+    """Context tokens by residency (``hot``, ``cold``, ``dropped``)."""
     cold_store: ColdStats
+    """The runtime's shared cold store."""
     mailbox: dict[str, int]
+    """The session's command mailbox: queued, size, waiting callers, in flight."""
     counters: SessionCounters
+    """Totals over the session's life."""
     engine: Counters
+    """The engine context's own counters."""
     capabilities: Capabilities
+    """What the engine context can do exactly."""
     exact_restores: bool
+    """Restores are bit-identical on this engine and KV precision."""
     approximate_tokens: int
     """Resident tokens whose KV derives from an approximate restore."""
     consistent: bool
+    """The bookkeeping matches what the engine holds (checked now)."""
     problems: list[str]
+    """What does not match, if anything."""
 
 
 class PrefetchReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,7 +174,10 @@ class PrefetchReport(msgspec.Struct, frozen=True, kw_only=True):
     blocks: int
     """Blocks the segments cut into."""
     tokens: int
+    """Tokens the segments hold."""
     cold_blocks: int
     """Blocks with an exact hit in the cold store, now pinned there until the next call."""
     cold_tokens: int
+    """Tokens of the exact cold hits pinned."""
     cold_bytes: int
+    """Bytes of the exact cold hits pinned."""

@@ -40,8 +40,11 @@ class Segment(msgspec.Struct, frozen=True):
     """
 
     name: str
+    """Unique within a context: how the session matches this segment across calls."""
     text: str
+    """The segment's text, read as plain text unless ``markup``/``parse_special`` say otherwise."""
     cache_class: CacheClass = CacheClass.VOLATILE
+    """How readily its blocks leave the hot window (``volatile`` first)."""
     parse_special: bool = False
     """Read every special-token string in ``text`` (such as ``<|im_start|>``) as the
     special token. Never set it for text that comes from users, tools or files."""

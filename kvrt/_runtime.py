@@ -27,7 +27,7 @@ from ._types import CacheClass
 from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
 
-__all__ = ["Runtime", "open_runtime"]
+__all__ = ["Runtime", "check_policies", "open_runtime"]
 
 _CONTENT = "\ue000kvrt-content\ue001"
 """A stand-in message content (private-use characters) to find the template's markup."""
@@ -38,6 +38,15 @@ def _policy(kind: str, name: str) -> Any:
         return policy.create(kind, name)
     except ConfigError as exc:
         raise ConfigError(f"invalid policies.{kind}: {exc}") from None
+
+
+def check_policies(cfg: Config) -> dict[str, Any]:
+    """An instance of every configured policy, by kind, or a :class:`ConfigError` naming
+    the first name that is not registered."""
+    return {
+        f.name: _policy(f.name, getattr(cfg.policies, f.name))
+        for f in msgspec.structs.fields(cfg.policies)
+    }
 
 
 class Runtime(metaclass=NoPublicConstructor):
@@ -313,12 +322,7 @@ async def open_runtime(
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid open_runtime argument: {exc}") from None
         cfg = msgspec.structs.replace(cfg, engine=engine_cfg)
-    hot_policy = cfg.policies.hot_eviction
-    _policy("hot_eviction", hot_policy)
-    _policy("cold_admission", cfg.policies.cold_admission)
-    _policy("restore", cfg.policies.restore)
-    _policy("approximate", cfg.policies.approximate)
-    victim = _policy("cold_victim", cfg.policies.cold_victim)
+    victim = check_policies(cfg)["cold_victim"]
 
     engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
     try:

@@ -128,3 +128,43 @@ def test_the_reader_sees_a_wrong_arrow() -> None:
     fake = ast.parse("from kvrt._actor import Actor\nfrom .._errors import x\n")
     names = {n.module for n in ast.walk(fake) if isinstance(n, ast.ImportFrom)}
     assert "kvrt._actor" in names
+
+
+def test_every_public_struct_documents_itself_and_its_fields() -> None:
+    """``help()`` on a public Struct shows its docstring and every field's."""
+    import pydoc
+
+    import msgspec
+
+    import kvrt
+
+    structs = [
+        getattr(kvrt, name)
+        for name in kvrt.__all__
+        if isinstance(getattr(kvrt, name), type) and issubclass(getattr(kvrt, name), msgspec.Struct)
+    ]
+    assert len(structs) > 20
+    for struct in structs:
+        shown = pydoc.render_doc(struct, renderer=pydoc.plaintext)
+        intro = (struct.__doc__ or "").split("Fields:")[0].strip()
+        assert intro, f"{struct.__name__} has no docstring"
+        fields = (struct.__doc__ or "").split("Fields:")[-1]
+        for field in struct.__struct_fields__:
+            entry = fields.split(f"\n{field} (", 1)
+            assert len(entry) == 2, f"{struct.__name__}.{field} is not listed"
+            described = entry[1].split("\n")[1] if "\n" in entry[1] else ""
+            assert described.startswith("    ") and described.strip(), (
+                f"{struct.__name__}.{field} has no description"
+            )
+        assert "Fields:" in shown
+
+
+def test_the_public_names_are_listed() -> None:
+    from types import ModuleType
+
+    import kvrt
+
+    names = {n for n in dir(kvrt) if not n.startswith("_")}
+    public = {n for n in names if not isinstance(getattr(kvrt, n), ModuleType)}
+    assert set(kvrt.__all__) == public | {"backend", "policy"}
+    assert {"backend", "policy", "Session", "Segment", "open_runtime"} <= set(kvrt.__all__)

@@ -203,3 +203,33 @@ def test_openvino_cache_folder_problems(tmp_path: Path) -> None:
     ):
         proc = kvrt_cli("describe", "--backend", "openvino", env={"KVRT_CACHE_DIR": str(where)})
         one_error_line(proc, expected)
+
+
+def test_version_local_config_and_describe_policies(tmp_path: Path) -> None:
+    proc = kvrt_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kvrt {kvrt.__version__}"
+    one_error_line(
+        kvrt_cli("describe", "--hot-eviction", "fifo"), "no hot_eviction policy named 'fifo'"
+    )
+    (tmp_path / "kvrt.toml").write_text('[policies]\nrestore = "sometimes"\n')
+    env = {k: v for k, v in os.environ.items() if k != "KVRT_CONFIG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrt", "describe", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # ./kvrt.toml is read when no --config or $KVRT_CONFIG names a file
+        env=env,
+    )
+    one_error_line(proc, "no restore policy named 'sometimes'")
+    (tmp_path / "kvrt.toml").write_text("[engine]\nhot_tokens = 1024\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrt", "describe", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"hot_context_tokens": 1024' in proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,12 +11,17 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from kvrt._config import SETTINGS, Config, load_config
+from kvrt import __version__
+from kvrt._config import CONFIG_ENV, SETTINGS, Config, load_config
 from kvrt._describe import ModelInfo, describe_model
 from kvrt._errors import ConfigError, KvrtError
+from kvrt._runtime import check_policies
 from kvrt._units import format_size
 
 __all__ = ["main"]
+
+LOCAL_CONFIG = "kvrt.toml"
+"""Read from the working directory when neither --config nor $KVRT_CONFIG names a file."""
 
 _HELP = {
     "cold": "host-RAM cold store budget, e.g. 2GiB (default: 25%% of free RAM)",
@@ -47,7 +53,9 @@ _HELP = {
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", metavar="PATH", help="TOML or JSON config file (or $KVRT_CONFIG)"
+        "--config",
+        metavar="PATH",
+        help=f"TOML or JSON config file (default: $KVRT_CONFIG, else ./{LOCAL_CONFIG} if there is one)",
     )
     group = parser.add_argument_group("settings (override the config file and KVRT_* variables)")
     for s in SETTINGS:
@@ -57,7 +65,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _config_from(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
     flags = {s.name: getattr(args, f"set_{s.name}") for s in SETTINGS}
     flags.update({k: v for k, v in (extra or {}).items() if v is not None})
-    return load_config(args.config, flags=flags)
+    path = args.config
+    if path is None and not os.environ.get(CONFIG_ENV) and Path(LOCAL_CONFIG).is_file():
+        path = LOCAL_CONFIG
+    return load_config(path, flags=flags)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvrt",
         description="Lossless long context for local LLM engines.",
     )
+    parser.add_argument("--version", action="version", version=f"kvrt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     describe = sub.add_parser(
         "describe", help="show a model's KV shape and the capacity kvrt resolves for it"
@@ -505,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _bench(args)
         elif args.command == "describe":
             config = _config_from(args, {"model": args.model_path})
+            check_policies(config)  # as run and bench do
             info = describe_model(config)
             if args.json:
                 sys.stdout.write(msgspec.json.format(msgspec.json.encode(info)).decode() + "\n")
