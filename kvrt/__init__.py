@@ -64,12 +64,12 @@ from ._reports import Piece as Piece
 from ._reports import PrefetchReport as PrefetchReport
 from ._reports import SessionCounters as SessionCounters
 from ._reports import SessionReport as SessionReport
-from ._residency import Segment as Segment
 from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._sampling import Sampler as Sampler
 from ._session import Prefetch as Prefetch
 from ._session import Session as Session
+from ._session.layout import Segment as Segment
 from ._types import CacheClass as CacheClass
 from ._types import Residency as Residency
 from ._units import parse_size as parse_size

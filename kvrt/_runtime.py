@@ -12,7 +12,6 @@ from anyio.abc import TaskGroup
 
 from . import policies as policies  # registers the built-in policies
 from . import policy
-from ._actor import Actor, SessionPolicies
 from ._backend import Engine
 from ._capacity import Limit
 from ._checks import check_bool, check_choice, check_int, check_text
@@ -21,8 +20,8 @@ from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
 from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
-from ._residency import HotWindow, Segment
-from ._session import Session
+from ._session import Actor, Session, SessionPolicies
+from ._session.layout import HotWindow, Segment
 from ._types import CacheClass
 from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores

@@ -141,7 +141,7 @@ async def test_message_content_never_becomes_control_tokens(backend: str) -> Non
         assert {1, 2} <= special  # <|im_start|>, <|im_end|>
         seg = rt.chat_segment("turn", "user", evil, generation_prompt=True)
         assert seg.text.count("<|im_start|>") == 3 and not seg.parse_special
-        from kvrt._actor import segment_tokens
+        from kvrt._session import segment_tokens
 
         tokens = segment_tokens(engine, seg, first=True)
         assert [t for t in tokens if t in special] == [1, 2, 1]  # user header, end, assistant

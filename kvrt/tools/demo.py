@@ -14,8 +14,8 @@ import msgspec
 
 from kvrt._config import Config
 from kvrt._reports import ContextStatus
-from kvrt._residency import Segment
 from kvrt._runtime import Runtime, open_runtime
+from kvrt._session.layout import Segment
 from kvrt._types import CacheClass
 
 __all__ = ["DemoReport", "run_demo"]

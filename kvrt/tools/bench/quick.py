@@ -19,13 +19,12 @@ import anyio
 import msgspec
 import numpy as np
 
-from kvrt._actor import context_tokens
 from kvrt._backend import Engine
 from kvrt._config import Config
 from kvrt._engines import reference_greedy_tps
-from kvrt._residency import Segment
 from kvrt._runtime import open_runtime
-from kvrt._session import Session
+from kvrt._session import Session, context_tokens
+from kvrt._session.layout import Segment
 
 __all__ = ["QuickBench", "run_quick_bench", "text_of"]
 

@@ -11,14 +11,15 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._actor import Actor, Admit, Call, Command, Ensure, Evict, Generate, TokenKey
-from ._backend import SamplingParams
-from ._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
-from ._errors import ArgumentTypeError, ContextTypeError, InvalidContextError, SessionClosedError
-from ._reports import BlockReport, ContextStatus, Piece, PrefetchReport, SessionReport
-from ._residency import Segment
-from ._types import CacheClass, Residency
-from ._util import NoPublicConstructor
+from .._backend import SamplingParams
+from .._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
+from .._errors import ArgumentTypeError, ContextTypeError, InvalidContextError, SessionClosedError
+from .._reports import ContextStatus, Piece, PrefetchReport, SessionReport
+from .._types import CacheClass
+from .._util import NoPublicConstructor
+from .actor import Actor, Admit, Call, Command, Ensure, Evict, Generate
+from .gate import TokenKey
+from .layout import Segment
 
 __all__ = ["Prefetch", "Session"]
 
@@ -292,65 +293,7 @@ class Session(metaclass=NoPublicConstructor):
 
     def explain(self) -> SessionReport:
         """Sizes, every block with its class and residency, cold-store and mailbox figures."""
-        a = self._actor
-        window = a.window
-        resident = a.resident()
-        protected = window.protected()
-        states = {b.id: window.residency(b, resident, a.cold) for b in window.blocks}
-        blocks = [
-            BlockReport(
-                segment=b.segment,
-                index=b.index,
-                start=b.start,
-                n_tokens=b.n_tokens,
-                cache_class=b.cache_class,
-                residency=states[b.id],
-                protected=b.id in protected,
-                last_used=b.last_used,
-                choice=a.choices.get(b.id),
-                approximate=b.id in a.tainted and states[b.id] is Residency.HOT,
-            )
-            for b in window.blocks
-        ]
-        problems = []
-        if a.ctx.n_resident > window.budget:
-            problems.append(
-                f"{a.ctx.n_resident} resident tokens exceed the budget of {window.budget}"
-            )
-        for start, end in window.strays(resident):
-            problems.append(f"resident positions [{start}, {end}) belong to no whole block")
-        expected = 0
-        for b in window.blocks:
-            if b.start != expected:
-                problems.append(
-                    f"block {b.segment}#{b.index} starts at {b.start}, expected {expected}"
-                )
-            expected = b.end
-        mb = a.send.statistics()
-        return SessionReport(
-            name=self.name,
-            closed=self._closed,
-            hot_budget=window.budget,
-            hot_tokens=a.ctx.n_resident,
-            planner_context=window.planner_context,
-            logical_tokens=window.length,
-            blocks=blocks,
-            residency_tokens=a.residency_tokens(),
-            cold_store=a.cold.stats(),
-            mailbox={
-                "queued": mb.current_buffer_used,
-                "size": int(mb.max_buffer_size),
-                "waiting_callers": mb.tasks_waiting_send,
-                "in_flight": int(a.current is not None),
-            },
-            counters=a.counters,
-            engine=a.ctx.counters,
-            capabilities=a.ctx.capabilities,
-            exact_restores=a.ctx.capabilities.exact_in_place,
-            approximate_tokens=a.approximate_context_tokens(),
-            consistent=not problems,
-            problems=problems,
-        )
+        return self._actor.report(self.name, closed=self._closed)
 
     async def aclose(self) -> None:
         """Stop the session: pending calls fail, the engine context is freed."""

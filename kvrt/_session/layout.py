@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ._checks import check_bool, check_choice, check_int, check_number, check_text
-from ._cold_store import ColdKey, token_digest
-from ._errors import (
+from .._checks import check_bool, check_choice, check_int, check_number, check_text
+from .._cold_store import ColdKey, token_digest
+from .._errors import (
     ArgumentTypeError,
     ContextTooLargeError,
     InvalidContextError,
     UnknownSegmentError,
 )
-from ._types import BlockView, CacheClass, Residency
+from .._types import BlockView, CacheClass, Residency
 
 __all__ = ["Block", "HotWindow", "Segment"]
 

@@ -1,0 +1,17 @@
+"""A session: its handle, its actor task and the layers the actor stands on.
+
+Dependencies run one way: ``handle`` (the public :class:`Session`, :class:`Prefetch`) ->
+``actor`` (the mailbox loop, commands, generation, ``explain()``) -> ``placement`` (plan ->
+place -> converge) -> ``paging`` (evict and export runs, restore runs, approximate hits,
+prefill, room) -> ``gate`` (engine calls in threads, derived residency, tallies) ->
+``layout`` (segments and blocks: synchronous bookkeeping, no ``await``).
+"""
+
+from .actor import Actor as Actor
+from .gate import SessionPolicies as SessionPolicies
+from .handle import Prefetch as Prefetch
+from .handle import Session as Session
+from .layout import HotWindow as HotWindow
+from .layout import Segment as Segment
+from .placement import context_tokens as context_tokens
+from .placement import segment_tokens as segment_tokens

@@ -1,0 +1,324 @@
+"""A session's actor task: the only writer of its engine context.
+
+Commands arrive over a bounded mailbox and run one at a time; whatever a cancelled
+command leaves half-done (a partly prefilled block) is cleared in a shielded clean-up
+before the next command runs. Generation streams back through a bounded channel.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .._backend import Engine, EngineContext, Logits, SamplingParams
+from .._cold_store import ColdStore
+from .._config import SessionConfig
+from .._errors import (
+    InvalidRangeError,
+    KvrtError,
+    OperationCancelledError,
+    SessionClosedError,
+)
+from .._reports import BlockReport, Piece, SessionReport
+from .._sampling import Sampler
+from .._types import CacheClass, Residency
+from .gate import SessionPolicies, Tally
+from .layout import Block, HotWindow, Segment
+from .placement import Placement
+
+__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
+
+
+# -- commands --
+
+
+@dataclass(frozen=True, slots=True)
+class Ensure:
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    max_tokens: int
+    sampling: SamplingParams
+    segment: str
+    cache_class: CacheClass
+    stop_at_end: bool
+    out: MemoryObjectSendStream[Piece]
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    target: str | tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    target: str | tuple[int, int]
+
+
+Command = Ensure | Generate | Evict | Admit
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """A command in flight and the caller's side of its reply."""
+
+    command: Command
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    scope: anyio.CancelScope | None = None
+    abandoned: KvrtError | None = None
+
+    def abandon(self, reason: KvrtError | None = None) -> None:
+        """The caller gave up (or the session closed): skip the command, or cancel it."""
+        self.abandoned = reason or OperationCancelledError("the call was cancelled")
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class Actor(Placement):
+    """Owns one engine context and one hot window; runs commands from its mailbox."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        ctx: EngineContext,
+        window: HotWindow,
+        cold: ColdStore,
+        limiter: anyio.CapacityLimiter,
+        config: SessionConfig,
+        policies: SessionPolicies,
+    ) -> None:
+        super().__init__(
+            engine=engine,
+            ctx=ctx,
+            window=window,
+            cold=cold,
+            limiter=limiter,
+            config=config,
+            policies=policies,
+        )
+        self.send, self.receive = anyio.create_memory_object_stream[Call](config.mailbox)
+        self.finished = anyio.Event()
+        self.current: Call | None = None
+
+    # -- the task --
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            async with self.receive:
+                async for call in self.receive:
+                    await self._run_one(call)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.ctx.close, limiter=self.limiter)
+            self.finished.set()
+
+    async def _run_one(self, call: Call) -> None:
+        try:
+            await self._run_call(call)
+        finally:
+            if isinstance(call.command, Generate):
+                call.command.out.close()  # its reader never waits on a reply that won't come
+
+    async def _run_call(self, call: Call) -> None:
+        if call.abandoned is not None:
+            self.counters.cancelled_calls += 1
+            call.error = call.abandoned
+            call.done.set()
+            return
+        self.current = call
+        # Stays the answer only if something outside this call stops the actor midway.
+        call.error = SessionClosedError("the session stopped before the call finished")
+        try:
+            with anyio.CancelScope() as scope:
+                call.scope = scope
+                try:
+                    call.result = await self._dispatch(call.command)
+                    call.error = None
+                except Exception as exc:
+                    call.error = exc
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await self._tidy()
+                        except KvrtError as exc:
+                            call.error = call.error or exc
+            if scope.cancelled_caught:
+                self.counters.cancelled_calls += 1
+                call.error = call.abandoned or OperationCancelledError("the call was cancelled")
+        finally:
+            self.current = None
+            call.done.set()
+
+    async def _dispatch(self, command: Command) -> Any:
+        match command:
+            case Ensure(segments):
+                return await self._ensure(segments)
+            case Generate():
+                return await self._generate(command)
+            case Evict(target):
+                return await self._evict_target(target)
+            case Admit(target):
+                return await self._admit_target(target)
+
+    async def _generate(self, cmd: Generate) -> int:
+        self.counters.generate_calls += 1
+        self._tally = tally = Tally()
+        sampler = Sampler(cmd.sampling)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        produced = 0
+        async with cmd.out:
+            if self.window.length == 0:
+                raise InvalidRangeError("nothing to continue: call ensure_context first")
+            await self._last_logits()
+            resident = self.resident()
+            after_approximate = any(
+                b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
+                for b in self.window.blocks
+            )
+            if self._override is not None:
+                logits: Logits = self._override
+            else:
+                logits = await self._engine("logits", self.ctx.logits)
+            self._override = None
+            while produced < cmd.max_tokens:
+                token = sampler.choose(logits)
+                if cmd.stop_at_end and self.engine.is_end_of_generation(token):
+                    break
+                if self.window.length >= self.window.planner_context:
+                    break
+                last = self.window.blocks[-1]
+                await self._make_room(1, {last.id})
+                logits = await self._engine("step", self.ctx.step, token)
+                grown = self.window.append_token(token, cmd.segment, cmd.cache_class)
+                if after_approximate:
+                    self.tainted.add(grown.id)
+                produced += 1
+                self.counters.generated_tokens += 1
+                text = decoder.decode(self.engine.token_bytes(token))
+                if self.fault is not None:
+                    self.fault("stream")
+                try:
+                    await cmd.out.send(Piece(text=text, token=token, index=produced - 1))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    break  # the reader went away: stop, keeping what was generated
+        self._status(tally)
+        return produced
+
+    # -- explicit control --
+
+    def _target_blocks(self, target: str | tuple[int, int]) -> list[Block]:
+        if isinstance(target, str):
+            return self.window.segment_blocks(target)
+        start, end = target
+        blocks = self.window.range_blocks(start, end)
+        if not blocks:
+            raise InvalidRangeError(f"range [{start}, {end}) covers no whole block of this session")
+        return blocks
+
+    async def _evict_target(self, target: str | tuple[int, int]) -> int:
+        blocks = self._target_blocks(target)
+        if blocks[-1] is self.window.blocks[-1]:
+            raise InvalidRangeError(
+                f"{target!r} holds the context's last token, which generation continues from; "
+                "it stays hot"
+            )
+        self._tally = tally = Tally()
+        await self._evict_blocks(blocks, strict=True)
+        self._status(tally)
+        return tally.evicted
+
+    async def _admit_target(self, target: str | tuple[int, int]) -> int:
+        blocks = self._target_blocks(target)
+        self._tally = tally = Tally()
+        for block in blocks:
+            if self.state(block) is Residency.DROPPED:
+                raise KvrtError(
+                    f"block {block.index} of {block.segment!r} has no KV bytes left; "
+                    "send it again with ensure_context to recompute it"
+                )
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if self.state(block) is not Residency.COLD:
+                continue
+            if runs and runs[-1][-1].end == block.start:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            await self._restore_run(run, set())
+        self._status(tally)
+        return tally.restored
+
+    # -- explain --
+
+    def report(self, name: str, *, closed: bool) -> SessionReport:
+        """The session's state now, as ``Session.explain()`` returns it."""
+        window = self.window
+        resident = self.resident()
+        protected = window.protected()
+        states = {b.id: window.residency(b, resident, self.cold) for b in window.blocks}
+        blocks = [
+            BlockReport(
+                segment=b.segment,
+                index=b.index,
+                start=b.start,
+                n_tokens=b.n_tokens,
+                cache_class=b.cache_class,
+                residency=states[b.id],
+                protected=b.id in protected,
+                last_used=b.last_used,
+                choice=self.choices.get(b.id),
+                approximate=b.id in self.tainted and states[b.id] is Residency.HOT,
+            )
+            for b in window.blocks
+        ]
+        problems = []
+        if self.ctx.n_resident > window.budget:
+            problems.append(
+                f"{self.ctx.n_resident} resident tokens exceed the budget of {window.budget}"
+            )
+        for start, end in window.strays(resident):
+            problems.append(f"resident positions [{start}, {end}) belong to no whole block")
+        expected = 0
+        for b in window.blocks:
+            if b.start != expected:
+                problems.append(
+                    f"block {b.segment}#{b.index} starts at {b.start}, expected {expected}"
+                )
+            expected = b.end
+        mb = self.send.statistics()
+        return SessionReport(
+            name=name,
+            closed=closed,
+            hot_budget=window.budget,
+            hot_tokens=self.ctx.n_resident,
+            planner_context=window.planner_context,
+            logical_tokens=window.length,
+            blocks=blocks,
+            residency_tokens=self.residency_tokens(),
+            cold_store=self.cold.stats(),
+            mailbox={
+                "queued": mb.current_buffer_used,
+                "size": int(mb.max_buffer_size),
+                "waiting_callers": mb.tasks_waiting_send,
+                "in_flight": int(self.current is not None),
+            },
+            counters=self.counters,
+            engine=self.ctx.counters,
+            capabilities=self.ctx.capabilities,
+            exact_restores=self.ctx.capabilities.exact_in_place,
+            approximate_tokens=self.approximate_context_tokens(),
+            consistent=not problems,
+            problems=problems,
+        )

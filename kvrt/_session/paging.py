@@ -1,0 +1,304 @@
+"""Paging: blocks out of the hot window (exported to the cold store in runs, or kept as
+tokens only) and back in (exact restore runs, approximate hits, prefill), room made by
+the eviction policy.
+
+Ordering rules that make cancellation safe: a block leaves the hot window only after its
+cold copy is committed (or the cold store refused it, which makes it "dropped": tokens
+kept, KV to be recomputed); a restore lands whole or not at all (the adapter's admit is
+all-or-nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from .._backend import AdmitMode, EvictMode
+from .._cold_store import ColdEntry
+from .._errors import (
+    ColdStoreFullError,
+    HotWindowFullError,
+)
+from .._types import ApproximateQuery, Residency, RestoreQuery
+from ..policy import (
+    Estimating,
+)
+from .gate import EngineGate
+from .layout import Block
+
+__all__ = ["Paging"]
+
+
+class Paging(EngineGate):
+    """Moves blocks between the hot window and the cold store."""
+
+    # -- moving single blocks --
+
+    async def _evict_block(self, block: Block, *, strict: bool = False) -> None:
+        await self._evict_blocks([block], strict=strict)
+
+    def _needs_export(self, block: Block) -> bool:
+        return (
+            block.key(self.window.fingerprint) not in self.cold
+            and block.id not in self.tainted
+            and self.policies.cold_admission.admit(self.window.view(block))
+        )
+
+    async def _evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
+        """Evict ``blocks`` (in order); adjacent hot blocks that all need a cold copy are
+        exported in one engine call and leave the window in one."""
+        resident = self.resident()
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if self.state(block, resident) is not Residency.HOT:
+                continue
+            last = runs[-1][-1] if runs else None
+            if (
+                last is not None
+                and last.end == block.start
+                and self._needs_export(last)
+                and self._needs_export(block)
+            ):
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            await self._evict_run(run, strict=strict)
+
+    async def _evict_run(self, run: list[Block], *, strict: bool) -> None:
+        """Commit the run's KV to the cold store, then drop it from the window.
+
+        A cold store that stays full for ``session.cold_wait`` seconds leaves a block with
+        its tokens only, or, when ``strict`` (an explicit evict), raises and keeps it hot.
+        """
+        fingerprint = self.window.fingerprint
+        held = self.ctx.logits_position
+        for block in run:
+            if (
+                held is not None
+                and block.start <= held < block.end
+                and block.id not in self.tainted
+            ):
+                # Keep the logits after the block's last computed token: restoring the block
+                # later then needs no recompute, and the continuation stays bit-exact.
+                logits = await self._engine("logits", self.ctx.logits)
+                self._held = (block.key(fingerprint), held, logits)
+        wanted = [b for b in run if self._needs_export(b)]
+        exported = {}
+        if wanted:
+            ranges = [(b.start, b.end) for b in wanted]
+            cold_blocks = await self._engine("export", self.ctx.export_run, ranges)
+            exported = {b.id: c for b, c in zip(wanted, cold_blocks, strict=True)}
+        for block in run:
+            key = block.key(fingerprint)
+            if block.id in exported:
+                if self.fault is not None:
+                    self.fault("cold put")
+                entry = ColdEntry(key, block.cache_class, exported[block.id])
+                try:
+                    committed = await self.cold.put(entry, wait=self.config.cold_wait)
+                except ColdStoreFullError:
+                    if strict:
+                        raise
+                    self.choices[block.id] = (
+                        f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
+                    )
+                else:
+                    self.choices[block.id] = (
+                        "evicted to cold" if committed else "evicted: too large for the cold store"
+                    )
+            elif key in self.cold:
+                self.choices[block.id] = "evicted: cold copy already held"
+            elif block.id in self.tainted:
+                self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
+            else:
+                self.choices[block.id] = "evicted, tokens only (cold admission policy)"
+        await self._engine("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
+        self._tally.evicted += sum(b.n_tokens for b in run)
+
+    def _room(self, keep: set[int]) -> int:
+        """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
+        resident = self.resident()
+        shielded = self.window.protected() | keep
+        evictable = sum(
+            b.n_tokens
+            for b in self.window.blocks
+            if b.id not in shielded and self.state(b, resident) is Residency.HOT
+        )
+        return self.window.budget - (self.ctx.n_resident - evictable)
+
+    async def _make_room(self, need: int, keep: set[int]) -> None:
+        """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
+        while self.window.budget - self.ctx.n_resident < need:
+            resident = self.resident()
+            shielded = self.window.protected() | keep
+            candidates = [
+                b
+                for b in self.window.blocks
+                if b.id not in shielded and self.state(b, resident) is Residency.HOT
+            ]
+            if not candidates:
+                raise HotWindowFullError(
+                    f"the hot window ({self.window.budget} tokens) cannot make room for {need} more: "
+                    "every resident block is protected (sinks, the recent window or in use)"
+                )
+            await self._evict_block(
+                self.window.eviction_order(candidates, self.policies.hot_eviction.order)[0]
+            )
+
+    async def _restore(self, block: Block, keep: set[int]) -> bool:
+        return await self._restore_run([block], keep) > 0
+
+    async def _restore_run(self, blocks: list[Block], keep: set[int]) -> int:
+        """Restore adjacent cold blocks in place in one engine call; how many came back.
+
+        Stops at the first block the store no longer holds.
+        """
+        entries = []
+        for block in blocks:
+            entry = self.cold.lookup(block.key(self.window.fingerprint))
+            if entry is None:
+                break
+            entries.append(entry)
+        if not entries:
+            return 0
+        run = blocks[: len(entries)]
+        room = self._room(keep)
+        while len(run) > 1 and sum(b.n_tokens for b in run) > room:
+            run.pop()  # the rest come back in a later run, once earlier blocks can go
+        entries = entries[: len(run)]
+        with self.cold.pinned(e.key for e in entries):
+            await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+            began = time.perf_counter()
+            await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
+            self._observed_restore(began, sum(e.n_bytes for e in entries))
+        self._tally.restored += sum(b.n_tokens for b in run)
+        for block, entry in zip(run, entries, strict=False):
+            why = self._estimate(block, entry.n_bytes)
+            self.choices[block.id] = f"restored from cold ({why})" if why else "restored from cold"
+            self.tainted.discard(block.id)
+        return len(run)
+
+    def _observed_restore(self, began: float, n_bytes: int) -> None:
+        """Hand a restore measured since ``began`` to every policy that calibrates itself."""
+        seconds = time.perf_counter() - began
+        for policy in self.policies.learners():
+            policy.observe_restore(n_bytes, seconds)
+
+    def _observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
+        """Hand a prefill measured since ``began`` to every policy that calibrates itself."""
+        seconds = time.perf_counter() - began
+        for policy in self.policies.learners():
+            policy.observe_prefill(start, n_tokens, seconds)
+
+    def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
+        return RestoreQuery(
+            cache_class=block.cache_class,
+            start=block.start,
+            n_tokens=block.n_tokens,
+            n_bytes=n_bytes,
+        )
+
+    def _estimate(self, block: Block, n_bytes: int) -> str:
+        """The restore policy's cost estimates for ``block``, as text ("" if it has none)."""
+        restorer = self.policies.restore
+        if not isinstance(restorer, Estimating):
+            return ""
+        restore_s, recompute_s = restorer.estimate(self._query(block, n_bytes))
+        return (
+            f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
+        )
+
+    def _approximate_entry(self, block: Block) -> ColdEntry | None:
+        """The cold copy of ``block``'s tokens after another prefix that the session's
+        approximate-hit policy accepts, if any."""
+        entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
+        if entry is None:
+            return None
+        query = ApproximateQuery(
+            cache_class=block.cache_class,
+            start=block.start,
+            source_start=entry.key.start,
+            n_tokens=block.n_tokens,
+            n_bytes=entry.n_bytes,
+        )
+        if query.shift and not self.ctx.capabilities.position_shift:
+            return None
+        return entry if self.policies.approximate.accept(query) else None
+
+    async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
+        """Restore ``block`` from a cold copy of its tokens after another prefix, if the
+        approximate-hit policy accepts it; the window must end right before the block."""
+        if self.ctx.next_position != block.start:
+            return False
+        entry = self._approximate_entry(block)
+        if entry is None:
+            return False
+        self.cold.count_approximate(entry.key)
+        with self.cold.pinned([entry.key]):
+            await self._make_room(block.n_tokens, keep | {block.id})
+            if self.ctx.next_position != block.start:
+                return False
+            began = time.perf_counter()
+            await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
+            self._observed_restore(began, entry.n_bytes)
+        self.tainted.add(block.id)
+        self._tally.approximate += block.n_tokens
+        shift = block.start - entry.key.start
+        self.choices[block.id] = (
+            f"restored approximately (same tokens after another prefix; keys re-rotated by {shift:+d})"
+            if shift
+            else "restored approximately (same tokens after another prefix)"
+        )
+        return True
+
+    async def _prefill(self, blocks: list[Block], keep: set[int]) -> None:
+        """Compute adjacent blocks in one engine call (batched: many small segments cost
+        one call, not one each)."""
+        ids = {b.id for b in blocks}
+        await self._make_room(sum(b.n_tokens for b in blocks), keep | ids)
+        began = time.perf_counter()
+        await self._engine(
+            "prefill",
+            self.ctx.prefill,
+            [t for b in blocks for t in b.tokens],
+            start=blocks[0].start,
+            checkpoint=anyio.from_thread.check_cancelled,
+        )
+        self._observed_prefill(began, blocks[0].start, sum(b.n_tokens for b in blocks))
+        for block in blocks:
+            self._tally.prefilled += block.n_tokens
+            self._taint_if_after_approximate(block)
+            if block.id in self._recompute:
+                entry = self.cold.peek(block.key(self.window.fingerprint))
+                why = self._estimate(block, entry.n_bytes) if entry is not None else ""
+                self.choices[block.id] = (
+                    f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
+                )
+            else:
+                self.choices[block.id] = "prefilled"
+
+    def _taint_if_after_approximate(self, block: Block) -> None:
+        """``block`` was just computed: tainted iff an approximate block is resident before it."""
+        if not self.tainted:
+            return
+        resident = self.resident()
+        if any(
+            b.id in self.tainted
+            and b.end <= block.start
+            and self.window.residency(b, resident, ()) is Residency.HOT
+            for b in self.window.blocks
+        ):
+            self.tainted.add(block.id)
+        else:
+            self.tainted.discard(block.id)
+
+    async def _truncate_from(self, position: int) -> None:
+        """Clear every resident token at ``position`` or later, committing whole blocks first."""
+        await self._evict_blocks([b for b in self.window.blocks if b.start >= position])
+        await self._tidy()
+        tail = [p for p in self.ctx.positions if p >= position]
+        if tail:
+            await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)

@@ -1,0 +1,210 @@
+"""Placement: a context asked for becomes blocks (plan), the blocks come in left to right
+within the hot budget (place), and planned blocks pushed out meanwhile come back
+(converge); then logits follow the context's last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+
+from .._backend import Engine, EvictMode
+from .._errors import (
+    HotWindowFullError,
+    InvalidContextError,
+)
+from .._reports import ContextStatus
+from .._types import Residency
+from .gate import Tally, TokenKey
+from .layout import Block, Segment
+from .paging import Paging
+
+__all__ = ["Placement", "context_tokens", "segment_tokens"]
+
+
+def segment_tokens(engine: Engine, segment: Segment, *, first: bool) -> list[int]:
+    """A segment's tokens as a session places them: special tokens (BOS) only before the
+    context's first segment; special-token markup read only where the segment says so."""
+    out: list[int] = []
+    for text, special in segment.pieces():
+        out += engine.tokenize(text, add_special=first and not out, parse_special=special)
+    return out
+
+
+def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
+    """The tokens of a whole context, as a session lays them out."""
+    return [t for i, seg in enumerate(segments) for t in segment_tokens(engine, seg, first=i == 0)]
+
+
+class Placement(Paging):
+    """Makes the hot window hold a context the way the eviction policy plans it."""
+
+    # -- commands --
+
+    def tokenize(
+        self,
+        segments: Sequence[Segment],
+        remember: dict[TokenKey, list[int]] | None = None,
+    ) -> list[tuple[Segment, list[int]]]:
+        """Each segment with its tokens (empty segments left out); safe from any thread.
+
+        Uses what a prefetch tokenized; ``remember`` receives every tokenization made.
+        """
+        out = []
+        cache = self.token_cache
+        for i, seg in enumerate(segments):  # Segments, checked by the session handle
+            key = (seg.text, i == 0, seg.parse_special, seg.markup)
+            toks = cache.get(key)
+            if toks is None:
+                toks = segment_tokens(self.engine, seg, first=i == 0)
+            if remember is not None:
+                remember[key] = toks
+            out.append((seg, toks))
+        if not any(toks for _, toks in out):
+            raise InvalidContextError("the context is empty: every segment's text is empty")
+        return [(seg, toks) for seg, toks in out if toks]
+
+    async def _ensure(self, segments: Sequence[Segment]) -> ContextStatus:
+        self.counters.ensure_calls += 1
+        self._tally = tally = Tally()
+        try:
+            return await self._ensure_placed(segments, tally)
+        finally:
+            # A prefetch held its blocks for this call: whatever it did not use may go now.
+            release, self.prefetched = self.prefetched, None
+            self.token_cache = {}
+            if release is not None:
+                release()
+
+    async def _ensure_placed(self, segments: Sequence[Segment], tally: Tally) -> ContextStatus:
+        tokenized = await anyio.to_thread.run_sync(self.tokenize, segments)
+        layout, stale = self.window.plan_layout(tokenized)
+        resident = self.resident()
+        tally.reused = sum(
+            b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
+        )
+        await self._evict_blocks(sorted(stale, key=lambda b: b.start))
+        self.window.adopt(layout)
+        self.tainted &= {b.id for b in layout}
+        await self._tidy()
+        await self._place(layout)
+        await self._last_logits()
+        return self._status(tally)
+
+    async def _place(self, layout: list[Block]) -> None:
+        """Bring the layout's blocks in, left to right, keeping the window within budget.
+
+        Cold blocks come back when the plan (the policy applied to the whole context) keeps
+        them hot. llama.cpp computes only at the tail of the window, so from the first block
+        that must be computed on, blocks are placed in order and a computed block's
+        predecessor is made resident first.
+        """
+        planned = self.window.plan_hot(self.policies.hot_eviction.order)
+        self._recompute = set()
+        resident = self.resident()
+        for block in layout:
+            if self.window.residency(block, resident, self.cold) is Residency.COLD:
+                entry = self.cold.peek(block.key(self.window.fingerprint))
+                query = self._query(block, entry.n_bytes if entry is not None else 0)
+                if not self.policies.restore.restore(query):
+                    self._recompute.add(block.id)
+        try:
+            await self._place_blocks(layout, planned)
+            await self._converge(layout, planned)
+        finally:
+            self._recompute = set()
+
+    async def _converge(self, layout: list[Block], planned: set[int]) -> None:
+        """Bring back planned blocks that computing later ones pushed out, in exchange for
+        unplanned ones, so the window ends as the eviction policy chose."""
+        for block in layout:
+            if block.id in planned and self.state(block) is Residency.COLD:
+                try:
+                    await self._restore_run([block], planned)
+                except HotWindowFullError:
+                    return  # only planned or protected blocks left to evict
+
+    async def _place_blocks(self, layout: list[Block], planned: set[int]) -> None:
+        i, computing = 0, False
+        while i < len(layout):
+            block = layout[i]
+            pred = {layout[i - 1].id} if i else set()
+            state = self.state(block)
+            if state is Residency.HOT:
+                i += 1
+                continue
+            if state is Residency.COLD:
+                # Restore what the plan keeps hot, and a block the next one is computed after;
+                # adjacent planned cold blocks come back in one go.
+                after = layout[i + 1] if i + 1 < len(layout) else None
+                feeds = computing and after is not None and self.state(after) is Residency.DROPPED
+                if block.id not in planned and not feeds:
+                    i += 1
+                    continue
+                run = [block]
+                while (
+                    i + len(run) < len(layout)
+                    and layout[i + len(run)].id in planned
+                    and self.state(layout[i + len(run)]) is Residency.COLD
+                ):
+                    run.append(layout[i + len(run)])
+                restored = await self._restore_run(run, pred)
+                if not restored:
+                    continue  # dropped from the store meanwhile: look again
+                i += restored
+                continue
+            if not computing:
+                j = i
+                while j > 0 and self.state(layout[j - 1]) is Residency.DROPPED:
+                    j -= 1
+                await self._truncate_from(layout[j].start)
+                if j > 0 and self.state(layout[j - 1]) is Residency.COLD:
+                    await self._restore(layout[j - 1], set())
+                computing, i = True, j
+                continue
+            if i and self.state(layout[i - 1]) is not Residency.HOT:
+                await self._restore(layout[i - 1], set())  # the tail must end right before it
+            if await self._approximate_hit(block, pred):
+                i += 1
+                continue
+            run, room = [block], self._room(pred)
+            while i + len(run) < len(layout):
+                after = layout[i + len(run)]
+                if (
+                    self.state(after) is not Residency.DROPPED
+                    or sum(b.n_tokens for b in run) + after.n_tokens > room
+                    or self._approximate_entry(after) is not None
+                ):
+                    break
+                run.append(after)
+            await self._prefill(run, pred)
+            i += len(run)
+
+    async def _last_logits(self) -> None:
+        """Make sure logits follow the context's last token.
+
+        They are the engine's own when it computed that token last; the ones kept when its
+        block was evicted, if that exact block came back; otherwise the token is computed
+        again.
+        """
+        self._override = None
+        last = self.window.length - 1
+        if last < 0 or self.ctx.logits_position == last:
+            return
+        token = self.window.blocks[-1].tokens[-1]
+        held = self._held
+        tail = self.window.blocks[-1]
+        if (
+            held is not None
+            and held[0] == tail.key(self.window.fingerprint)
+            and held[1] == last
+            and self.resident().get(last) == token
+        ):
+            self._override = held[2]
+            return
+        if self.resident().get(last) == token:
+            await self._engine("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
+        await self._make_room(1, {self.window.blocks[-1].id})
+        await self._engine("prefill", self.ctx.prefill, [token], start=last)
+        self._tally.prefilled += 1
