@@ -33,6 +33,7 @@ __all__ = [
     "Limit",
     "MemoryPolicy",
     "MemoryReading",
+    "planner_context",
     "resolve_capacity",
     "tokens_for_bytes",
 ]
@@ -231,6 +232,24 @@ def _minimum(candidates: dict[Limit, int | None]) -> tuple[int | None, tuple[Lim
     return low, tuple(k for k, v in known.items() if v == low)
 
 
+def planner_context(
+    hot: int, cold_tokens: int, *, trained: int | None, request: int | None
+) -> tuple[int, tuple[Limit, ...]]:
+    """How far a context over a hot window of ``hot`` tokens may reach, and what bounds
+    it: hot plus what the cold store parks, within the trained context and the request
+    (never below the hot window itself). The one rule for the runtime and every session.
+    """
+    planner, limited_by = _minimum(
+        {
+            Limit.COLD_BUDGET: hot + cold_tokens,
+            Limit.TRAINED_CONTEXT: trained,
+            Limit.REQUEST: request,
+        }
+    )
+    assert planner is not None  # the cold-budget candidate is always known
+    return max(planner, hot), limited_by
+
+
 def resolve_capacity(inputs: CapacityInputs) -> Capacity:
     """Derive the hot window and the planner context from model, memory and policy."""
     notes: list[str] = []
@@ -276,15 +295,9 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
     if kvpt is None and cold_bytes:
         notes.append("KV bytes per token unknown: the cold budget cannot be counted in tokens")
     trained = None if inputs.sparse_beyond_trained else inputs.trained_context
-    planner, planner_by = _minimum(
-        {
-            Limit.COLD_BUDGET: hot + cold_tokens,
-            Limit.TRAINED_CONTEXT: trained,
-            Limit.REQUEST: inputs.request_context,
-        }
+    planner, planner_by = planner_context(
+        hot, cold_tokens, trained=trained, request=inputs.request_context
     )
-    assert planner is not None  # the cold-budget candidate is always known
-    planner = max(planner, hot)
 
     return Capacity(
         hot_context_tokens=hot,

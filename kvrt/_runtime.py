@@ -13,7 +13,7 @@ from anyio.abc import TaskGroup
 from . import policies as policies  # registers the built-in policies
 from . import policy
 from ._backend import Engine
-from ._capacity import Limit
+from ._capacity import Limit, planner_context
 from ._checks import check_bool, check_choice, check_int, check_text
 from ._cold_store import ColdStats, ColdStore
 from ._config import Config, EngineConfig, check_config, load_config
@@ -209,10 +209,12 @@ class Runtime(metaclass=NoPublicConstructor):
                 f"a hot window of {hot} tokens cannot hold the sinks ({cfg.sink_tokens}), the recent "
                 f"window ({cfg.recent_tokens}) and two blocks of {cfg.block_tokens}"
             )
-        planner = hot + cap.cold_store_tokens
-        for bound in (facts.trained_context, self.config.engine.context):
-            if bound is not None:
-                planner = min(planner, bound)
+        planner, _ = planner_context(
+            hot,
+            cap.cold_store_tokens,
+            trained=facts.trained_context,
+            request=self.config.engine.context,
+        )
         chosen = SessionPolicies(
             hot_eviction=self.policy("hot_eviction", hot_eviction),
             cold_admission=self.policy("cold_admission", cold_admission),
@@ -228,7 +230,7 @@ class Runtime(metaclass=NoPublicConstructor):
         window = HotWindow(
             fingerprint=facts.fingerprint,
             budget=hot,
-            planner_context=max(planner, hot),
+            planner_context=planner,
             block_tokens=cfg.block_tokens,
             sink_tokens=cfg.sink_tokens,
             recent_tokens=cfg.recent_tokens,
