@@ -229,7 +229,6 @@ class Runtime(metaclass=NoPublicConstructor):
         )
         window = HotWindow(
             fingerprint=facts.fingerprint,
-            budget=hot,
             planner_context=planner,
             block_tokens=cfg.block_tokens,
             sink_tokens=cfg.sink_tokens,

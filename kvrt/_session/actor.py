@@ -284,9 +284,9 @@ class Actor(Placement):
             for b in window.blocks
         ]
         problems = []
-        if self.ctx.n_resident > window.budget:
+        if self.ctx.n_resident > self.ctx.n_ctx:
             problems.append(
-                f"{self.ctx.n_resident} resident tokens exceed the budget of {window.budget}"
+                f"{self.ctx.n_resident} resident tokens exceed the budget of {self.ctx.n_ctx}"
             )
         for start, end in window.strays(resident):
             problems.append(f"resident positions [{start}, {end}) belong to no whole block")
@@ -301,7 +301,7 @@ class Actor(Placement):
         return SessionReport(
             name=name,
             closed=closed,
-            hot_budget=window.budget,
+            hot_budget=self.ctx.n_ctx,
             hot_tokens=self.ctx.n_resident,
             planner_context=window.planner_context,
             logical_tokens=window.length,

@@ -139,14 +139,12 @@ class HotWindow:
         self,
         *,
         fingerprint: str,
-        budget: int,
         planner_context: int,
         block_tokens: int,
         sink_tokens: int,
         recent_tokens: int,
     ) -> None:
         self.fingerprint = fingerprint
-        self.budget = budget
         self.planner_context = planner_context
         self.block_tokens = block_tokens
         self.sink_tokens = sink_tokens
@@ -288,18 +286,19 @@ class HotWindow:
                 keep.add(b.id)
         return keep
 
-    def plan_hot(self, order: Callable[[Sequence[BlockView]], list[int]]) -> set[int]:
+    def plan_hot(self, order: Callable[[Sequence[BlockView]], list[int]], budget: int) -> set[int]:
         """Ids of the blocks the window should hold once the context is placed.
 
-        Everything, less the blocks the policy would evict first, until the rest fits the
-        budget; sinks and the recent window are always in.
+        Everything, less the blocks the policy would evict first, until the rest fits
+        ``budget`` (the engine context's, its one owner); sinks and the recent window are
+        always in.
         """
         keep = self.protected()
         total = sum(b.n_tokens for b in self.blocks)
         others = [b for b in self.blocks if b.id not in keep]
         planned = {b.id for b in self.blocks}
         for block in self.eviction_order(others, order):
-            if total <= self.budget:
+            if total <= budget:
                 break
             planned.discard(block.id)
             total -= block.n_tokens

@@ -127,11 +127,11 @@ class Paging(EngineGate):
             for b in self.window.blocks
             if b.id not in shielded and self.state(b, resident) is Residency.HOT
         )
-        return self.window.budget - (self.ctx.n_resident - evictable)
+        return self.ctx.n_ctx - (self.ctx.n_resident - evictable)
 
     async def _make_room(self, need: int, keep: set[int]) -> None:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
-        while self.window.budget - self.ctx.n_resident < need:
+        while self.ctx.n_ctx - self.ctx.n_resident < need:
             resident = self.resident()
             shielded = self.window.protected() | keep
             candidates = [
@@ -141,7 +141,7 @@ class Paging(EngineGate):
             ]
             if not candidates:
                 raise HotWindowFullError(
-                    f"the hot window ({self.window.budget} tokens) cannot make room for {need} more: "
+                    f"the hot window ({self.ctx.n_ctx} tokens) cannot make room for {need} more: "
                     "every resident block is protected (sinks, the recent window or in use)"
                 )
             await self._evict_block(

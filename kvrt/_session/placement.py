@@ -100,7 +100,7 @@ class Placement(Paging):
         that must be computed on, blocks are placed in order and a computed block's
         predecessor is made resident first.
         """
-        planned = self.window.plan_hot(self.policies.hot_eviction.order)
+        planned = self.window.plan_hot(self.policies.hot_eviction.order, self.ctx.n_ctx)
         self._recompute = set()
         resident = self.resident()
         for block in layout:
