@@ -20,7 +20,7 @@ from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
 from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
-from ._session import Actor, Session, SessionPolicies
+from ._session import Actor, Session, SessionParts, SessionPolicies
 from ._session.layout import HotWindow, Segment
 from ._types import CacheClass
 from ._units import format_size
@@ -235,13 +235,15 @@ class Runtime(metaclass=NoPublicConstructor):
             recent_tokens=cfg.recent_tokens,
         )
         actor = Actor(
-            engine=self._engine,
-            ctx=ctx,
-            window=window,
-            cold=self._cold,
-            limiter=self.engine_limiter,
-            config=cfg,
-            policies=chosen,
+            SessionParts(
+                engine=self._engine,
+                ctx=ctx,
+                window=window,
+                cold=self._cold,
+                limiter=self.engine_limiter,
+                config=cfg,
+                policies=chosen,
+            )
         )
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg)

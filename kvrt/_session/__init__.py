@@ -8,6 +8,7 @@ prefill, room) -> ``gate`` (engine calls in threads, derived residency, tallies)
 """
 
 from .actor import Actor as Actor
+from .gate import SessionParts as SessionParts
 from .gate import SessionPolicies as SessionPolicies
 from .handle import Prefetch as Prefetch
 from .handle import Session as Session

@@ -15,9 +15,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._backend import Engine, EngineContext, Logits, SamplingParams
-from .._cold_store import ColdStore
-from .._config import SessionConfig
+from .._backend import Logits, SamplingParams
 from .._errors import (
     InvalidRangeError,
     KvrtError,
@@ -27,8 +25,8 @@ from .._errors import (
 from .._reports import BlockReport, Piece, SessionReport
 from .._sampling import Sampler
 from .._types import CacheClass, Residency
-from .gate import SessionPolicies, Tally
-from .layout import Block, HotWindow, Segment
+from .gate import SessionParts, Tally
+from .layout import Block, Segment
 from .placement import Placement
 
 __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
@@ -86,27 +84,9 @@ class Call:
 class Actor(Placement):
     """Owns one engine context and one hot window; runs commands from its mailbox."""
 
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        ctx: EngineContext,
-        window: HotWindow,
-        cold: ColdStore,
-        limiter: anyio.CapacityLimiter,
-        config: SessionConfig,
-        policies: SessionPolicies,
-    ) -> None:
-        super().__init__(
-            engine=engine,
-            ctx=ctx,
-            window=window,
-            cold=cold,
-            limiter=limiter,
-            config=config,
-            policies=policies,
-        )
-        self.send, self.receive = anyio.create_memory_object_stream[Call](config.mailbox)
+    def __init__(self, parts: SessionParts) -> None:
+        super().__init__(parts)
+        self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
         self.finished = anyio.Event()
         self.current: Call | None = None
 

@@ -29,7 +29,7 @@ from ..policy import (
 )
 from .layout import Block, HotWindow
 
-__all__ = ["EngineGate", "SessionPolicies", "Tally", "TokenKey"]
+__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "TokenKey"]
 
 T = TypeVar("T")
 TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
@@ -55,6 +55,19 @@ class SessionPolicies:
         return found
 
 
+@dataclass(frozen=True, slots=True)
+class SessionParts:
+    """What a session's actor is built from (the runtime assembles it)."""
+
+    engine: Engine
+    ctx: EngineContext
+    window: HotWindow
+    cold: ColdStore
+    limiter: anyio.CapacityLimiter
+    config: SessionConfig
+    policies: SessionPolicies
+
+
 @dataclass(slots=True)
 class Tally:
     reused: int = 0
@@ -68,23 +81,14 @@ class EngineGate:
     """One session's engine context, hot window and cold store, and the state the layers
     above share: policies, choices, tainted blocks, counters, tallies."""
 
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        ctx: EngineContext,
-        window: HotWindow,
-        cold: ColdStore,
-        limiter: anyio.CapacityLimiter,
-        config: SessionConfig,
-        policies: SessionPolicies,
-    ) -> None:
-        self.engine = engine
-        self.ctx = ctx
-        self.window = window
-        self.cold = cold
-        self.limiter = limiter
-        self.policies = policies
+    def __init__(self, parts: SessionParts) -> None:
+        self.engine = parts.engine
+        self.ctx = parts.ctx
+        self.window = parts.window
+        self.cold = parts.cold
+        self.limiter = parts.limiter
+        self.policies = parts.policies
+        self.config = parts.config
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
         self.tainted: set[int] = set()
@@ -98,7 +102,6 @@ class EngineGate:
         """Tokenizations a prefetch did ahead of the call that needs them."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
-        self.config = config
         self.counters = SessionCounters()
         self.fault: Callable[[str], None] | None = None
         """Test hook, called with a label before every await point of a command."""

@@ -336,10 +336,6 @@ def _segments(segments: Any) -> tuple[Segment, ...]:
             )
     if not out:
         raise InvalidContextError("the context is empty: give at least one segment")
-    names = [seg.name for seg in out]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise InvalidContextError(f"segment name {dup!r} appears twice; names must be unique")
     return out
 
 

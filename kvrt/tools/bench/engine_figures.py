@@ -24,8 +24,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvrt import AdmitMode, EngineConfig, EvictMode, open_engine
-from kvrt._engines import reference_greedy_tps
 from kvrt.native_bridge.llama import LlamaContext, LlamaModel
+from kvrt.tools.bench.reference import reference_greedy_tps
 
 TEXT = (
     "In the archive of the old harbour office, every ship that ever docked had a card: its "

@@ -21,10 +21,10 @@ import numpy as np
 
 from kvrt._backend import Engine
 from kvrt._config import Config
-from kvrt._engines import reference_greedy_tps
 from kvrt._runtime import open_runtime
 from kvrt._session import Session, context_tokens
 from kvrt._session.layout import Segment
+from kvrt.tools.bench.reference import reference_greedy_tps
 
 __all__ = ["QuickBench", "run_quick_bench", "text_of"]
 
