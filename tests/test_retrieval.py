@@ -199,6 +199,60 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
             assert t.explain().consistent
 
 
+async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch's tokenizations ride in the next ensure_context's command: that call
+    tokenizes nothing itself, even when it queues behind a running generate; a call made
+    before the prefetch does not take them, and a prefetch not ready when its call begins
+    is cancelled (its call tokenizes for itself)."""
+    a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
+    b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
+    async with kvrt.open_runtime(backend="llama") as rt, rt.open_session(hot_tokens=1024) as s:
+        calls: list[str] = []
+        tokenize = rt.engine.tokenize
+
+        def counting(text: str, **kwargs: bool) -> list[int]:
+            calls.append(text)
+            return tokenize(text, **kwargs)
+
+        monkeypatch.setattr(rt.engine, "tokenize", counting)
+        await s.ensure_context(a_ctx)
+        await s.evict("file:a.py")
+        await s.ensure_context(b_ctx)
+
+        async with anyio.create_task_group() as tg:
+            pieces = s.generate(max_tokens=24)  # the session is busy generating
+            first = await anext(pieces)
+            job = s.prefetch(a_ctx)
+            report = await job.wait()
+            assert report is not None and report.cold_blocks >= 3
+            calls.clear()
+            statuses: list[kvrt.ContextStatus] = []
+
+            async def ensure() -> None:
+                statuses.append(await s.ensure_context(a_ctx))
+
+            tg.start_soon(ensure)  # queued behind the generation
+            async for _ in pieces:
+                pass
+            assert first.index == 0
+        assert calls == []  # every tokenization came with the command
+        assert statuses[0].restored_tokens > 0 and statuses[0].prefilled_tokens > 0
+        assert rt.cold_stats().pinned == 0
+
+        # The next call has no prefetch: it tokenizes for itself.
+        await s.ensure_context(b_ctx)
+        assert calls != []
+
+        # A prefetch that is not ready when its call begins is cancelled, not waited for.
+        calls.clear()
+        job = s.prefetch(a_ctx)
+        await s.ensure_context(a_ctx)
+        assert await job.wait() is None or rt.cold_stats().pinned == 0
+        assert rt.cold_stats().pinned == 0
+
+
 async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> None:
     edited = FILE_A.replace("return a + b + 13", "return a - b - 13")  # its last function
     async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=1024) as s:

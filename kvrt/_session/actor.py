@@ -27,7 +27,7 @@ from .._sampling import Sampler
 from .._types import CacheClass, Residency
 from .gate import SessionParts, Tally
 from .layout import Block, Segment
-from .placement import Placement
+from .placement import Placement, Prepared
 
 __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
 
@@ -38,6 +38,7 @@ __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
 @dataclass(frozen=True, slots=True)
 class Ensure:
     segments: tuple[Segment, ...]
+    prepared: Prepared | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +143,8 @@ class Actor(Placement):
 
     async def _dispatch(self, command: Command) -> Any:
         match command:
-            case Ensure(segments):
-                return await self._ensure(segments)
+            case Ensure(segments, prepared):
+                return await self._ensure(segments, prepared)
             case Generate():
                 return await self._generate(command)
             case Evict(target):

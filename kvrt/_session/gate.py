@@ -29,11 +29,9 @@ from ..policy import (
 )
 from .layout import Block, HotWindow
 
-__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "TokenKey"]
+__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally"]
 
 T = TypeVar("T")
-TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
-"""A segment's tokenization key: text, first in the context, parse_special, markup."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +94,6 @@ class EngineGate:
         every block computed while one of them was resident before it. Their KV never
         enters the cold store."""
         self._recompute: set[int] = set()
-        self.prefetched: Callable[[], None] | None = None
-        """Releases what the last prefetch holds; called when the next context is placed."""
-        self.token_cache: dict[TokenKey, list[int]] = {}
-        """Tokenizations a prefetch did ahead of the call that needs them."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
         self.counters = SessionCounters()

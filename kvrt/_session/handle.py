@@ -18,8 +18,8 @@ from .._reports import ContextStatus, Piece, PrefetchReport, SessionReport
 from .._types import CacheClass
 from .._util import NoPublicConstructor
 from .actor import Actor, Admit, Call, Command, Ensure, Evict, Generate
-from .gate import TokenKey
 from .layout import Segment
+from .placement import Prepared, TokenKey
 
 __all__ = ["Prefetch", "Session"]
 
@@ -40,6 +40,7 @@ class Prefetch:
         self._pins = ExitStack()
         self._report: PrefetchReport | None = None
         self._error: BaseException | None = None
+        self._prepared = Prepared(self.cancel)
 
     def cancel(self) -> None:
         """Stop the prefetch and release what it holds at once (harmless once finished)."""
@@ -81,6 +82,8 @@ class Session(metaclass=NoPublicConstructor):
         self._closed = False
         self._pending: set[Call] = set()
         self._prefetches: set[Prefetch] = set()
+        self._next: Prefetch | None = None
+        """The newest prefetch, handed to the next ``ensure_context`` with its command."""
         self._streams: set[_Stream] = set()
 
     @property
@@ -145,7 +148,15 @@ class Session(metaclass=NoPublicConstructor):
         without compute, the rest is prefilled, and the hot window is kept within budget
         by the eviction policy. Returns what was reused, restored, prefilled and evicted.
         """
-        result: ContextStatus = await self._request(Ensure(_segments(segments)))
+        segments = _segments(segments)
+        job, self._next = self._next, None
+        if job is None or job._scope.cancel_called:
+            result: ContextStatus = await self._request(Ensure(segments))
+            return result
+        try:
+            result = await self._request(Ensure(segments, job._prepared))
+        finally:
+            job.release()  # the call placed the context, failed or was dropped: unpin
         return result
 
     def prefetch(self, segments: Sequence[Segment], *, hold: float = 60.0) -> Prefetch:
@@ -163,17 +174,21 @@ class Session(metaclass=NoPublicConstructor):
         for older in self._prefetches:
             older.cancel()  # the newest prefetch describes the next call
         self._prefetches.add(job)
+        self._next = job
         self._tg.start_soon(self._prefetch, segments, job, hold)
         return job
 
     async def _prefetch(self, segments: tuple[Segment, ...], job: Prefetch, hold: float) -> None:
+        """Tokenize and pin in the background; the tokenizations reach the actor only inside
+        the next ``Ensure`` command (through ``job._prepared``), never by writing its state."""
         a = self._actor
-        calls = a.counters.ensure_calls
         try:
             with job._scope:
                 tokens: dict[TokenKey, list[int]] = {}
                 try:
-                    tokenized = await anyio.to_thread.run_sync(a.tokenize, segments, tokens)
+                    tokenized = await anyio.to_thread.run_sync(
+                        partial(a.tokenize, segments, remember=tokens)
+                    )
                     keys = a.window.keys_for(tokenized)
                 except Exception as exc:  # the caller's problem, never the runtime's
                     job._error = exc
@@ -187,19 +202,15 @@ class Session(metaclass=NoPublicConstructor):
                     cold_tokens=sum(e.meta.n_tokens for e in hits),
                     cold_bytes=sum(e.n_bytes for e in hits),
                 )
+                job._prepared.tokens = tokens
                 job._ready.set()
-                if a.counters.ensure_calls != calls:
-                    return  # the call it prepared for has already begun
-                a.token_cache = tokens
-                a.prefetched = job.release
                 with anyio.move_on_after(hold):
                     await job._released.wait()
         finally:
             job._pins.close()
-            if a.prefetched == job.release:
-                a.prefetched = None
-                a.token_cache = {}
             self._prefetches.discard(job)
+            if self._next is job and job._scope.cancel_called:
+                self._next = None
             job._ready.set()
 
     def generate(

@@ -5,7 +5,8 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import anyio
 
@@ -16,11 +17,15 @@ from .._errors import (
 )
 from .._reports import ContextStatus
 from .._types import Residency
-from .gate import Tally, TokenKey
+from .gate import Tally
 from .layout import Block, Segment
 from .paging import Paging
 
-__all__ = ["Placement", "context_tokens", "segment_tokens"]
+__all__ = ["Placement", "Prepared", "TokenKey", "context_tokens", "segment_tokens"]
+
+TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
+"""What a segment's tokens depend on: its text, whether it opens the context, whether it
+parses special tokens, and its markup ranges."""
 
 
 def segment_tokens(engine: Engine, segment: Segment, *, first: bool) -> list[int]:
@@ -37,6 +42,19 @@ def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
     return [t for i, seg in enumerate(segments) for t in segment_tokens(engine, seg, first=i == 0)]
 
 
+class Prepared:
+    """A prefetch's hand-over to the ``ensure_context`` it prepares, carried by that call's
+    command through the mailbox: its tokenizations once they are done, and ``cancel`` to
+    stop it when the call begins before they are (it is of no more use then)."""
+
+    __slots__ = ("cancel", "tokens")
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.tokens: dict[TokenKey, list[int]] | None = None
+        """Set by the prefetch when its tokenizations are done; ``None`` until then."""
+        self.cancel = cancel
+
+
 class Placement(Paging):
     """Makes the hot window hold a context the way the eviction policy plans it."""
 
@@ -45,14 +63,17 @@ class Placement(Paging):
     def tokenize(
         self,
         segments: Sequence[Segment],
+        *,
+        known: dict[TokenKey, list[int]] | None = None,
         remember: dict[TokenKey, list[int]] | None = None,
     ) -> list[tuple[Segment, list[int]]]:
         """Each segment with its tokens (empty segments left out); safe from any thread.
 
-        Uses what a prefetch tokenized; ``remember`` receives every tokenization made.
+        Uses the tokenizations in ``known`` (a prefetch's); ``remember`` receives every
+        tokenization made.
         """
         out = []
-        cache = self.token_cache
+        cache = known or {}
         for i, seg in enumerate(segments):  # Segments, checked by the session handle
             key = (seg.text, i == 0, seg.parse_special, seg.markup)
             toks = cache.get(key)
@@ -65,20 +86,22 @@ class Placement(Paging):
             raise InvalidContextError("the context is empty: every segment's text is empty")
         return [(seg, toks) for seg, toks in out if toks]
 
-    async def _ensure(self, segments: Sequence[Segment]) -> ContextStatus:
+    async def _ensure(
+        self, segments: Sequence[Segment], prepared: Prepared | None = None
+    ) -> ContextStatus:
         self.counters.ensure_calls += 1
         self._tally = tally = Tally()
-        try:
-            return await self._ensure_placed(segments, tally)
-        finally:
-            # A prefetch held its blocks for this call: whatever it did not use may go now.
-            release, self.prefetched = self.prefetched, None
-            self.token_cache = {}
-            if release is not None:
-                release()
+        known = None
+        if prepared is not None:
+            known = prepared.tokens
+            if known is None:
+                prepared.cancel()  # not ready when its call began: of no more use
+        return await self._ensure_placed(segments, tally, known)
 
-    async def _ensure_placed(self, segments: Sequence[Segment], tally: Tally) -> ContextStatus:
-        tokenized = await anyio.to_thread.run_sync(self.tokenize, segments)
+    async def _ensure_placed(
+        self, segments: Sequence[Segment], tally: Tally, known: dict[TokenKey, list[int]] | None
+    ) -> ContextStatus:
+        tokenized = await anyio.to_thread.run_sync(partial(self.tokenize, segments, known=known))
         layout, stale = self.window.plan_layout(tokenized)
         resident = self.resident()
         tally.reused = sum(
