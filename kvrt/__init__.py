@@ -59,16 +59,23 @@ from ._errors import UnknownSegmentError as UnknownSegmentError
 from ._memory import read_memory as read_memory
 from ._model import embedded_model_path as embedded_model_path
 from ._reports import BlockReport as BlockReport
+from ._reports import Completion as Completion
 from ._reports import ContextStatus as ContextStatus
 from ._reports import Piece as Piece
 from ._reports import PrefetchReport as PrefetchReport
 from ._reports import SessionCounters as SessionCounters
 from ._reports import SessionReport as SessionReport
+from ._reports import Timings as Timings
+from ._reports import Usage as Usage
 from ._runtime import Runtime as Runtime
+from ._runtime import load_engine as load_engine
 from ._runtime import open_runtime as open_runtime
 from ._sampling import Sampler as Sampler
 from ._session import Prefetch as Prefetch
+from ._session import Reply as Reply
 from ._session import Session as Session
+from ._session.chat import Message as Message
+from ._session.chat import messages_of as read_messages
 from ._session.layout import Segment as Segment
 from ._types import CacheClass as CacheClass
 from ._types import Residency as Residency
@@ -90,6 +97,7 @@ __all__ = [
     "ColdKey",
     "ColdStats",
     "ColdStoreFullError",
+    "Completion",
     "Config",
     "ConfigError",
     "ContextStatus",
@@ -112,6 +120,7 @@ __all__ = [
     "MemoryConfig",
     "MemoryPolicy",
     "MemoryReading",
+    "Message",
     "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
@@ -120,6 +129,7 @@ __all__ = [
     "PolicyConfig",
     "Prefetch",
     "PrefetchReport",
+    "Reply",
     "Residency",
     "Runtime",
     "Sampler",
@@ -130,17 +140,21 @@ __all__ = [
     "SessionConfig",
     "SessionCounters",
     "SessionReport",
+    "Timings",
     "UnknownPolicyError",
     "UnknownSegmentError",
+    "Usage",
     "backend",
     "describe_model",
     "embedded_model_path",
     "load_config",
+    "load_engine",
     "open_engine",
     "open_runtime",
     "parse_size",
     "policy",
     "read_memory",
+    "read_messages",
     "resolve_capacity",
 ]
 

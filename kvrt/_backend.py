@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._checks import check_int, check_number
+from ._config import EngineConfig
 
 __all__ = [
     "AdmitMode",
@@ -229,6 +230,9 @@ class EngineContext(Protocol):
 
 class Engine(Protocol):
     """One loaded model, shared by every context opened on it."""
+
+    config: EngineConfig
+    """The settings it was opened with."""
 
     @property
     def facts(self) -> ModelFacts: ...

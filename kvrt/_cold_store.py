@@ -115,14 +115,18 @@ class _Slot:
     id: int
     entry: ColdEntry
     last_used: int
+    spare: bool = False
 
 
 @dataclass(slots=True)
 class _Put:
     entry: ColdEntry
+    spare: bool = False
+    """A copy of a block that is still hot: it may use free room only, never drop others."""
     done: anyio.Event = field(default_factory=anyio.Event)
     outcome: str = "pending"
-    """``committed``, ``too_large`` or ``full`` (every droppable entry gone, still no room)."""
+    """``committed``, ``too_large``, ``full`` (every droppable entry gone, still no room)
+    or ``no_room`` (a spare copy that does not fit as things are)."""
 
 
 class ColdStore:
@@ -138,6 +142,7 @@ class ColdStore:
         self._slots: dict[ColdKey, _Slot] = {}
         self._by_tokens: dict[tuple[str, str], dict[ColdKey, None]] = {}
         self._pins: dict[ColdKey, int] = {}
+        self._computing: dict[ColdKey, anyio.Event] = {}
         self._freed = anyio.Event()
         self._bytes = 0
         self._clock = 0
@@ -212,6 +217,35 @@ class ColdStore:
                 self._freed.set()
                 self._freed = anyio.Event()
 
+    def keep(self, key: ColdKey) -> None:
+        """The entry under ``key`` is no longer a spare copy: its block left the session
+        that held it hot, so this is the copy to keep (ranked by the victim policy as any
+        other)."""
+        slot = self._slots.get(key)
+        if slot is not None:
+            slot.spare = False
+
+    # -- blocks being computed --
+
+    @contextmanager
+    def computing(self, keys: Iterable[ColdKey]) -> Iterator[None]:
+        """Announce that the blocks under ``keys`` are being computed by one session and
+        will be written to the store: another session about to compute the same blocks
+        may wait for them (:meth:`computed`) and restore them instead."""
+        claimed = {k: anyio.Event() for k in keys if k not in self._computing}
+        self._computing.update(claimed)
+        try:
+            yield
+        finally:
+            for k, done in claimed.items():
+                del self._computing[k]
+                done.set()
+
+    def computed(self, key: ColdKey) -> anyio.Event | None:
+        """Set once the session computing ``key``'s block is done with it; None if no
+        session is computing it now."""
+        return self._computing.get(key)
+
     def stats(self) -> ColdStats:
         q = self._send.statistics()
         return ColdStats(
@@ -236,9 +270,11 @@ class ColdStore:
 
     # -- writes (through the service task) --
 
-    async def put(self, entry: ColdEntry, *, wait: float = math.inf) -> bool:
+    async def put(self, entry: ColdEntry, *, wait: float = math.inf, spare: bool = False) -> bool:
         """Commit ``entry``; True once it is in the store, False if it is larger than the
-        whole budget.
+        whole budget (or, for a ``spare`` copy — a block still hot in its session, written
+        through — if it does not fit in the free room: a spare copy never drops another
+        entry).
 
         Waits while the way in is full, and up to ``wait`` seconds while the store is full
         of entries that cannot be dropped (pinned, or kept by the victim policy); then
@@ -252,11 +288,11 @@ class ColdStore:
                 self._touch(entry.key)
                 return True
             freed = self._freed
-            request = _Put(entry)
+            request = _Put(entry, spare)
             await self._send.send(request)
             await request.done.wait()
             if request.outcome != "full":
-                return request.outcome == "committed"
+                return request.outcome == "committed"  # or too_large, or no_room
             if not waited:
                 waited = True
                 self._waits += 1
@@ -275,7 +311,7 @@ class ColdStore:
         task_status.started()
         async with self._receive:
             async for request in self._receive:
-                request.outcome = self._commit(request.entry)
+                request.outcome = self._commit(request.entry, spare=request.spare)
                 request.done.set()
 
     def close(self) -> None:
@@ -287,18 +323,22 @@ class ColdStore:
         self._clock += 1
         self._slots[key].last_used = self._clock
 
-    def _commit(self, entry: ColdEntry) -> str:
+    def _commit(self, entry: ColdEntry, *, spare: bool = False) -> str:
         if entry.key in self._slots:
             self._touch(entry.key)
+            if not spare:
+                self._slots[entry.key].spare = False  # now the only copy
             return "committed"
         if entry.n_bytes > self.budget_bytes:
             self._refused += 1
             return "too_large"
+        if spare and self._bytes + entry.n_bytes > self.budget_bytes:
+            return "no_room"
         if self._bytes + entry.n_bytes > self.budget_bytes and not self._make_room(entry.n_bytes):
             return "full"
         self._clock += 1
         self._next_id += 1
-        self._slots[entry.key] = _Slot(self._next_id, entry, self._clock)
+        self._slots[entry.key] = _Slot(self._next_id, entry, self._clock, spare)
         self._by_tokens.setdefault((entry.key.fingerprint, entry.key.tokens), {})[entry.key] = None
         self._bytes += entry.n_bytes
         self._puts += 1
@@ -317,6 +357,7 @@ class ColdStore:
                 cache_class=s.entry.cache_class,
                 n_bytes=s.entry.n_bytes,
                 last_used=s.last_used,
+                spare=s.spare,
             )
             for s in droppable.values()
         ]

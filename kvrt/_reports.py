@@ -10,11 +10,14 @@ from ._types import CacheClass, Residency
 
 __all__ = [
     "BlockReport",
+    "Completion",
     "ContextStatus",
     "Piece",
     "PrefetchReport",
     "SessionCounters",
     "SessionReport",
+    "Timings",
+    "Usage",
 ]
 
 
@@ -78,6 +81,73 @@ class Piece(msgspec.Struct, frozen=True, kw_only=True):
     """The token id."""
     index: int
     """Position of the token in this ``generate()`` call, from 0."""
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens one ``chat`` or ``generate`` call read, computed and wrote.
+
+    The work counters (``reused_tokens`` ... ``approximate_tokens``) count the call's own
+    work, as :class:`ContextStatus` does: for ``chat`` they include placing the messages;
+    for ``generate`` only what generating needed (usually nothing: the context was placed
+    by ``ensure_context``).
+    """
+
+    prompt_tokens: int
+    """Context tokens the generation continued from."""
+    completion_tokens: int
+    """Tokens generated (a stop sequence's tokens included, though they left the context)."""
+    total_tokens: int
+    """``prompt_tokens + completion_tokens``."""
+    cached_tokens: int
+    """Prompt tokens this call did not compute (OpenAI's ``cached_tokens``): reused,
+    restored or approximate."""
+    reused_tokens: int
+    """Work: already hot and unchanged."""
+    restored_tokens: int
+    """Work: restored exactly from the cold store."""
+    prefilled_tokens: int
+    """Work: computed by the engine."""
+    approximate_tokens: int
+    """Work: restored approximately (only where the approximate policy allows it)."""
+    visible_tokens: int
+    """Context tokens the model attended to when it generated: the hot window."""
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """How long one ``chat`` or ``generate`` call took, in seconds."""
+
+    time_to_first_token: float | None
+    """From sending the call to the first generated token (queueing and placing the
+    context included); None when nothing was generated."""
+    prompt_seconds: float
+    """Placing the context (``chat``), from the moment the session began the call."""
+    decode_seconds: float
+    """From the first generated token to the last."""
+    decode_tokens_per_second: float | None
+    """Tokens generated after the first, per second of decoding; None below two tokens."""
+    total_seconds: float
+    """From sending the call to its end."""
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of one ``chat`` or ``generate`` call."""
+
+    text: str
+    """The generated text (without the stop sequence that ended it)."""
+    finish_reason: str
+    """``stop`` (a stop sequence), ``eos`` (the model's end-of-generation token),
+    ``length`` (``max_tokens``, or the planner context full) or ``closed`` (the reader
+    stopped reading)."""
+    usage: Usage
+    """Tokens read, computed and generated."""
+    timings: Timings
+    """Where the time went."""
+    tokens: tuple[int, ...]
+    """The generated tokens that stayed in the context."""
+    invisible_segments: tuple[str, ...]
+    """Segments the model did not see whole when it generated (blocks not hot)."""
+    context: ContextStatus
+    """The context after the call."""
 
 
 class SessionCounters(msgspec.Struct, kw_only=True):

@@ -19,17 +19,16 @@ from ._cold_store import ColdStats, ColdStore
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
-from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
+from ._errors import ArgumentTypeError, ConfigError, SessionClosedError
+from ._replies import ReplyMemory
 from ._session import Actor, Session, SessionParts, SessionPolicies
+from ._session.chat import ChatTemplate
 from ._session.layout import HotWindow, Segment
 from ._types import CacheClass
 from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
 
-__all__ = ["Runtime", "check_policies", "open_runtime"]
-
-_CONTENT = "\ue000kvrt-content\ue001"
-"""A stand-in message content (private-use characters) to find the template's markup."""
+__all__ = ["Runtime", "check_policies", "load_engine", "open_runtime"]
 
 
 def _policy(kind: str, name: str) -> Any:
@@ -66,7 +65,8 @@ class Runtime(metaclass=NoPublicConstructor):
         self._policies: dict[tuple[str, str], Any] = {}
         """One instance per policy name; those that calibrate themselves learn from every
         session's measured work (sessions hold a live view of the values)."""
-        self._frames: dict[tuple[str, bool], tuple[str, str]] = {}
+        self._chat = ChatTemplate(engine)
+        self._replies = ReplyMemory()
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -121,47 +121,7 @@ class Runtime(metaclass=NoPublicConstructor):
         check_text("chat_segment content", content)
         check_bool("chat_segment generation_prompt", generation_prompt)
         cache_class = check_choice("chat_segment cache_class", cache_class, CacheClass)
-        head, tail = self._chat_frame(role, generation_prompt)
-        # The template may trim the content: take what it actually rendered between the frame.
-        text = self._render(role, content, generation_prompt)
-        if not (text.startswith(head) and text.endswith(tail)) or len(text) < len(head + tail):
-            raise EngineError(
-                f"the model's chat template renders a {role!r} message in a way kvrt cannot "
-                "split into markup and content"
-            )
-        markup = [(0, len(head))] if head else []
-        if tail:
-            markup.append((len(text) - len(tail), len(text)))
-        if len(markup) == 2 and markup[0][1] == markup[1][0]:
-            markup = [(0, len(text))]
-        return Segment(name, text, cache_class=cache_class, markup=tuple(markup))
-
-    def _render(self, role: str, content: str, generation_prompt: bool) -> str:
-        render = self._engine.apply_chat_template
-        text = render([(role, content)], add_generation_prompt=generation_prompt)
-        if role != "system":
-            # Some templates insert a default system prompt before a lone user message:
-            # render after a stand-in system message and keep only this message's part.
-            base = render([("system", "-")], add_generation_prompt=False)
-            full = render(
-                [("system", "-"), (role, content)], add_generation_prompt=generation_prompt
-            )
-            if full.startswith(base):
-                text = full[len(base) :]
-        return str(text)
-
-    def _chat_frame(self, role: str, generation_prompt: bool) -> tuple[str, str]:
-        """The template's markup before and after a message's content."""
-        found = self._frames.get((role, generation_prompt))
-        if found is None:
-            text = self._render(role, _CONTENT, generation_prompt)
-            head, sep, tail = text.partition(_CONTENT)
-            if not sep:
-                raise EngineError(
-                    f"the model's chat template drops the content of a {role!r} message"
-                )
-            found = self._frames[(role, generation_prompt)] = (head, tail)
-        return found
+        return self._chat.message_segment(name, role, content, cache_class, generation_prompt)
 
     @asynccontextmanager
     async def open_session(
@@ -243,10 +203,11 @@ class Runtime(metaclass=NoPublicConstructor):
                 limiter=self.engine_limiter,
                 config=cfg,
                 policies=chosen,
+                replies=self._replies,
             )
         )
         await self._tg.start(actor.run)
-        session = Session._create(actor, label, self._tg)
+        session = Session._create(actor, label, self._tg, self._chat)
         self._sessions.add(session)
         try:
             yield session
@@ -292,23 +253,8 @@ def _check_fits(info: ModelInfo, cfg: Config) -> None:
         )
 
 
-@asynccontextmanager
-async def open_runtime(
-    backend: str | None = None,
-    *,
-    model: str | None = None,
-    config: Config | None = None,
-) -> AsyncIterator[Runtime]:
-    """Load a model and start the cold store; sessions open on the yielded runtime.
-
-    ``config`` defaults to :func:`kvrt.load_config` (``$KVRT_CONFIG`` and ``KVRT_*``
-    variables); ``backend`` and ``model`` override it. No model means the embedded
-    SmolLM2-135M-Instruct.
-
-    >>> async with kvrt.open_runtime(backend="llama") as rt:
-    ...     async with rt.open_session(hot_tokens=512) as session:
-    ...         ...
-    """
+def _resolve(backend: str | None, model: str | None, config: Config | None) -> Config:
+    """The configuration ``open_runtime``/``load_engine`` arguments name."""
     if config is not None and not isinstance(config, Config):
         raise ArgumentTypeError(f"config must be a kvrt.Config, got {type(config).__name__}")
     for label, value in (("backend", backend), ("model", model)):
@@ -324,9 +270,61 @@ async def open_runtime(
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid open_runtime argument: {exc}") from None
         cfg = msgspec.structs.replace(cfg, engine=engine_cfg)
+    return cfg
+
+
+def load_engine(
+    backend: str | None = None, *, model: str | None = None, config: Config | None = None
+) -> Engine:
+    """Load a model once, for several runtimes: ``open_runtime(engine=...)`` then opens
+    in milliseconds (a test suite loads it in a session fixture). Blocking; the caller
+    closes it (``engine.close()``) once no runtime uses it.
+
+    >>> engine = kvrt.load_engine("llama")
+    >>> async with kvrt.open_runtime(engine=engine) as rt:
+    ...     ...
+    """
+    cfg = _resolve(backend, model, config)
+    check_policies(cfg)
+    return open_engine(cfg.engine)
+
+
+@asynccontextmanager
+async def open_runtime(
+    backend: str | None = None,
+    *,
+    model: str | None = None,
+    config: Config | None = None,
+    engine: Engine | None = None,
+) -> AsyncIterator[Runtime]:
+    """Load a model and start the cold store; sessions open on the yielded runtime.
+
+    ``config`` defaults to :func:`kvrt.load_config` (``$KVRT_CONFIG`` and ``KVRT_*``
+    variables); ``backend`` and ``model`` override it. No model means the embedded
+    SmolLM2-135M-Instruct. ``engine``, from :func:`kvrt.load_engine`, is used instead of
+    loading one (its settings replace ``config.engine``) and stays open afterwards.
+
+    >>> async with kvrt.open_runtime(backend="llama") as rt:
+    ...     async with rt.open_session(hot_tokens=512) as session:
+    ...         ...
+    """
+    if engine is not None:
+        if backend is not None or model is not None:
+            raise ConfigError("give engine, or backend and model to load one, not both")
+        if not hasattr(engine, "open_context") or not isinstance(
+            getattr(engine, "config", None), EngineConfig
+        ):
+            raise ArgumentTypeError(
+                f"engine must be an engine from kvrt.load_engine, got {type(engine).__name__}"
+            )
+    cfg = _resolve(backend, model, config)
+    if engine is not None:
+        cfg = msgspec.structs.replace(cfg, engine=engine.config)
     victim = check_policies(cfg)["cold_victim"]
 
-    engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
+    owned = engine is None
+    if engine is None:
+        engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
     try:
         info = model_info(engine.facts, cfg)
         _check_fits(info, cfg)
@@ -352,5 +350,6 @@ async def open_runtime(
         if raised is not None:
             raise raised
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(engine.close)
+        if owned:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(engine.close)

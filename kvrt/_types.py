@@ -66,6 +66,9 @@ class ColdEntryView(msgspec.Struct, frozen=True, kw_only=True):
     cache_class: CacheClass
     n_bytes: int
     last_used: int
+    spare: bool = False
+    """A copy written through while its block is still hot in a session: dropping it
+    loses nothing that session holds (the block is written again when it leaves)."""
 
 
 class RestoreQuery(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,8 +13,9 @@ KIND = "cold_victim"
 
 @register(KIND, "class_lru")
 class ColdClassThenLRU:
-    """Lowest cache class first, then least recently used."""
+    """Spare copies (blocks still hot in a session) first, then the lowest cache class,
+    then least recently used."""
 
     def order(self, entries: Sequence[ColdEntryView]) -> list[int]:
-        ranked = sorted(entries, key=lambda e: (e.cache_class.rank, e.last_used, e.id))
+        ranked = sorted(entries, key=lambda e: (not e.spare, e.cache_class.rank, e.last_used, e.id))
         return [e.id for e in ranked]

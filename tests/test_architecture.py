@@ -5,8 +5,8 @@
 - ``adapters/`` imports only ``kvrt`` (public names), ``kvrt.backend`` and the bridge;
 - ``native_bridge/`` imports nothing of kvrt;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
-- inside ``kvrt/_session/`` dependencies run one way: handle -> actor -> placement ->
-  paging -> gate -> layout.
+- inside ``kvrt/_session/`` dependencies run one way: handle -> reply -> actor ->
+  generation -> placement -> paging -> gate -> layout.
 """
 
 from __future__ import annotations
@@ -58,18 +58,33 @@ def kvrt_imports(path: Path) -> set[str]:
     return {m for m in imports(path) if m == "kvrt" or m.startswith("kvrt.")}
 
 
-def test_the_core_never_imports_its_tools() -> None:
+def test_the_core_never_imports_its_tools_or_its_server() -> None:
+    outside = {"tools", "serve"}
     core = [
         p
         for p in modules("kvrt")
-        if "tools" not in p.relative_to(ROOT).parts and p.name != "__main__.py"  # the CLI's door
+        if not outside & set(p.relative_to(ROOT).parts)
+        and p.name != "__main__.py"  # the CLI's door
     ]
     assert len(core) > 20
     wrong = {
         f"{p.relative_to(ROOT)} -> {m}"
         for p in core
         for m in kvrt_imports(p)
-        if m.startswith("kvrt.tools")
+        if m.startswith(("kvrt.tools", "kvrt.serve"))
+    }
+    assert not wrong
+
+
+def test_the_server_uses_only_public_kvrt() -> None:
+    """``kvrt serve`` is built on what any user has: ``kvrt``'s public names."""
+    server = modules("kvrt/serve")
+    assert len(server) >= 3
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in server
+        for m in kvrt_imports(p)
+        if not (m.startswith("kvrt.serve") or (m.count(".") <= 1 and "._" not in m))
     }
     assert not wrong
 
@@ -123,7 +138,17 @@ def test_nothing_imports_generic_top_level_names(folder: str) -> None:
     assert not wrong
 
 
-SESSION_LAYERS = ["handle", "actor", "placement", "paging", "gate", "layout"]
+SESSION_LAYERS = [
+    "handle",
+    "chat",
+    "reply",
+    "actor",
+    "generation",
+    "placement",
+    "paging",
+    "gate",
+    "layout",
+]
 
 
 def test_session_layers_depend_one_way() -> None:

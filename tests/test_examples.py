@@ -104,3 +104,26 @@ def test_kvrt_bench_reports_every_section_and_plots(backend: str, tmp_path: Path
     assert len(goals) == 4 + 2 * len(trace["prefill_ratios"])
     assert report["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_agent_example_reuses_each_turn() -> None:
+    out = example("chat_agent.py", "llama")
+    cached = [
+        int(line.split(" cached")[0].split()[-1]) for line in out.splitlines() if " cached," in line
+    ]
+    assert len(cached) == 3 and cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+def test_openai_client_example_against_kvrt_serve() -> None:
+    out = example("openai_client.py")
+    cached = [
+        int(line.split(":")[-1].rstrip("]")) for line in out.splitlines() if "cached prompt" in line
+    ]
+    assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+
+
+def test_pytest_trio_suite_example() -> None:
+    out = run(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "examples" / "pytest_trio_suite")
+    )
+    assert "3 passed" in out

@@ -55,55 +55,60 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
             assert not any(b.approximate for b in report.blocks)
             assert report.cold_store.approximate_hits == 0
 
-        # Allowed: restored from the cold copy with keys re-rotated, and labelled so.
-        async with rt.open_session(hot_tokens=1024, approximate="allow") as s:
-            await s.ensure_context(ORIGINAL)
-            await s.evict("file:a.py")
-            puts = s.explain().cold_store.puts
-            status = await s.ensure_context(MOVED)
-            assert status.approximate_tokens == n_file
-            assert status.restored_tokens == 0  # nothing here was an exact hit
-            assert not status.exact and status.exact_restores  # the call, the capability
-            n_after = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
-            assert status.approximate_context_tokens == n_file + n_after
-            report = s.explain()
-            moved = blocks_of(report, "file:a.py")
-            assert all(b.approximate and b.residency is Residency.HOT for b in moved)
-            assert all(
-                b.choice is not None and b.choice.startswith("restored approximately")
-                for b in moved
-            )
-            assert "re-rotated by +" in (moved[0].choice or "")
-            assert all(b.approximate for b in blocks_of(report, "user"))  # computed after it
-            assert not any(b.approximate for b in blocks_of(report, "file:b.py"))
-            assert report.approximate_tokens == status.approximate_context_tokens
-            assert report.cold_store.approximate_hits >= len(moved)
+    # Allowed: restored from the cold copy with keys re-rotated, and labelled so. A fresh
+    # runtime: the sessions above left exact copies of MOVED in their cold store when they
+    # closed.
+    async with (
+        kvrt.open_runtime(backend) as rt,
+        rt.open_session(hot_tokens=1024, approximate="allow") as s,
+    ):
+        await s.ensure_context(ORIGINAL)
+        await s.evict("file:a.py")
+        status = await s.ensure_context(MOVED)
+        assert status.approximate_tokens == n_file
+        assert status.restored_tokens == 0  # nothing here was an exact hit
+        assert not status.exact and status.exact_restores  # the call, the capability
+        n_after = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
+        assert status.approximate_context_tokens == n_file + n_after
+        report = s.explain()
+        moved = blocks_of(report, "file:a.py")
+        assert all(b.approximate and b.residency is Residency.HOT for b in moved)
+        assert all(
+            b.choice is not None and b.choice.startswith("restored approximately") for b in moved
+        )
+        assert "re-rotated by +" in (moved[0].choice or "")
+        assert all(b.approximate for b in blocks_of(report, "user"))  # computed after it
+        assert not any(b.approximate for b in blocks_of(report, "file:b.py"))
+        assert report.approximate_tokens == status.approximate_context_tokens
+        assert report.cold_store.approximate_hits >= len(moved)
 
-            # Approximate KV never enters the cold store.
-            await s.evict("file:a.py")
-            report = s.explain()
-            assert report.cold_store.puts == puts
-            assert {b.choice for b in blocks_of(report, "file:a.py")} == {
-                "evicted, tokens only (approximate KV is never stored)"
-            }
+        # Approximate KV never enters the cold store.
+        puts = s.explain().cold_store.puts
+        await s.evict("file:a.py")
+        report = s.explain()
+        assert report.cold_store.puts == puts
+        assert {b.choice for b in blocks_of(report, "file:a.py")} == {
+            "evicted, tokens only (approximate KV is never stored)"
+        }
 
-            # Back to the original context: the exact cold copy comes back, nothing tainted.
-            again = await s.ensure_context(ORIGINAL)
-            assert again.restored_tokens == n_file + n_after  # the old question went cold too
-            assert again.prefilled_tokens == 0
-            assert again.approximate_tokens == again.approximate_context_tokens == 0
-            assert again.exact
-            assert not any(b.approximate for b in s.explain().blocks)
-            assert await greedy(s, 16) == expected
+        # Back to the original context: the exact cold copy comes back, nothing tainted.
+        again = await s.ensure_context(ORIGINAL)
+        assert again.restored_tokens == n_file + n_after  # the old question went cold too
+        assert again.prefilled_tokens == 0
+        assert again.approximate_tokens == again.approximate_context_tokens == 0
+        assert again.exact
+        assert not any(b.approximate for b in s.explain().blocks)
+        assert await greedy(s, 16) == expected
 
 
 async def test_approximate_restore_is_close_to_recompute(backend: str) -> None:
     """The label is honest: an approximate restore is near, not equal to, recomputing
     (the next token's argmax may differ)."""
-    async with kvrt.open_runtime(backend) as rt:
-        async with rt.open_session(hot_tokens=1024) as exact:
-            await exact.ensure_context(MOVED)
-            want = await exact._actor._engine("logits", exact._actor.ctx.logits)
+    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as exact:
+        # Kept open: a session that closes offers its blocks to the cold store, and MOVED's
+        # would then be exact hits for the session below.
+        await exact.ensure_context(MOVED)
+        want = await exact._actor._engine("logits", exact._actor.ctx.logits)
         async with rt.open_session(hot_tokens=1024, approximate="allow") as s:
             await s.ensure_context(ORIGINAL)
             await s.evict("file:a.py")
@@ -168,11 +173,13 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
         async with rt.open_session(hot_tokens=1024) as s, rt.open_session(hot_tokens=1024) as t:
             await s.ensure_context(a_ctx)
             await s.evict("file:a.py")
-            assert rt.cold_stats().entries == 3  # 128 + 128 + 23 tokens, ~6.4 MB
+            a_blocks = blocks_of(s.explain(), "file:a.py")  # 128 + 128 + 23 tokens, ~6.4 MB
+            assert [b.residency for b in a_blocks] == [Residency.COLD] * 3
 
             cancelled = s.prefetch(a_ctx)
-            assert await cancelled.wait() is not None
-            assert rt.cold_stats().pinned == 3
+            found = await cancelled.wait()
+            assert found is not None and found.cold_blocks >= 3
+            assert rt.cold_stats().pinned == found.cold_blocks
             cancelled.cancel()
             await anyio.sleep(0.05)
             assert rt.cold_stats().pinned == 0
@@ -180,8 +187,10 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
             job = s.prefetch(a_ctx)
             report = await job.wait()
             assert report is not None
-            assert (report.cold_blocks, report.cold_tokens) == (3, n_file)
-            assert rt.cold_stats().pinned == 3
+            # file:a.py's three blocks, and whatever of the system prompt and repo map (written
+            # through when computed) the small store still holds
+            assert report.cold_blocks >= 3 and report.cold_tokens >= n_file
+            assert rt.cold_stats().pinned == report.cold_blocks
 
             # Another session's evictions need the room the pinned blocks take.
             await t.ensure_context(b_ctx)

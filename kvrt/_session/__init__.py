@@ -1,8 +1,9 @@
 """A session: its handle, its actor task and the layers the actor stands on.
 
 Dependencies run one way: ``handle`` (the public :class:`Session`, :class:`Prefetch`) ->
-``actor`` (the mailbox loop, commands, generation, ``explain()``) -> ``placement`` (plan ->
-place -> converge) -> ``paging`` (evict and export runs, restore runs, approximate hits,
+``chat`` (messages to segments in the model's template) -> ``reply`` (a generation as its caller holds it: pieces, the completion) -> ``actor`` (the
+mailbox loop, commands, ``explain()``) -> ``generation`` (the continuation, stop
+sequences, remembered replies) -> ``placement`` (plan -> place -> converge) -> ``paging`` (evict and export runs, restore runs, approximate hits,
 prefill, room) -> ``gate`` (engine calls in threads, derived residency, tallies) ->
 ``layout`` (segments and blocks: synchronous bookkeeping, no ``await``).
 """
@@ -16,3 +17,4 @@ from .layout import HotWindow as HotWindow
 from .layout import Segment as Segment
 from .placement import context_tokens as context_tokens
 from .placement import segment_tokens as segment_tokens
+from .reply import Reply as Reply

@@ -7,29 +7,30 @@ before the next command runs. Generation streams back through a bounded channel.
 
 from __future__ import annotations
 
-import codecs
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 
-from .._backend import Logits, SamplingParams
 from .._errors import (
     InvalidRangeError,
     KvrtError,
     OperationCancelledError,
     SessionClosedError,
 )
-from .._reports import BlockReport, Piece, SessionReport
-from .._sampling import Sampler
-from .._types import CacheClass, Residency
+from .._reports import BlockReport, SessionReport
+from .._types import Residency
 from .gate import SessionParts, Tally
+from .generation import Generate, Generation
 from .layout import Block, Segment
-from .placement import Placement, Prepared
+from .placement import Prepared
 
 __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
+
+CLOSE_OFFER_SECONDS = 30.0
+"""At most this long copying a closing session's hot blocks to the cold store."""
 
 
 # -- commands --
@@ -39,16 +40,6 @@ __all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
 class Ensure:
     segments: tuple[Segment, ...]
     prepared: Prepared | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Generate:
-    max_tokens: int
-    sampling: SamplingParams
-    segment: str
-    cache_class: CacheClass
-    stop_at_end: bool
-    out: MemoryObjectSendStream[Piece]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +73,7 @@ class Call:
             self.scope.cancel()
 
 
-class Actor(Placement):
+class Actor(Generation):
     """Owns one engine context and one hot window; runs commands from its mailbox."""
 
     def __init__(self, parts: SessionParts) -> None:
@@ -101,8 +92,16 @@ class Actor(Placement):
                     await self._run_one(call)
         finally:
             with anyio.CancelScope(shield=True):
+                await self._offer_on_close()
                 await anyio.to_thread.run_sync(self.ctx.close, limiter=self.limiter)
             self.finished.set()
+
+    async def _offer_on_close(self) -> None:
+        """Offer the hot blocks to the cold store before the KV is freed (as the cold
+        admission policy allows), so the next session with this context restores it."""
+        # A failed engine context's KV goes anyway: nothing else is at stake.
+        with anyio.move_on_after(CLOSE_OFFER_SECONDS), suppress(KvrtError):
+            await self._write_back(self.window.blocks)
 
     async def _run_one(self, call: Call) -> None:
         try:
@@ -151,50 +150,6 @@ class Actor(Placement):
                 return await self._evict_target(target)
             case Admit(target):
                 return await self._admit_target(target)
-
-    async def _generate(self, cmd: Generate) -> int:
-        self.counters.generate_calls += 1
-        self._tally = tally = Tally()
-        sampler = Sampler(cmd.sampling)
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        produced = 0
-        async with cmd.out:
-            if self.window.length == 0:
-                raise InvalidRangeError("nothing to continue: call ensure_context first")
-            await self._last_logits()
-            resident = self.resident()
-            after_approximate = any(
-                b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
-                for b in self.window.blocks
-            )
-            if self._override is not None:
-                logits: Logits = self._override
-            else:
-                logits = await self._engine("logits", self.ctx.logits)
-            self._override = None
-            while produced < cmd.max_tokens:
-                token = sampler.choose(logits)
-                if cmd.stop_at_end and self.engine.is_end_of_generation(token):
-                    break
-                if self.window.length >= self.window.planner_context:
-                    break
-                last = self.window.blocks[-1]
-                await self._make_room(1, {last.id})
-                logits = await self._engine("step", self.ctx.step, token)
-                grown = self.window.append_token(token, cmd.segment, cmd.cache_class)
-                if after_approximate:
-                    self.tainted.add(grown.id)
-                produced += 1
-                self.counters.generated_tokens += 1
-                text = decoder.decode(self.engine.token_bytes(token))
-                if self.fault is not None:
-                    self.fault("stream")
-                try:
-                    await cmd.out.send(Piece(text=text, token=token, index=produced - 1))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    break  # the reader went away: stop, keeping what was generated
-        self._status(tally)
-        return produced
 
     # -- explicit control --
 

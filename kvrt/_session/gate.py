@@ -18,6 +18,7 @@ import anyio
 from .._backend import Engine, EngineContext, EvictMode, Logits
 from .._cold_store import ColdKey, ColdStore
 from .._config import SessionConfig
+from .._replies import ReplyMemory
 from .._reports import ContextStatus, SessionCounters
 from .._types import Residency
 from ..policy import (
@@ -64,6 +65,8 @@ class SessionParts:
     limiter: anyio.CapacityLimiter
     config: SessionConfig
     policies: SessionPolicies
+    replies: ReplyMemory
+    """The runtime's memory of generated replies, shared by its sessions."""
 
 
 @dataclass(slots=True)
@@ -87,6 +90,7 @@ class EngineGate:
         self.limiter = parts.limiter
         self.policies = parts.policies
         self.config = parts.config
+        self.replies = parts.replies
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
         self.tainted: set[int] = set()
@@ -149,12 +153,6 @@ class EngineGate:
         c.prefilled_tokens += tally.prefilled
         c.evicted_tokens += tally.evicted
         sizes = self.residency_tokens()
-        resident = self.resident()
-        invisible = dict.fromkeys(
-            b.segment
-            for b in self.window.blocks
-            if self.window.residency(b, resident, ()) is not Residency.HOT
-        )
         exact_restores = self.ctx.capabilities.exact_in_place
         approximate_context = self.approximate_context_tokens()
         return ContextStatus(
@@ -172,8 +170,19 @@ class EngineGate:
             and not tally.approximate
             and (exact_restores or not tally.restored),
             visible_tokens=sizes[Residency.HOT],
-            invisible_segments=tuple(invisible),
+            invisible_segments=self.invisible_segments(),
             approximate_context_tokens=approximate_context,
+        )
+
+    def invisible_segments(self) -> tuple[str, ...]:
+        """Names of segments with any block not hot, in context order."""
+        resident = self.resident()
+        return tuple(
+            dict.fromkeys(
+                b.segment
+                for b in self.window.blocks
+                if self.window.residency(b, resident, ()) is not Residency.HOT
+            )
         )
 
     def approximate_context_tokens(self) -> int:

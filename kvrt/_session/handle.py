@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._backend import SamplingParams
 from .._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
-from .._errors import ArgumentTypeError, ContextTypeError, InvalidContextError, SessionClosedError
+from .._errors import (
+    ArgumentTypeError,
+    ContextTypeError,
+    InvalidArgumentError,
+    InvalidContextError,
+    SessionClosedError,
+)
 from .._reports import ContextStatus, Piece, PrefetchReport, SessionReport
 from .._types import CacheClass
 from .._util import NoPublicConstructor
-from .actor import Actor, Admit, Call, Command, Ensure, Evict, Generate
+from .actor import Actor, Admit, Call, Command, Ensure, Evict
+from .chat import ChatTemplate, Message, messages_of
+from .generation import Generate
 from .layout import Segment
-from .placement import Prepared, TokenKey
+from .placement import Prepared, ReplyTokens, TokenKey
+from .reply import Reply, Stream
 
 __all__ = ["Prefetch", "Session"]
 
@@ -72,11 +81,13 @@ class Session(metaclass=NoPublicConstructor):
     Calls run one at a time, in the order they were made. Cancelling a call leaves the
     session consistent and usable, and loses no KV that had left the hot window: a running
     call is stopped at its next await point (at most one engine chunk away) and settled
-    before the cancellation reaches the caller.
+    before the cancellation reaches the caller. Closing the session leaves its hot blocks
+    to the cold store, where the next session with the same context finds them.
     """
 
-    def __init__(self, actor: Actor, name: str, tg: TaskGroup) -> None:
+    def __init__(self, actor: Actor, name: str, tg: TaskGroup, chat: ChatTemplate) -> None:
         self._actor = actor
+        self._chat = chat
         self.name = name
         self._tg = tg
         self._closed = False
@@ -84,7 +95,7 @@ class Session(metaclass=NoPublicConstructor):
         self._prefetches: set[Prefetch] = set()
         self._next: Prefetch | None = None
         """The newest prefetch, handed to the next ``ensure_context`` with its command."""
-        self._streams: set[_Stream] = set()
+        self._streams: set[Stream] = set()
 
     @property
     def closed(self) -> bool:
@@ -102,6 +113,9 @@ class Session(metaclass=NoPublicConstructor):
         for stream in list(self._streams):
             if stream.reader == me:
                 stream.close()
+                self._streams.discard(stream)
+        for settled in [c for c in self._pending if c.done.is_set()]:
+            self._pending.discard(settled)  # replies dropped unread leave theirs behind
         call = Call(command)
         self._pending.add(call)
         try:
@@ -217,77 +231,160 @@ class Session(metaclass=NoPublicConstructor):
         self,
         max_tokens: int = 256,
         *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         segment: str = "assistant",
         cache_class: CacheClass | str = CacheClass.VOLATILE,
         stop_at_end: bool = True,
         buffer: int | None = None,
-    ) -> AsyncIterator[Piece]:
-        """Stream the continuation of the context, one :class:`Piece` per token.
+    ) -> Reply:
+        """Continue the context: ``async for piece in reply`` streams one :class:`Piece`
+        per token, ``await reply`` gives the :class:`Completion` (text, finish reason,
+        usage, timings).
 
         Generated tokens join the context (as blocks of ``segment``). Generation goes on
-        past the hot budget by evicting under policy, up to the planner context. Stopping
-        early (``break``, cancellation) keeps what was generated so far. Arguments are
-        checked here, before anything starts; ``sampling`` may be a mapping of
-        :class:`SamplingParams` fields.
+        past the hot budget by evicting under policy, up to the planner context. It ends at
+        ``max_tokens``, at the model's end-of-generation token (``stop_at_end``; the token
+        stays out of the context) or at a ``stop`` sequence (left out of the text and of
+        the context). ``temperature``, ``top_p``, ``top_k`` and ``seed`` set sampling
+        (greedy by default); ``sampling`` (a :class:`SamplingParams` or a mapping of its
+        fields) is the same, the keywords win. Arguments are checked here, before
+        anything starts. Stopping early (``break``, ``aclose()``, cancellation) keeps
+        what was generated so far.
 
-        The stream belongs to the task reading it. If that task calls the session again
-        while the stream is open (inside the ``async for``, or after leaving a stream
-        half-read), the stream is closed first: generation stops where it is, keeping what
-        it generated, the loop ends, and the new call runs. Other tasks' calls wait their
+        The reply belongs to the task reading it. If that task calls the session again
+        while the reply is open (inside the ``async for``, or after leaving it half-read),
+        the reply is closed first: generation stops where it is, keeping what it
+        generated, the loop ends, and the new call runs. Other tasks' calls wait their
         turn as usual.
         """
-        max_tokens = check_int("max_tokens", max_tokens, low=0)
-        params = (
-            SamplingParams()
-            if sampling is None
-            else check_struct("sampling", sampling, SamplingParams)
+        return self._reply(
+            max_tokens,
+            _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            stop,
+            buffer,
+            segment=check_text("segment", segment, empty=False),
+            cache_class=check_choice("cache_class", cache_class, CacheClass),
+            stop_at_end=check_bool("stop_at_end", stop_at_end),
         )
-        segment = check_text("segment", segment, empty=False)
-        cache_class = check_choice("cache_class", cache_class, CacheClass)
-        check_bool("stop_at_end", stop_at_end)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Message],
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        buffer: int | None = None,
+    ) -> Reply:
+        """Answer a conversation: OpenAI-style ``messages`` become the context, then the
+        assistant's reply is generated (see :meth:`generate` for the reply and the other
+        arguments).
+
+        Each message is ``{"role": ..., "content": ...}`` (``system``, ``developer``,
+        ``user``, ``assistant``, ``tool``; content a string, ``None`` or a list of text
+        parts; an assistant's ``tool_calls`` are kept as text). The model's chat template
+        renders them, one segment per message, named ``"{index}:{role}"`` and classed
+        ``task_pinned`` for system messages, ``volatile`` otherwise; the extension keys
+        ``segment`` and ``cache_class`` set a message's own. Send the whole conversation
+        each turn: what is already in place is reused, what the cold store holds is
+        restored, and a reply this runtime generated, sent back as an assistant message
+        with the same text, is placed with the tokens that were generated — so only the
+        new messages are computed.
+        """
+        read = messages_of(messages)
+        params = _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        conversation = self._chat.conversation(read)
+        replies: dict[str, ReplyTokens] = {}
+        for message, seg in zip(read, conversation.segments, strict=False):
+            content = [text for text, special in seg.pieces() if not special]
+            if message.role == "assistant" and content and content[-1]:
+                found = self._actor.replies.lookup(content[-1])
+                if found is not None:
+                    replies[seg.name] = (content[-1], *found)
+        return self._reply(
+            max_tokens,
+            params,
+            stop,
+            buffer,
+            segment=conversation.reply,
+            context=conversation.segments,
+            replies=replies,
+        )
+
+    def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        buffer: int | None = None,
+    ) -> Reply:
+        """Continue a plain-text ``prompt`` (no chat template): it becomes the context, as
+        one segment named ``prompt``, and the continuation is generated in the same call
+        (see :meth:`generate` for the reply and the other arguments)."""
+        segment = Segment("prompt", check_text("prompt", prompt, empty=False))
+        return self._reply(
+            max_tokens,
+            _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            stop,
+            buffer,
+            segment="completion",
+            context=(segment,),
+        )
+
+    def _reply(
+        self,
+        max_tokens: int,
+        params: SamplingParams,
+        stop: Any,
+        buffer: int | None,
+        *,
+        segment: str,
+        cache_class: CacheClass = CacheClass.VOLATILE,
+        stop_at_end: bool = True,
+        context: tuple[Segment, ...] | None = None,
+        replies: dict[str, ReplyTokens] | None = None,
+    ) -> Reply:
+        """The reply of a generation (with a context to place first), arguments checked."""
+        max_tokens = check_int("max_tokens", max_tokens, low=0)
+        stops = _stops(stop)
         size = (
             self._actor.config.stream_buffer
             if buffer is None
             else check_int("buffer", buffer, low=1, high=4096)
         )
-        return self._generate(
-            partial(Generate, max_tokens, params, segment, cache_class, stop_at_end), size
-        )
-
-    async def _generate(
-        self, command_to: Callable[[MemoryObjectSendStream[Piece]], Generate], size: int
-    ) -> AsyncIterator[Piece]:
         send, receive = anyio.create_memory_object_stream[Piece](size)
-        command = command_to(send)
-        try:
-            call = await self._submit(command)
-        except BaseException:
-            send.close()
-            receive.close()
-            raise
-        stream = _Stream(receive)
-        self._streams.add(stream)
-        try:
-            async with receive:
-                while True:
-                    try:
-                        piece = await receive.receive()
-                    except (anyio.EndOfStream, anyio.ClosedResourceError):
-                        break  # finished, or closed because this task called the session
-                    stream.reader = anyio.get_current_task().id
-                    yield piece
-            await self._outcome(call)
-        finally:
-            self._streams.discard(stream)
-            receive.close()
-            if not call.done.is_set():
-                await self._abandon(call)
+        command = Generate(
+            max_tokens,
+            params,
+            segment,
+            cache_class,
+            stop_at_end,
+            stops,
+            send,
+            context=context,
+            replies=replies,
+        )
+        return Reply(command, receive, self)
 
     async def generate_text(self, max_tokens: int = 256, **kwargs: Any) -> str:
         """The whole continuation as one string (see :meth:`generate`)."""
-        parts = [piece.text async for piece in self.generate(max_tokens, **kwargs)]
-        return "".join(parts)
+        completion = await self.generate(max_tokens, **kwargs)
+        return completion.text
 
     async def evict(self, target: str | tuple[int, int]) -> int:
         """Move a segment (by name) or the blocks inside a position range to the cold store.
@@ -307,7 +404,8 @@ class Session(metaclass=NoPublicConstructor):
         return self._actor.report(self.name, closed=self._closed)
 
     async def aclose(self) -> None:
-        """Stop the session: pending calls fail, the engine context is freed."""
+        """Stop the session: pending calls fail, the hot blocks are offered to the cold
+        store (as the cold admission policy allows), then the engine context is freed."""
         if self._closed:
             await self._actor.finished.wait()
             return
@@ -320,17 +418,6 @@ class Session(metaclass=NoPublicConstructor):
             )
         self._actor.send.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()
-
-
-class _Stream:
-    """An open ``generate()`` stream and the task that last read from it."""
-
-    def __init__(self, receive: MemoryObjectReceiveStream[Piece]) -> None:
-        self.receive = receive
-        self.reader = anyio.get_current_task().id
-
-    def close(self) -> None:
-        self.receive.close()
 
 
 def _segments(segments: Any) -> tuple[Segment, ...]:
@@ -362,3 +449,32 @@ def _target(target: Any) -> str | tuple[int, int]:
         "target must be a segment name or a (start, end) position range, got "
         f"{type(target).__name__} {target!r}"[:200]
     )
+
+
+def _sampling(
+    sampling: SamplingParams | Mapping[str, Any] | None, **given: float | int | None
+) -> SamplingParams:
+    """``sampling`` with the keyword arguments given on top (they win)."""
+    params = (
+        SamplingParams() if sampling is None else check_struct("sampling", sampling, SamplingParams)
+    )
+    changes = {k: v for k, v in given.items() if v is not None}
+    if not changes:
+        return params
+    return check_struct("sampling", {**msgspec.structs.asdict(params), **changes}, SamplingParams)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    """Stop sequences: a string, a sequence of strings, or None."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Iterable):
+        raise ArgumentTypeError(
+            f"stop must be a string or a list of strings, got {type(stop).__name__}"
+        )
+    out = tuple(check_text("a stop sequence", s, empty=False) for s in stop)
+    if len(out) > 16:
+        raise InvalidArgumentError(f"at most 16 stop sequences, got {len(out)}")
+    return out

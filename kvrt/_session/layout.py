@@ -233,6 +233,19 @@ class HotWindow:
         last.last_used = self.clock
         return last
 
+    def truncate(self, length: int) -> None:
+        """Drop every token at position ``length`` or later (a stop sequence generated at
+        the end of the context)."""
+        kept = []
+        for block in self.blocks:
+            if block.start >= length:
+                continue
+            if block.end > length:
+                del block.tokens[length - block.start :]
+                block._key = None
+            kept.append(block)
+        self.blocks = kept
+
     def segment_blocks(self, name: str) -> list[Block]:
         blocks = [b for b in self.blocks if b.segment == name]
         if not blocks:
@@ -260,12 +273,38 @@ class HotWindow:
             return Residency.COLD
         return Residency.DROPPED
 
+    @staticmethod
+    def resident_prefix(block: Block, resident: Mapping[int, int]) -> int:
+        """How many of ``block``'s leading tokens are resident at their positions."""
+        n = 0
+        for i, t in enumerate(block.tokens):
+            if resident.get(block.start + i) != t:
+                break
+            n += 1
+        return n
+
+    def kept_positions(self, blocks: Sequence[Block], resident: Mapping[int, int]) -> set[int]:
+        """The resident positions a context of ``blocks`` keeps: those of its fully
+        resident blocks, and the resident leading tokens of its first block not fully
+        resident when no fully resident block follows it (the window's tail: computing
+        resumes right after them, so a block that grew is not computed again whole)."""
+        kept: set[int] = set()
+        partial: range | None = None
+        hot_after = False
+        for b in blocks:
+            n = self.resident_prefix(b, resident)
+            if n == b.n_tokens:
+                kept.update(range(b.start, b.end))
+                hot_after = partial is not None
+            elif partial is None:
+                partial = range(b.start, b.start + n)
+        if partial is not None and not hot_after:
+            kept.update(partial)
+        return kept
+
     def strays(self, resident: Mapping[int, int]) -> list[tuple[int, int]]:
-        """Resident position ranges that belong to no fully resident block."""
-        owned: set[int] = set()
-        for b in self.blocks:
-            if all(resident.get(b.start + i) == t for i, t in enumerate(b.tokens)):
-                owned.update(range(b.start, b.end))
+        """Resident position ranges the context does not keep (see :meth:`kept_positions`)."""
+        owned = self.kept_positions(self.blocks, resident)
         loose = sorted(p for p in resident if p not in owned)
         ranges: list[tuple[int, int]] = []
         for p in loose:

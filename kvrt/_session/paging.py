@@ -21,14 +21,17 @@ from .._errors import (
     ColdStoreFullError,
     HotWindowFullError,
 )
-from .._types import ApproximateQuery, Residency, RestoreQuery
+from .._types import ApproximateQuery, CacheClass, Residency, RestoreQuery
 from ..policy import (
     Estimating,
 )
 from .gate import EngineGate
 from .layout import Block
 
-__all__ = ["Paging"]
+__all__ = ["WRITE_THROUGH", "Paging"]
+
+WRITE_THROUGH = frozenset({CacheClass.TASK_PINNED, CacheClass.REPO_MAP})
+"""Cache classes whose blocks go to the cold store as soon as they are computed."""
 
 
 class Paging(EngineGate):
@@ -110,6 +113,7 @@ class Paging(EngineGate):
                         "evicted to cold" if committed else "evicted: too large for the cold store"
                     )
             elif key in self.cold:
+                self.cold.keep(key)
                 self.choices[block.id] = "evicted: cold copy already held"
             elif block.id in self.tainted:
                 self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
@@ -171,6 +175,11 @@ class Paging(EngineGate):
         entries = entries[: len(run)]
         with self.cold.pinned(e.key for e in entries):
             await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+            inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
+            if inside:  # leading tokens of a block kept at the tail: the copy replaces them
+                await self._engine(
+                    "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
+                )
             began = time.perf_counter()
             await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
             self._observed_restore(began, sum(e.n_bytes for e in entries))
@@ -256,18 +265,38 @@ class Paging(EngineGate):
 
     async def _prefill(self, blocks: list[Block], keep: set[int]) -> None:
         """Compute adjacent blocks in one engine call (batched: many small segments cost
-        one call, not one each)."""
+        one call, not one each).
+
+        Stable blocks (``task_pinned``, ``repo_map``) are written through to the cold
+        store as soon as they are computed, so a session sending the same prefix restores
+        them; while they are being computed, such a session waits for them.
+        """
         ids = {b.id for b in blocks}
-        await self._make_room(sum(b.n_tokens for b in blocks), keep | ids)
-        began = time.perf_counter()
-        await self._engine(
-            "prefill",
-            self.ctx.prefill,
-            [t for b in blocks for t in b.tokens],
-            start=blocks[0].start,
-            checkpoint=anyio.from_thread.check_cancelled,
-        )
-        self._observed_prefill(began, blocks[0].start, sum(b.n_tokens for b in blocks))
+        stable = [b for b in blocks if b.cache_class in WRITE_THROUGH]
+        fingerprint = self.window.fingerprint
+        # Announced before the first await: a session checking for these blocks now waits.
+        with self.cold.computing(b.key(fingerprint) for b in stable):
+            # The first block may already hold its leading tokens at the window's tail (a
+            # block that grew): computing resumes after them.
+            first = blocks[0]
+            done = self.window.resident_prefix(first, self.resident())
+            if first.start + done != self.ctx.next_position:
+                done = 0
+            tokens = [t for b in blocks for t in b.tokens][done:]
+            await self._make_room(len(tokens), keep | ids)
+            began = time.perf_counter()
+            await self._engine(
+                "prefill",
+                self.ctx.prefill,
+                tokens,
+                start=first.start + done,
+                checkpoint=anyio.from_thread.check_cancelled,
+            )
+            self._observed_prefill(began, first.start + done, len(tokens))
+            if stable:
+                await self._write_back(stable, spare=True)
+        self._tally.reused += done
+        self._tally.prefilled -= done
         for block in blocks:
             self._tally.prefilled += block.n_tokens
             self._taint_if_after_approximate(block)
@@ -279,6 +308,38 @@ class Paging(EngineGate):
                 )
             else:
                 self.choices[block.id] = "prefilled"
+
+    async def _write_back(self, blocks: Sequence[Block], *, spare: bool = False) -> int:
+        """Copy hot blocks the cold store lacks into it (as the cold admission policy
+        allows), keeping them hot; the tokens copied. Never waits for room: a store full
+        of entries it may not drop, or closed, leaves the rest uncopied. ``spare`` copies
+        (blocks that stay hot) only use free room, never dropping another entry."""
+        resident = self.resident()
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if self.state(block, resident) is not Residency.HOT:
+                continue
+            if not self._needs_export(block):
+                if not spare:
+                    self.cold.keep(block.key(self.window.fingerprint))  # the hot copy goes
+                continue
+            if runs and runs[-1][-1].end == block.start:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        copied = 0
+        for run in runs:
+            ranges = [(b.start, b.end) for b in run]
+            exported = await self._engine("export", self.ctx.export_run, ranges)
+            for block, cold_block in zip(run, exported, strict=True):
+                key = block.key(self.window.fingerprint)
+                try:
+                    entry = ColdEntry(key, block.cache_class, cold_block)
+                    if await self.cold.put(entry, wait=0, spare=spare):
+                        copied += block.n_tokens
+                except (ColdStoreFullError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return copied
+        return copied
 
     def _taint_if_after_approximate(self, block: Block) -> None:
         """``block`` was just computed: tainted iff an approximate block is resident before it."""

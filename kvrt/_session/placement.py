@@ -5,7 +5,7 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import anyio
@@ -21,18 +21,38 @@ from .gate import Tally
 from .layout import Block, Segment
 from .paging import Paging
 
-__all__ = ["Placement", "Prepared", "TokenKey", "context_tokens", "segment_tokens"]
+__all__ = [
+    "Placement",
+    "Prepared",
+    "ReplyTokens",
+    "TokenKey",
+    "context_tokens",
+    "segment_tokens",
+]
 
 TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
 """What a segment's tokens depend on: its text, whether it opens the context, whether it
 parses special tokens, and its markup ranges."""
 
 
-def segment_tokens(engine: Engine, segment: Segment, *, first: bool) -> list[int]:
+ReplyTokens = tuple[str, list[int], str]
+"""A reply placed with its generated tokens: its text, the tokens, and the text after
+them still to tokenize (a stop sequence may have cut the last token short)."""
+
+
+def segment_tokens(
+    engine: Engine, segment: Segment, *, first: bool, reply: ReplyTokens | None = None
+) -> list[int]:
     """A segment's tokens as a session places them: special tokens (BOS) only before the
-    context's first segment; special-token markup read only where the segment says so."""
+    context's first segment; special-token markup read only where the segment says so;
+    a plain piece holding ``reply``'s text placed with the reply's generated tokens."""
     out: list[int] = []
     for text, special in segment.pieces():
+        if reply is not None and out and not special and text == reply[0]:
+            out += reply[1]
+            if reply[2]:
+                out += engine.tokenize(reply[2], add_special=False, parse_special=False)
+            continue
         out += engine.tokenize(text, add_special=first and not out, parse_special=special)
     return out
 
@@ -66,19 +86,23 @@ class Placement(Paging):
         *,
         known: dict[TokenKey, list[int]] | None = None,
         remember: dict[TokenKey, list[int]] | None = None,
+        replies: Mapping[str, ReplyTokens] | None = None,
     ) -> list[tuple[Segment, list[int]]]:
         """Each segment with its tokens (empty segments left out); safe from any thread.
 
         Uses the tokenizations in ``known`` (a prefetch's); ``remember`` receives every
-        tokenization made.
+        tokenization made; ``replies`` names segments holding a reply to place with its
+        generated tokens.
         """
         out = []
         cache = known or {}
+        replies = replies or {}
         for i, seg in enumerate(segments):  # Segments, checked by the session handle
             key = (seg.text, i == 0, seg.parse_special, seg.markup)
-            toks = cache.get(key)
+            reply = replies.get(seg.name)
+            toks = cache.get(key) if reply is None else None
             if toks is None:
-                toks = segment_tokens(self.engine, seg, first=i == 0)
+                toks = segment_tokens(self.engine, seg, first=i == 0, reply=reply)
             if remember is not None:
                 remember[key] = toks
             out.append((seg, toks))
@@ -87,7 +111,10 @@ class Placement(Paging):
         return [(seg, toks) for seg, toks in out if toks]
 
     async def _ensure(
-        self, segments: Sequence[Segment], prepared: Prepared | None = None
+        self,
+        segments: Sequence[Segment],
+        prepared: Prepared | None = None,
+        replies: Mapping[str, ReplyTokens] | None = None,
     ) -> ContextStatus:
         self.counters.ensure_calls += 1
         self._tally = tally = Tally()
@@ -96,18 +123,26 @@ class Placement(Paging):
             known = prepared.tokens
             if known is None:
                 prepared.cancel()  # not ready when its call began: of no more use
-        return await self._ensure_placed(segments, tally, known)
+        tokenize = partial(self.tokenize, segments, known=known, replies=replies)
+        tokenized = await anyio.to_thread.run_sync(tokenize)
+        return await self._ensure_placed(tokenized, tally)
 
     async def _ensure_placed(
-        self, segments: Sequence[Segment], tally: Tally, known: dict[TokenKey, list[int]] | None
+        self, tokenized: list[tuple[Segment, list[int]]], tally: Tally
     ) -> ContextStatus:
-        tokenized = await anyio.to_thread.run_sync(partial(self.tokenize, segments, known=known))
         layout, stale = self.window.plan_layout(tokenized)
         resident = self.resident()
         tally.reused = sum(
             b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
         )
-        await self._evict_blocks(sorted(stale, key=lambda b: b.start))
+        # A replaced block whose tokens the new context starts with the same (a reply that
+        # grew, the same question asked again) stays where it is for them: it is copied to
+        # the cold store, not evicted, and the rest of it is tidied away.
+        kept = self.window.kept_positions(layout, resident)
+        stale.sort(key=lambda b: b.start)
+        superseded = [b for b in stale if any(p in kept for p in range(b.start, b.end))]
+        await self._write_back(superseded)
+        await self._evict_blocks([b for b in stale if b not in superseded])
         self.window.adopt(layout)
         self.tainted &= {b.id for b in layout}
         await self._tidy()
@@ -181,13 +216,16 @@ class Placement(Paging):
                 j = i
                 while j > 0 and self.state(layout[j - 1]) is Residency.DROPPED:
                     j -= 1
-                await self._truncate_from(layout[j].start)
+                resumes = self.window.resident_prefix(layout[j], self.resident())
+                await self._truncate_from(layout[j].start + resumes)
                 if j > 0 and self.state(layout[j - 1]) is Residency.COLD:
                     await self._restore(layout[j - 1], set())
                 computing, i = True, j
                 continue
             if i and self.state(layout[i - 1]) is not Residency.HOT:
                 await self._restore(layout[i - 1], set())  # the tail must end right before it
+            if await self._computed_elsewhere(block):
+                continue  # another session computed it meanwhile: restore it instead
             if await self._approximate_hit(block, pred):
                 i += 1
                 continue
@@ -203,6 +241,17 @@ class Placement(Paging):
                 run.append(after)
             await self._prefill(run, pred)
             i += len(run)
+
+    async def _computed_elsewhere(self, block: Block) -> bool:
+        """Wait while another session computes ``block`` (the same tokens after the same
+        prefix); True if its copy is now in the cold store. The wait cannot deadlock: a
+        session computing blocks waits for no other session meanwhile, and lets go of
+        them when it is done, fails or is cancelled."""
+        done = self.cold.computed(block.key(self.window.fingerprint))
+        if done is None:
+            return False
+        await done.wait()
+        return self.state(block) is Residency.COLD
 
     async def _last_logits(self) -> None:
         """Make sure logits follow the context's last token.

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -170,6 +172,48 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _common(bench)
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    serve.add_argument("--port", type=_count(0, 65535), default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--max-sessions",
+        type=_count(1, 256),
+        default=4,
+        metavar="N",
+        help="sessions kept live at once (default 4)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=_count(0, 100_000),
+        default=16,
+        metavar="N",
+        help="requests waiting for a session before 429s (default 16)",
+    )
+    serve.add_argument(
+        "--session-tokens",
+        type=_count(64),
+        default=None,
+        metavar="N",
+        help="each session's hot window in tokens (default: the runtime's)",
+    )
+    serve.add_argument(
+        "--model-name",
+        default=None,
+        metavar="ID",
+        help="model id clients send (default: file name)",
+    )
+    serve.add_argument(
+        "--loop",
+        choices=("asyncio", "trio"),
+        default="asyncio",
+        help="event loop (default asyncio)",
+    )
+    _common(serve)
     return parser
 
 
@@ -480,6 +524,36 @@ def _print_full(b: Any) -> None:
         out.print(f"plot: {b.plot}")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import anyio
+
+    from kvrt import open_runtime
+    from kvrt.serve import ServeConfig, serve
+
+    config = _config_from(args)
+    check_policies(config)
+    settings = ServeConfig(
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        max_queue=args.max_queue,
+        hot_tokens=args.session_tokens,
+        model_name=args.model_name,
+    )
+
+    async def main() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_runtime(config=config) as rt, anyio.create_task_group() as tg:
+                url = await tg.start(partial(serve, rt, settings))
+                print(f"kvrt serve: {url}/v1 (model {rt.model_info.model.name})", flush=True)
+                async for signum in signals:
+                    print(f"kvrt serve: stopping ({signal.Signals(signum).name})", flush=True)
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(main, backend=args.loop)
+
+
 def _kvrt_error(exc: BaseException) -> KvrtError | None:
     """The kvrt error behind ``exc`` (groups from concurrent sessions unwrapped), or None
     when something else went wrong too."""
@@ -515,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(args)
         elif args.command == "bench":
             _bench(args)
+        elif args.command == "serve":
+            _serve(args)
         elif args.command == "describe":
             config = _config_from(args, {"model": args.model_path})
             check_policies(config)  # as run and bench do

@@ -1,0 +1,257 @@
+"""Chat messages to segments, in the model's own chat template.
+
+One rendering of the whole conversation is cut into one segment per message: each holds
+the template's markup before its content (the end of the message before it, its own
+header) and then the content, read as plain text. The markup after the last message and
+the assistant header make the reply's segment, which generation extends. Next turn the
+reply comes back as an assistant message with the same markup in front of it, so its
+segment starts with the same tokens and everything up to the new message is reused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from .._backend import Engine
+from .._checks import check_choice, check_text
+from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
+from .._types import CacheClass
+from .layout import Segment
+
+__all__ = ["ChatTemplate", "Conversation", "Message", "messages_of"]
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES |= {"tool": "tool", "function": "tool"}
+
+
+def _stand_in(i: int) -> str:
+    """A stand-in content (private-use characters) to find the template's markup."""
+    return f"\ue000kvrt-content-{i}\ue001"
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat message as kvrt places it (built from an OpenAI-style message)."""
+
+    role: str
+    """``system``, ``user``, ``assistant`` or ``tool`` (``developer`` is read as
+    ``system``, ``function`` as ``tool``)."""
+    content: str
+    """The text; tool calls of an assistant message are appended as ``<tool_call>``
+    blocks of JSON."""
+    name: str | None = None
+    """The segment's name; ``"{index}:{role}"`` when not given."""
+    cache_class: CacheClass | None = None
+    """The segment's class; ``task_pinned`` for system messages, else ``volatile``, when
+    not given."""
+
+
+class Conversation(msgspec.Struct, frozen=True, kw_only=True):
+    """A conversation laid out as segments, and the segment the reply extends."""
+
+    segments: tuple[Segment, ...]
+    reply: str
+    """The name of the reply's segment (the last one)."""
+
+
+def messages_of(messages: Any) -> list[Message]:
+    """OpenAI-style messages (mappings, or objects with ``role`` and ``content``) checked
+    and read as :class:`Message` (what ``Session.chat`` does with them first): content may
+    be a string, ``None`` or a list of text parts; the extension keys ``segment`` and
+    ``cache_class`` name and class a message's segment. Raises
+    :class:`kvrt.InvalidArgumentError` (or :class:`kvrt.ArgumentTypeError`) naming the
+    first thing wrong."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise ArgumentTypeError(
+            f"messages must be a list of chat messages, got {type(messages).__name__}"
+        )
+    out = [_message(i, m) for i, m in enumerate(messages)]
+    if not out:
+        raise InvalidArgumentError("messages is empty: give at least one message")
+    return out
+
+
+def _field(message: Any, key: str) -> Any:
+    if isinstance(message, Mapping):
+        return message.get(key)
+    return getattr(message, key, None)
+
+
+def _message(i: int, message: Any) -> Message:
+    where = f"messages[{i}]"
+    if isinstance(message, Message):
+        return message
+    if not isinstance(message, Mapping) and not hasattr(message, "role"):
+        raise ArgumentTypeError(
+            f"{where} must be a chat message (a mapping with 'role' and 'content'), got "
+            f"{type(message).__name__}"
+        )
+    role = _field(message, "role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidArgumentError(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300]
+        )
+    content = _content(where, _field(message, "content"))
+    calls = _field(message, "tool_calls")
+    if calls:
+        content += _tool_calls(where, calls)
+    name = _field(message, "segment")
+    if name is not None:
+        name = check_text(f"{where}.segment", name, empty=False)
+    cache_class = _field(message, "cache_class")
+    if cache_class is not None:
+        cache_class = check_choice(f"{where}.cache_class", cache_class, CacheClass)
+    return Message(role=ROLES[role], content=content, name=name, cache_class=cache_class)
+
+
+def _content(where: str, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return check_text(f"{where}.content", content)
+    if isinstance(content, Sequence) and not isinstance(content, bytes):
+        texts = []
+        for j, part in enumerate(content):
+            kind = _field(part, "type")
+            text = _field(part, "text")
+            if kind not in ("text", "input_text", "output_text") or not isinstance(text, str):
+                raise InvalidArgumentError(
+                    f"{where}.content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                    f"this model reads text only, got type {kind!r}"[:300]
+                )
+            texts.append(check_text(f"{where}.content[{j}].text", text))
+        return "".join(texts)
+    raise ArgumentTypeError(
+        f"{where}.content must be a string, a list of text parts or None, got "
+        f"{type(content).__name__}"
+    )
+
+
+def _tool_calls(where: str, calls: Any) -> str:
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise ArgumentTypeError(f"{where}.tool_calls must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = _field(call, "function")
+        name = _field(function, "name") if function is not None else None
+        arguments = _field(function, "arguments") if function is not None else None
+        if not isinstance(name, str) or not isinstance(arguments, (str, type(None))):
+            raise InvalidArgumentError(
+                f"{where}.tool_calls[{j}] must have a function with a name and arguments"
+            )
+        body = json.dumps({"name": name, "arguments": arguments or ""}, ensure_ascii=False)
+        out.append(f"\n<tool_call>\n{body}\n</tool_call>")
+    return "".join(out)
+
+
+class ChatTemplate:
+    """The model's chat template, split into markup and content."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._frames: dict[tuple[str, bool], tuple[str, str]] = {}
+
+    # -- a whole conversation --
+
+    def conversation(self, messages: Sequence[Message]) -> Conversation:
+        """The conversation as one segment per message, then the reply's segment."""
+        render = self._engine.apply_chat_template
+        roles = [m.role for m in messages]
+        framed = render([(r, _stand_in(i)) for i, r in enumerate(roles)])
+        frames: list[str] = []
+        at = 0
+        for i in range(len(roles)):
+            found = framed.find(_stand_in(i), at)
+            if found < 0:
+                raise EngineError(
+                    f"the model's chat template drops the content of a {roles[i]!r} message"
+                )
+            frames.append(framed[at:found])
+            at = found + len(_stand_in(i))
+        frames.append(framed[at:])
+        contents = [m.content for m in messages]
+        real = render(list(zip(roles, contents, strict=True)))
+        if _joined(frames, contents) != real:
+            contents = [c.strip() for c in contents]  # a template that trims contents
+            if _joined(frames, contents) != real:
+                raise EngineError(
+                    "the model's chat template renders these messages in a way kvrt cannot "
+                    "split into markup and content"
+                )
+        segments = []
+        for i, (message, frame, content) in enumerate(
+            zip(messages, frames, contents, strict=False)
+        ):
+            default = CacheClass.TASK_PINNED if message.role == "system" else CacheClass.VOLATILE
+            segments.append(
+                Segment(
+                    message.name or f"{i}:{message.role}",
+                    frame + content,
+                    cache_class=message.cache_class or default,
+                    markup=((0, len(frame)),) if frame else (),
+                )
+            )
+        reply = f"{len(messages)}:assistant"
+        header = frames[-1]  # the last message's closing markup and the assistant header
+        segments.append(Segment(reply, header, markup=((0, len(header)),) if header else ()))
+        return Conversation(segments=tuple(segments), reply=reply)
+
+    # -- one message --
+
+    def message_segment(
+        self,
+        name: str,
+        role: str,
+        content: str,
+        cache_class: CacheClass,
+        generation_prompt: bool,
+    ) -> Segment:
+        """One message, framed by its own markup before and after its content."""
+        head, tail = self._frame(role, generation_prompt)
+        # The template may trim the content: take what it actually rendered between the frame.
+        text = self._render(role, content, generation_prompt)
+        if not (text.startswith(head) and text.endswith(tail)) or len(text) < len(head + tail):
+            raise EngineError(
+                f"the model's chat template renders a {role!r} message in a way kvrt cannot "
+                "split into markup and content"
+            )
+        markup = [(0, len(head))] if head else []
+        if tail:
+            markup.append((len(text) - len(tail), len(text)))
+        if len(markup) == 2 and markup[0][1] == markup[1][0]:
+            markup = [(0, len(text))]
+        return Segment(name, text, cache_class=cache_class, markup=tuple(markup))
+
+    def _render(self, role: str, content: str, generation_prompt: bool) -> str:
+        render = self._engine.apply_chat_template
+        text = render([(role, content)], add_generation_prompt=generation_prompt)
+        if role != "system":
+            # Some templates insert a default system prompt before a lone user message:
+            # render after a stand-in system message and keep only this message's part.
+            base = render([("system", "-")], add_generation_prompt=False)
+            full = render(
+                [("system", "-"), (role, content)], add_generation_prompt=generation_prompt
+            )
+            if full.startswith(base):
+                text = full[len(base) :]
+        return str(text)
+
+    def _frame(self, role: str, generation_prompt: bool) -> tuple[str, str]:
+        """The template's markup before and after a message's content."""
+        found = self._frames.get((role, generation_prompt))
+        if found is None:
+            text = self._render(role, _stand_in(0), generation_prompt)
+            head, sep, tail = text.partition(_stand_in(0))
+            if not sep:
+                raise EngineError(
+                    f"the model's chat template drops the content of a {role!r} message"
+                )
+            found = self._frames[(role, generation_prompt)] = (head, tail)
+        return found
+
+
+def _joined(frames: Sequence[str], contents: Sequence[str]) -> str:
+    return "".join(f + c for f, c in zip(frames, contents, strict=False)) + frames[-1]

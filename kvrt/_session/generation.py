@@ -1,0 +1,176 @@
+"""Generation: the context's continuation, token by token, streamed to its reader.
+
+Generated tokens join the context as they are computed. A stop sequence ends generation
+and leaves the context (with the tokens it overlaps); the end-of-generation token never
+enters it. Text that could still begin a stop sequence is held back, so a reader never
+sees part of one. The reply's tokens are remembered by text, so the reply sent back as a
+message next turn is placed with them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .._backend import EvictMode, Logits, SamplingParams
+from .._errors import InvalidRangeError
+from .._reports import ContextStatus, Piece
+from .._sampling import Sampler
+from .._stops import TextTail
+from .._types import CacheClass, Residency
+from .gate import Tally
+from .layout import Segment
+from .placement import Placement, ReplyTokens
+
+__all__ = ["Generate", "Generated", "Generation"]
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    max_tokens: int
+    sampling: SamplingParams
+    segment: str
+    cache_class: CacheClass
+    stop_at_end: bool
+    stop: tuple[str, ...]
+    out: MemoryObjectSendStream[Piece]
+    context: tuple[Segment, ...] | None = None
+    """A context to place first, in the same call (``chat``, ``complete``)."""
+    replies: Mapping[str, ReplyTokens] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """What one generation did; the session handle makes a ``Completion`` of it."""
+
+    text: str
+    tokens: tuple[int, ...]
+    """The generated tokens that stayed in the context."""
+    produced: int
+    finish_reason: str
+    prompt_tokens: int
+    visible_tokens: int
+    invisible_segments: tuple[str, ...]
+    placed: ContextStatus | None
+    """What placing ``Generate.context`` did, when one came with the call."""
+    status: ContextStatus
+    """What generating did (restores or recomputes it needed), and the context after it."""
+    began: float
+    placed_at: float
+    first_token_at: float | None
+    ended: float
+
+
+class Generation(Placement):
+    """Continues the context, streaming pieces."""
+
+    async def _generate(self, cmd: Generate) -> Generated:
+        began = time.perf_counter()
+        placed = None
+        if cmd.context is not None:
+            placed = await self._ensure(cmd.context, replies=cmd.replies)
+        placed_at = time.perf_counter()
+        self.counters.generate_calls += 1
+        self._tally = tally = Tally()
+        sampler = Sampler(cmd.sampling)
+        tail = TextTail(cmd.stop)
+        produced, first_at, finish = 0, None, "length"
+        pending: Piece | None = None
+        async with cmd.out:
+            if self.window.length == 0:
+                raise InvalidRangeError("nothing to continue: call ensure_context first")
+            start = self.window.length
+            await self._last_logits()
+            resident = self.resident()
+            after_approximate = any(
+                b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
+                for b in self.window.blocks
+            )
+            visible = self.residency_tokens()[Residency.HOT]
+            invisible = self.invisible_segments()
+            if self._override is not None:
+                logits: Logits = self._override
+            else:
+                logits = await self._engine("logits", self.ctx.logits)
+            self._override = None
+            while produced < cmd.max_tokens:
+                token = sampler.choose(logits)
+                if cmd.stop_at_end and self.engine.is_end_of_generation(token):
+                    finish = "eos"
+                    break
+                if self.window.length >= self.window.planner_context:
+                    break
+                last = self.window.blocks[-1]
+                await self._make_room(1, {last.id})
+                logits = await self._engine("step", self.ctx.step, token)
+                grown = self.window.append_token(token, cmd.segment, cmd.cache_class)
+                if after_approximate:
+                    self.tainted.add(grown.id)
+                produced += 1
+                self.counters.generated_tokens += 1
+                piece = Piece(
+                    text=tail.feed(self.engine.token_bytes(token)), token=token, index=produced - 1
+                )
+                first_at = first_at or time.perf_counter()
+                if self.fault is not None:
+                    self.fault("stream")
+                # A piece whose text is partly held back waits for the next one, which may
+                # release the rest: the last piece then carries everything released.
+                if pending is not None and not await _send(cmd.out, pending):
+                    pending, finish = None, "closed"
+                    break
+                pending = None
+                if tail.stopped:
+                    pending, finish = piece, "stop"
+                    break
+                if tail.holding:
+                    pending = piece
+                elif not await _send(cmd.out, piece):
+                    finish = "closed"
+                    break
+            rest = tail.finish()
+            if pending is not None:
+                await _send(cmd.out, msgspec.structs.replace(pending, text=pending.text + rest))
+        kept = tail.kept_tokens
+        tokens = tuple(t for b in self.window.blocks for t in b.tokens)[start : start + kept]
+        if tail.stopped:
+            await self._drop_from(start + kept)
+        self.replies.remember(tail.text, list(tokens), tail.kept_text)
+        return Generated(
+            text=tail.text,
+            tokens=tokens,
+            produced=produced,
+            finish_reason=finish,
+            prompt_tokens=start,
+            visible_tokens=visible,
+            invisible_segments=invisible,
+            placed=placed,
+            status=self._status(tally),
+            began=began,
+            placed_at=placed_at,
+            first_token_at=first_at,
+            ended=time.perf_counter(),
+        )
+
+    async def _drop_from(self, position: int) -> None:
+        """Remove the context from ``position`` on (a stop sequence): nothing to keep."""
+        self.window.truncate(position)
+        self.tainted &= {b.id for b in self.window.blocks}
+        tail = [p for p in self.ctx.positions if p >= position]
+        if tail:
+            await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+
+
+async def _send(out: MemoryObjectSendStream[Piece], piece: Piece) -> bool:
+    """Hand ``piece`` to the reader; False when the reader has gone (stop, keeping what
+    was generated)."""
+    try:
+        await out.send(piece)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return False
+    return True

@@ -1,0 +1,103 @@
+"""``kvrt serve``: an OpenAI-compatible server over a runtime.
+
+``/v1/chat/completions`` (streamed over server-sent events or not), ``/v1/completions``,
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text), served by Starlette on
+Hypercorn, under asyncio or trio. Requests need no header to reuse KV: a request whose
+messages extend an earlier one's finds that session (or the cold store); ``X-Session-Id``
+pins a conversation to a session of its own. Uses only kvrt's public API.
+
+>>> async with kvrt.open_runtime() as rt:
+...     await kvrt.serve.serve(rt, kvrt.serve.ServeConfig(port=8000))
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import sniffio
+from anyio.abc import TaskStatus
+from hypercorn.config import Config as HypercornConfig
+
+import kvrt
+
+from .app import ServeConfig, Server, create_app
+
+__all__ = ["ServeConfig", "Server", "create_app", "serve"]
+
+
+async def serve(
+    runtime: kvrt.Runtime,
+    config: ServeConfig | None = None,
+    *,
+    sock: socket.socket | None = None,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``runtime`` until cancelled; ``task_status.started`` gets the base URL.
+
+    ``sock``, a bound and listening socket, is served instead of ``config.host``/``port``
+    (tests bind port 0 and read the port from it).
+    """
+    config = config or ServeConfig()
+    app = create_app(runtime, config)
+    hc = HypercornConfig()
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        hc.bind = [f"fd://{sock.detach()}"]  # the server owns the socket from here
+    else:
+        hc.bind = [f"{config.host}:{config.port}"]
+        host, port = config.host, config.port
+    hc.accesslog = None
+    hc.graceful_timeout = 2.0
+    server: Server = app.state.server
+    url = f"http://{host}:{port}"
+    stop = anyio.Event()
+    trio = sniffio.current_async_library() == "trio"
+    try:
+        async with anyio.create_task_group() as tg:
+            if trio:
+                await tg.start(_run_trio, app, hc, stop)
+            else:
+                tg.start_soon(_run_asyncio, app, hc, stop)
+                await _listening(host, port)
+            task_status.started(url)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()  # the server stops on its own, gracefully (graceful_timeout)
+    finally:
+        await server.pool.aclose()
+
+
+# The server runs shielded and stops when ``stop`` is set: cancelling Hypercorn from
+# outside leaves its connection tasks half torn down on asyncio.
+
+
+async def _run_trio(
+    app: Any, hc: HypercornConfig, stop: anyio.Event, *, task_status: TaskStatus[Any]
+) -> None:
+    from hypercorn.trio import serve as run
+
+    with anyio.CancelScope(shield=True):
+        await run(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+
+
+async def _run_asyncio(app: Any, hc: HypercornConfig, stop: anyio.Event) -> None:
+    from hypercorn.asyncio import serve as run
+
+    with anyio.CancelScope(shield=True):
+        await run(app, hc, shutdown_trigger=stop.wait)
+
+
+async def _listening(host: str, port: int) -> None:
+    """Wait until the server accepts connections."""
+    with anyio.fail_after(30):
+        while True:
+            try:
+                stream = await anyio.connect_tcp(host, port)
+            except OSError:
+                await anyio.sleep(0.02)
+                continue
+            await stream.aclose()
+            return

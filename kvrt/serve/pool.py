@@ -1,0 +1,176 @@
+"""The server's sessions: a bounded pool, each request matched to the session that holds
+the most of its conversation.
+
+A session is lent to one request at a time. A request whose messages extend what a live
+session holds (its earlier messages and reply) gets that session, so only the new
+messages are computed; otherwise it gets a new session while there is room, and else the
+idle session used longest ago (its blocks go to the cold store, where later requests
+find them). ``X-Session-Id`` pins a conversation to a session of its own. Past
+``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+
+import kvrt
+
+__all__ = ["History", "Pool", "PoolFull"]
+
+History = tuple[kvrt.Message, ...] | str
+"""What a session holds: chat messages (the reply last), or a completion's text."""
+
+
+class PoolFull(kvrt.KvrtError):
+    """Every session is busy and the queue of waiting requests is full."""
+
+
+@dataclass(eq=False)
+class Slot:
+    pin: str | None
+    history: History = ()
+    busy: bool = True
+    last_used: float = field(default_factory=time.monotonic)
+    session: kvrt.Session | None = None
+    stack: AsyncExitStack = field(default_factory=AsyncExitStack)
+    replaces: Slot | None = None
+    """An idle session this one takes the place of: closed before this one opens."""
+
+
+def shared(history: History, wanted: History) -> int:
+    """How much of ``wanted`` a session holding ``history`` already has (0 if
+    ``history`` is not where ``wanted`` begins)."""
+    if isinstance(history, str) or isinstance(wanted, str):
+        if isinstance(history, str) and isinstance(wanted, str) and wanted.startswith(history):
+            return len(history)
+        return 0
+    if len(history) > len(wanted) or wanted[: len(history)] != history:
+        return 0
+    return len(history)
+
+
+class Pool:
+    """Sessions of one runtime, lent to requests."""
+
+    def __init__(
+        self, runtime: kvrt.Runtime, *, max_sessions: int, max_queue: int, hot_tokens: int | None
+    ) -> None:
+        self.runtime = runtime
+        self.max_sessions = max_sessions
+        self.max_queue = max_queue
+        self.hot_tokens = hot_tokens
+        self.slots: list[Slot] = []
+        self.waiting = 0
+        self._changed = anyio.Event()
+        self._names = itertools.count(1)
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    @asynccontextmanager
+    async def lend(self, wanted: History, pin: str | None) -> AsyncIterator[Slot]:
+        """A session for a request whose context is ``wanted``; set ``slot.history`` to
+        what it holds afterwards. Raises :class:`PoolFull` when nothing is free and the
+        queue is full."""
+        slot = await self._acquire(wanted, pin)
+        try:
+            await self._ready(slot)
+            if slot.session is None:
+                await self._open(slot)
+            yield slot
+        except BaseException:
+            slot.history = ()  # unknown after a failure: match nothing
+            raise
+        finally:
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            if slot.session is None or slot.session.closed:
+                self.slots.remove(slot)
+            self._signal()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for slot in list(self.slots):
+                await slot.stack.aclose()
+            self.slots.clear()
+
+    # -- choosing --
+
+    async def _acquire(self, wanted: History, pin: str | None) -> Slot:
+        slot = self._choose(wanted, pin)
+        if slot is not None:
+            return slot
+        if self.waiting >= self.max_queue:
+            raise PoolFull(
+                f"all {self.max_sessions} sessions are busy and {self.waiting} requests are "
+                "already waiting"
+            )
+        self.waiting += 1
+        try:
+            while slot is None:
+                changed = self._changed
+                await changed.wait()
+                slot = self._choose(wanted, pin)
+        finally:
+            self.waiting -= 1
+        return slot
+
+    def _choose(self, wanted: History, pin: str | None) -> Slot | None:
+        """The slot to lend now (marked busy), or None to wait. Synchronous: no other
+        request can choose between the look and the mark."""
+        idle = [s for s in self.slots if not s.busy]
+        if pin is not None:
+            mine = next((s for s in self.slots if s.pin == pin), None)
+            if mine is not None:
+                return self._take(mine) if not mine.busy else None
+            return self._new(pin, idle)
+        free = [s for s in idle if s.pin is None]
+        best = max(free, key=lambda s: (shared(s.history, wanted), s.last_used), default=None)
+        if best is not None and shared(best.history, wanted):
+            return self._take(best)
+        if len(self.slots) < self.max_sessions:
+            return self._new(None, idle)
+        if free:
+            return self._take(min(free, key=lambda s: s.last_used))
+        if idle:  # only pinned sessions are idle: the oldest gives way
+            return self._new(None, idle)
+        return None
+
+    def _take(self, slot: Slot) -> Slot:
+        slot.busy = True
+        return slot
+
+    def _new(self, pin: str | None, idle: Sequence[Slot]) -> Slot | None:
+        slot = Slot(pin=pin)
+        if len(self.slots) >= self.max_sessions:
+            if not idle:
+                return None
+            slot.replaces = min(idle, key=lambda s: s.last_used)
+            self.slots.remove(slot.replaces)
+        self.slots.append(slot)
+        return slot
+
+    async def _ready(self, slot: Slot) -> None:
+        """Close the session a new slot replaces (its hot blocks are offered to the cold
+        store), before the new one opens."""
+        old, slot.replaces = slot.replaces, None
+        if old is not None:
+            with anyio.CancelScope(shield=True):
+                await old.stack.aclose()
+
+    async def _open(self, slot: Slot) -> None:
+        name = f"serve-{next(self._names)}" if slot.pin is None else f"serve-{slot.pin}"
+        slot.session = await slot.stack.enter_async_context(
+            self.runtime.open_session(hot_tokens=self.hot_tokens, name=name[:100])
+        )
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
