@@ -14,13 +14,11 @@ import socket
 import subprocess
 import sys
 import time
-from functools import partial
 from typing import Any
 
 import anyio
 
 import kvrt
-import kvrt.serve
 
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 QUESTIONS = [
@@ -145,24 +143,31 @@ def free_socket() -> socket.socket:
     return sock
 
 
-async def kvrt_http(turns: int, load: bool) -> tuple[list[dict[str, float]], str]:
-    sock = free_socket()
-    async with kvrt.open_runtime("llama") as rt, anyio.create_task_group() as tg:
-        config = kvrt.serve.ServeConfig(max_sessions=4, max_queue=8, hot_tokens=4096)
-        url = await tg.start(partial(kvrt.serve.serve, rt, config, sock=sock))
-        rows = await anyio.to_thread.run_sync(http_chat, f"{url}/v1", turns)
-        summary = ""
-        if load:
-            summary = await load_test(f"{url}/v1")
-        tg.cancel_scope.cancel()
-    return rows, summary
-
-
 async def load_test(base_url: str) -> str:
+    """16 streaming clients, five turns each, run in a process of their own (so their
+    threads do not share the server's interpreter lock)."""
+    began = time.perf_counter()
+    result = await anyio.run_process(
+        [sys.executable, "-m", "kvrt.tools.bench.chat", "--clients", base_url], check=True
+    )
+    took = time.perf_counter() - began
+    generated, limited = map(int, result.stdout.decode().split())
+    return (
+        f"16 streaming clients x 5 turns through 4 sessions: {took:.1f} s, {generated} tokens "
+        f"generated, {generated / took:.0f} tokens/s aggregate, {limited} 429s waited out "
+        "(Retry-After)"
+    )
+
+
+def run_clients(base_url: str) -> None:
+    """The load test's clients (``--clients URL``): prints tokens generated and 429s."""
+    import threading
+
     import openai
 
     generated = 0
     limited = 0
+    lock = threading.Lock()
 
     def client_run(i: int) -> None:
         nonlocal generated, limited
@@ -186,64 +191,60 @@ async def load_test(base_url: str) -> str:
                         if chunk.choices:
                             text += chunk.choices[0].delta.content or ""
                         if chunk.usage is not None:
-                            generated += chunk.usage.completion_tokens
+                            with lock:
+                                generated += chunk.usage.completion_tokens
                     break
-                except openai.RateLimitError:
-                    limited += 1
-                    time.sleep(0.2)
+                except openai.RateLimitError as exc:
+                    with lock:
+                        limited += 1
+                    time.sleep(float(exc.response.headers.get("retry-after", "1")))
             messages.append({"role": "assistant", "content": text})
 
-    began = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(16):
-            tg.start_soon(
-                partial(anyio.to_thread.run_sync, client_run, i, limiter=anyio.CapacityLimiter(16))
-            )
-    took = time.perf_counter() - began
-    return (
-        f"16 streaming clients x 5 turns through 4 sessions: {took:.1f} s, {generated} tokens "
-        f"generated, {generated / took:.0f} tokens/s aggregate, {limited} 429s retried"
-    )
+    threads = [threading.Thread(target=client_run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(generated, limited)
 
 
-def llama_server_chat(turns: int) -> list[dict[str, float]] | str:
+def served(command: list[str], label: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process on a free port; it and its base URL once it answers."""
+    import tempfile
+    import urllib.request
+
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(kvrt.embedded_model_path()),
-            "--port",
-            str(port),
-            "--n_ctx",
-            "4096",
-            "--cache",
-            "true",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ},
+        [*command, "--port", str(port)], stdout=log, stderr=log, env={**os.environ}
     )
-    try:
-        import urllib.request
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{label} did not start: {log.read().decode()[-400:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{label} did not answer within 180 s") from None
+            time.sleep(0.5)
 
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                return f"llama_cpp.server did not start: {(proc.stderr.read() if proc.stderr else '')[-300:]}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    return "llama_cpp.server did not answer within 120 s"
-                time.sleep(0.5)
-        return http_chat(f"http://127.0.0.1:{port}/v1", turns)
+
+def over_http(command: list[str], label: str, turns: int, load: bool) -> tuple[Any, str]:
+    """The chat (and the load test) against a server process: rows, or why not."""
+    try:
+        proc, url = served(command, label)
+    except RuntimeError as exc:
+        return str(exc), ""
+    try:
+        rows = http_chat(url, turns)
+        summary = anyio.run(load_test, url) if load else ""
+        return rows, summary
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -254,7 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--no-http", action="store_true")
     parser.add_argument("--no-load", action="store_true")
+    parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.clients:
+        run_clients(args.clients)
+        return
     turns = min(args.turns, len(QUESTIONS))
 
     ours = anyio.run(kvrt_chat, turns)
@@ -274,17 +279,52 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.no_http:
         return
-    served, summary = anyio.run(kvrt_http, turns, not args.no_load)
-    other = llama_server_chat(turns)
+    model = str(kvrt.embedded_model_path())
+    ours_http, summary = over_http(
+        [
+            sys.executable,
+            "-m",
+            "kvrt",
+            "serve",
+            "--max-sessions",
+            "4",
+            "--max-queue",
+            "8",
+            "--session-tokens",
+            "4096",
+        ],
+        "kvrt serve",
+        turns,
+        not args.no_load,
+    )
+    other, _ = over_http(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            model,
+            "--n_ctx",
+            "4096",
+            "--cache",
+            "true",
+        ],
+        "llama_cpp.server",
+        turns,
+        False,
+    )
     print(f"\n{turns}-turn chat over HTTP (openai client, streaming)")
-    if isinstance(other, str):
-        print(other)
-        other = [{"ttft": float("nan"), "seconds": float("nan")}] * turns
+    missing = [{"ttft": float("nan"), "seconds": float("nan")}] * turns
+    for name, rows in (("kvrt serve", ours_http), ("llama_cpp.server", other)):
+        if isinstance(rows, str):
+            print(f"{name}: {rows}")
+    served_rows = missing if isinstance(ours_http, str) else ours_http
+    other = missing if isinstance(other, str) else other
     print("turn  kvrt serve ttft  llama_cpp.server ttft")
-    for i, (a, b) in enumerate(zip(served, other, strict=True)):
+    for i, (a, b) in enumerate(zip(served_rows, other, strict=True)):
         print(f"{i + 1:>4}  {a['ttft'] * 1e3:>12.1f} ms  {b['ttft'] * 1e3:>18.1f} ms")
     print(
-        f"total: kvrt serve {sum(r['seconds'] for r in served):.2f} s, llama_cpp.server "
+        f"total: kvrt serve {sum(r['seconds'] for r in served_rows):.2f} s, llama_cpp.server "
         f"{sum(r['seconds'] for r in other):.2f} s"
     )
     if summary:
