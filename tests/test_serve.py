@@ -148,7 +148,7 @@ async def test_streaming_with_stop_sequences_and_usage(anyio_backend: str) -> No
 async def test_bad_requests_get_openai_style_400s(anyio_backend: str) -> None:
     async with server() as (_, url):
         model = (await in_thread(lambda: client(url).models.list())).data[0].id
-        good = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+        good = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
         cases: list[tuple[bytes, str | None]] = [
             (b"{not json", None),
             (json.dumps({**good, "model": "gpt-4o"}).encode(), "model"),
@@ -209,7 +209,9 @@ async def test_full_server_answers_429_and_a_dropped_stream_frees_its_session(
         async with anyio.create_task_group() as tg:
             tg.start_soon(in_thread, hold_stream)
             await opened.wait()
-            body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+            body = json.dumps(
+                {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+            )
             status, answer, headers = await in_thread(
                 post, url, "/v1/chat/completions", body.encode()
             )
@@ -218,7 +220,7 @@ async def test_full_server_answers_429_and_a_dropped_stream_frees_its_session(
             with pytest.raises(openai.RateLimitError):
                 await in_thread(
                     lambda: client(url, max_retries=0).chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": "Hi"}]
+                        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
                     )
                 )
             release.set()
@@ -264,7 +266,8 @@ async def test_session_id_header_pins_conversations(anyio_backend: str) -> None:
         assert health["sessions"] == 2
 
 
-async def test_sixteen_streaming_clients_five_turns_each() -> None:
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # both loops serve in the tests above
+async def test_sixteen_streaming_clients_five_turns_each(anyio_backend: str) -> None:
     """A bounded load: 16 clients stream five turns each through four sessions; the only
     errors are deliberate 429s, which the clients retry."""
     async with server(max_sessions=4, max_queue=6) as (rt, url):
