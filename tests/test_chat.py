@@ -193,7 +193,6 @@ async def test_sampling_keywords(anyio_backend: str) -> None:
             s.generate(4, stop=3)  # type: ignore[arg-type]
         with pytest.raises(kvrt.InvalidArgumentError, match="stop sequence"):
             s.generate(4, stop=[""])
-        assert rt.engine is not None
 
 
 @pytest.mark.parametrize(
@@ -224,7 +223,6 @@ async def test_bad_messages_are_refused_at_the_call(
         with pytest.raises(error, match=match):
             s.chat(messages)
         await s.chat([{"role": "user", "content": "Hi"}], max_tokens=1)  # still usable
-        assert rt.engine is not None
 
 
 async def test_tool_messages_names_classes_and_no_forged_turns() -> None:

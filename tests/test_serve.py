@@ -96,8 +96,8 @@ async def test_six_turn_conversation_reuses_every_earlier_turn(anyio_backend: st
             assert before.usage is not None and after.usage is not None
             cached = after.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
             assert cached >= before.usage.prompt_tokens + before.usage.completion_tokens
-            extra = after.model_extra or {}
-            assert after.usage.model_extra["kvrt"]["prefilled_tokens"] <= 24, extra  # type: ignore[index]
+            breakdown = (after.usage.model_extra or {})["kvrt"]
+            assert breakdown["prefilled_tokens"] <= 24, breakdown
         assert {r.choices[0].finish_reason for r in replies} <= {"stop", "length"}
         metrics = await in_thread(get, url, "/metrics")
         assert 'kvrt_requests_total{route="chat",status="200"} 6' in metrics

@@ -1,9 +1,9 @@
 """The OpenAI wire format: requests read and checked, responses and stream chunks built.
 
-Fields kvrt does not use are accepted and ignored when they cannot change the answer
-(``user``, ``metadata``, ``store``, ``tools`` ...); fields that would change it and that
-kvrt cannot honour (``n`` above 1, penalties, ``logprobs``, ``echo``) are refused with a
-400 naming them.
+Fields kvrt does not use are accepted and ignored (``user``, ``metadata``, ``store``, and
+also ``tools``, ``tool_choice``, ``response_format``: the model's text comes back as the
+message content, never as structured tool calls); ``n`` above 1, penalties, ``logprobs``
+and ``echo`` are refused with a 400 naming them.
 """
 
 from __future__ import annotations
