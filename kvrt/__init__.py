@@ -26,12 +26,16 @@ from ._capacity import Limit as Limit
 from ._capacity import MemoryPolicy as MemoryPolicy
 from ._capacity import MemoryReading as MemoryReading
 from ._capacity import resolve_capacity as resolve_capacity
-from ._cold_store import ColdKey as ColdKey
-from ._cold_store import ColdStats as ColdStats
+from ._cold import ColdKey as ColdKey
+from ._cold import ColdStats as ColdStats
+from ._cold import DiskStats as DiskStats
+from ._cold import RemoteStats as RemoteStats
 from ._config import Config as Config
+from ._config import DiskConfig as DiskConfig
 from ._config import EngineConfig as EngineConfig
 from ._config import MemoryConfig as MemoryConfig
 from ._config import PolicyConfig as PolicyConfig
+from ._config import RemoteConfig as RemoteConfig
 from ._config import SessionConfig as SessionConfig
 from ._config import load_config as load_config
 from ._describe import ModelInfo as ModelInfo
@@ -73,6 +77,8 @@ from ._runtime import open_runtime as open_runtime
 from ._sampling import Sampler as Sampler
 from ._session import Prefetch as Prefetch
 from ._session import Reply as Reply
+from ._session import SavedSegment as SavedSegment
+from ._session import SavedSession as SavedSession
 from ._session import Session as Session
 from ._session.chat import Message as Message
 from ._session.chat import messages_of as read_messages
@@ -104,6 +110,8 @@ __all__ = [
     "ContextTooLargeError",
     "ContextTypeError",
     "Counters",
+    "DiskConfig",
+    "DiskStats",
     "Engine",
     "EngineConfig",
     "EngineContext",
@@ -129,11 +137,15 @@ __all__ = [
     "PolicyConfig",
     "Prefetch",
     "PrefetchReport",
+    "RemoteConfig",
+    "RemoteStats",
     "Reply",
     "Residency",
     "Runtime",
     "Sampler",
     "SamplingParams",
+    "SavedSegment",
+    "SavedSession",
     "Segment",
     "Session",
     "SessionClosedError",

@@ -8,7 +8,8 @@ note instead of an exception::
     hot     = min(trained context, request, hot cap,
                   (usable - cold when hot and cold share host RAM - weights - overhead)
                   / kv bytes per token)
-    planner = min(hot + cold budget / kv bytes per token, trained context, request)
+    planner = min(hot + (cold budget + disk budget) / kv bytes per token,
+                  trained context, request)
 
 Sliding-window layers cost at most ``window`` tokens each, unless the engine keeps them at
 full size. ``effective_context`` is the dense window (the hot window) kept for
@@ -132,6 +133,10 @@ class CapacityInputs(msgspec.Struct, frozen=True, kw_only=True):
     """Live memory figures."""
     policy: MemoryPolicy = msgspec.field(default_factory=MemoryPolicy)
     """The user's memory policy."""
+    disk_bytes: int = 0
+    """The disk tier's budget (0: no disk tier)."""
+    disk_path: str | None = None
+    """Where the disk tier keeps its blocks."""
 
 
 class Capacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +152,12 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens of KV the host cold budget holds."""
     host_cold_budget_bytes: int
     """The cold store's budget in host RAM."""
+    disk_budget_bytes: int = 0
+    """The disk tier's budget (0: off)."""
+    disk_store_tokens: int = 0
+    """Tokens of KV the disk budget holds."""
+    disk_path: str | None = None
+    """Where the disk tier keeps its blocks."""
     usable_bytes: int | None
     """Memory kvrt may plan for: free less reserve, capped, less headroom."""
     reserve_bytes: int | None
@@ -294,9 +305,10 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
     cold_tokens = cold_bytes // kvpt if kvpt is not None else 0
     if kvpt is None and cold_bytes:
         notes.append("KV bytes per token unknown: the cold budget cannot be counted in tokens")
+    disk_tokens = inputs.disk_bytes // kvpt if kvpt is not None else 0
     trained = None if inputs.sparse_beyond_trained else inputs.trained_context
     planner, planner_by = planner_context(
-        hot, cold_tokens, trained=trained, request=inputs.request_context
+        hot, cold_tokens + disk_tokens, trained=trained, request=inputs.request_context
     )
 
     return Capacity(
@@ -305,6 +317,9 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
         effective_context=hot,
         cold_store_tokens=cold_tokens,
         host_cold_budget_bytes=cold_bytes,
+        disk_budget_bytes=inputs.disk_bytes,
+        disk_store_tokens=disk_tokens,
+        disk_path=inputs.disk_path,
         usable_bytes=usable,
         reserve_bytes=reserve,
         headroom=_headroom(policy),

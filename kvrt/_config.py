@@ -27,10 +27,12 @@ __all__ = [
     "CONFIG_ENV",
     "SETTINGS",
     "Config",
+    "DiskConfig",
     "EngineConfig",
     "KvType",
     "MemoryConfig",
     "PolicyConfig",
+    "RemoteConfig",
     "SessionConfig",
     "Setting",
     "check_config",
@@ -121,6 +123,28 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Whether same tokens after a different prefix may be restored (with a RoPE fix-up)."""
 
 
+class DiskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The disk tier under the RAM cold store: blocks that survive restarts and crashes."""
+
+    path: str | None = None
+    """Folder of the block files (default: ``$KVRT_CACHE_DIR/blocks``, else
+    ``~/.cache/kvrt/blocks``). Processes may share it."""
+    budget: Size | None = None
+    """Bytes the tier may hold (default: 10 % of the free space where ``path`` lives;
+    ``0`` turns the tier off)."""
+    flush_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    """Seconds closing the runtime waits for queued block writes to reach the disk."""
+
+
+class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A Redis/Valkey tier below disk, shared by many hosts."""
+
+    url: str | None = None
+    """The server, e.g. ``redis://127.0.0.1:6379/0`` (default: none, the tier is off)."""
+    timeout: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 2.0
+    """Seconds one call to the server may take before the tier counts as down."""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """kvrt's whole configuration."""
 
@@ -132,6 +156,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """How sessions cut and keep context (``[session]``)."""
     policies: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """Policies by registered name (``[policies]``)."""
+    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
+    """The disk tier (``[disk]``)."""
+    remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
+    """The remote tier (``[remote]``)."""
 
 
 class Setting(msgspec.Struct, frozen=True):
@@ -171,6 +199,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),
     Setting("session", "cold_wait", "KVRT_COLD_WAIT"),
+    Setting("disk", "path", "KVRT_DISK_PATH"),
+    Setting("disk", "budget", "KVRT_DISK_BUDGET", "size"),
+    Setting("disk", "flush_timeout", "KVRT_DISK_FLUSH_TIMEOUT"),
+    Setting("remote", "url", "KVRT_REMOTE_URL"),
+    Setting("remote", "timeout", "KVRT_REMOTE_TIMEOUT"),
     Setting("policies", "hot_eviction", "KVRT_HOT_EVICTION"),
     Setting("policies", "cold_victim", "KVRT_COLD_VICTIM"),
     Setting("policies", "cold_admission", "KVRT_COLD_ADMISSION"),
@@ -225,7 +258,13 @@ def _validate(layer: dict[str, Any], source: Mapping[str, str], default: str) ->
 
 def _choices(path: str) -> str:
     section, _, name = path.partition(".")
-    struct = {"memory": MemoryConfig, "engine": EngineConfig, "session": SessionConfig}.get(section)
+    struct = {
+        "memory": MemoryConfig,
+        "engine": EngineConfig,
+        "session": SessionConfig,
+        "disk": DiskConfig,
+        "remote": RemoteConfig,
+    }.get(section)
     if struct is None or not name:
         return ""
     hint = typing.get_type_hints(struct).get(name)

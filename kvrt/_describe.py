@@ -13,6 +13,7 @@ from ._capacity import (
     MemoryReading,
     resolve_capacity,
 )
+from ._cold.disk import disk_location
 from ._config import Config
 from ._engines import open_engine
 from ._memory import read_memory
@@ -47,6 +48,7 @@ def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) ->
         # A pattern of p means p-1 windowed layers out of every p.
         n_swa_layers = facts.n_layers - facts.n_layers // pattern if pattern else facts.n_layers
     mem = config.memory
+    disk_path, disk_bytes = disk_location(config.disk.path, config.disk.budget)
     return CapacityInputs(
         trained_context=facts.trained_context,
         kv_bytes_per_token=facts.kv_bytes_per_token,
@@ -67,6 +69,8 @@ def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) ->
             host_cold_bytes=mem.cold,
             overhead_bytes=mem.overhead,
         ),
+        disk_bytes=disk_bytes,
+        disk_path=str(disk_path),
     )
 
 

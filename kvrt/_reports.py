@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from ._backend import Capabilities, Counters
-from ._cold_store import ColdStats
+from ._cold import ColdStats
 from ._types import CacheClass, Residency
 
 __all__ = [
@@ -197,6 +197,9 @@ class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
     approximate: bool = False
     """Its KV derives from an approximate restore (itself, or one resident before it when
     it was computed)."""
+    cold_tier: str | None = None
+    """For a ``cold`` block, the nearest tier holding its bytes: ``ram``, ``disk`` or
+    ``remote``."""
 
 
 class SessionReport(msgspec.Struct, frozen=True, kw_only=True):

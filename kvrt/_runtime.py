@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,13 +16,21 @@ from . import policy
 from ._backend import Engine
 from ._capacity import Limit, planner_context
 from ._checks import check_bool, check_choice, check_int, check_text
-from ._cold_store import ColdStats, ColdStore
+from ._cold import ColdStats, ColdStore, DiskTier, RemoteTier
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
 from ._errors import ArgumentTypeError, ConfigError, SessionClosedError
 from ._replies import ReplyMemory
-from ._session import Actor, Session, SessionParts, SessionPolicies
+from ._session import (
+    Actor,
+    SavedSession,
+    Session,
+    SessionParts,
+    SessionPolicies,
+    read_saved,
+    resume_session,
+)
 from ._session.chat import ChatTemplate
 from ._session.layout import HotWindow, Segment
 from ._types import CacheClass
@@ -80,6 +89,14 @@ class Runtime(metaclass=NoPublicConstructor):
     def cold_stats(self) -> ColdStats:
         return self._cold.stats()
 
+    @property
+    def close_report(self) -> str | None:
+        """Once the runtime has closed: what closing did with block writes still queued
+        for the tiers below RAM — finished (and how long that took), or how many were
+        left after ``disk.flush_timeout`` (also logged as a warning). None when none were
+        queued."""
+        return self._cold.flush_report
+
     def policy(self, kind: str, name: str | None = None) -> Any:
         """The runtime's instance of a policy (the configured one when ``name`` is None).
 
@@ -133,11 +150,16 @@ class Runtime(metaclass=NoPublicConstructor):
         cold_admission: str | None = None,
         restore: str | None = None,
         approximate: str | None = None,
+        resume: str | os.PathLike[str] | SavedSession | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
         The policy names (``hot_eviction``, ``cold_admission``, ``restore``,
         ``approximate``) override the runtime's configured ones for this session.
+        ``resume`` (a file :meth:`Session.save` wrote, or what it returned) lays that
+        context out again before the session is yielded, restoring every block the cold
+        tiers hold (``session.resumed`` says what was restored and computed);
+        ``hot_tokens`` then defaults to the saved session's.
 
         >>> async with rt.open_session(hot_tokens=512, name="reviewer") as session:
         ...     await session.ensure_context([kvrt.Segment("user", "Hi")])
@@ -148,6 +170,18 @@ class Runtime(metaclass=NoPublicConstructor):
             check_text("session name", name, empty=False)
         if hot_tokens is not None:
             check_int("hot_tokens", hot_tokens)
+        saved = None
+        if resume is not None:
+            if isinstance(resume, SavedSession):
+                saved = resume
+            elif isinstance(resume, (str, os.PathLike)):
+                saved = await anyio.to_thread.run_sync(read_saved, resume)
+            else:
+                raise ArgumentTypeError(
+                    f"resume must be a path or a SavedSession, got {type(resume).__name__}"
+                )
+            if hot_tokens is None:
+                hot_tokens = min(saved.hot_tokens, self.model_info.capacity.hot_context_tokens)
         cap = self.model_info.capacity
         facts = self.model_info.model
         cfg = self.config.session
@@ -171,7 +205,7 @@ class Runtime(metaclass=NoPublicConstructor):
             )
         planner, _ = planner_context(
             hot,
-            cap.cold_store_tokens,
+            cap.cold_store_tokens + cap.disk_store_tokens,
             trained=facts.trained_context,
             request=self.config.engine.context,
         )
@@ -210,6 +244,8 @@ class Runtime(metaclass=NoPublicConstructor):
         session = Session._create(actor, label, self._tg, self._chat)
         self._sessions.add(session)
         try:
+            if saved is not None:
+                session.resumed = await resume_session(actor, session._request, saved)
             yield session
         finally:
             with anyio.CancelScope(shield=True):
@@ -251,6 +287,40 @@ def _check_fits(info: ModelInfo, cfg: Config) -> None:
             f"smallest session's {least} (four blocks of {cfg.session.block_tokens}); limited by "
             f"{by} (usable memory {usable}, weights {format_size(info.model.weight_bytes)})"
         )
+
+
+async def _open_disk(info: ModelInfo, cfg: Config, victim: Any) -> DiskTier | None:
+    """The disk tier the capacity names, opened (its index read from the files), or None
+    when its budget is 0. A folder that cannot be used is a :class:`ConfigError`."""
+    cap = info.capacity
+    if not cap.disk_budget_bytes or cap.disk_path is None:
+        return None
+    disk = DiskTier(cap.disk_path, cap.disk_budget_bytes, info.model.fingerprint, victim.order)
+    try:
+        await anyio.to_thread.run_sync(disk.open)
+    except OSError as exc:
+        raise ConfigError(
+            f"disk.path {cap.disk_path} cannot hold cold blocks: {exc.strerror or exc} "
+            "(set disk.path, KVRT_DISK_PATH or --disk-path elsewhere, or disk.budget 0 to "
+            "turn the disk tier off)"
+        ) from None
+    return disk
+
+
+def _open_remote(cfg: Config) -> RemoteTier | None:
+    """The remote tier ``remote.url`` names (no call is made until a session needs it)."""
+    url = cfg.remote.url
+    if not url:
+        return None
+    if not url.startswith(("redis://", "rediss://", "unix://", "valkey://", "valkeys://")):
+        raise ConfigError(
+            f"remote.url must be a redis://, rediss:// or unix:// address, got {url!r}"
+        )
+    url = url.replace("valkey", "redis", 1) if url.startswith("valkey") else url
+    try:
+        return RemoteTier(url, timeout=cfg.remote.timeout)
+    except ValueError as exc:
+        raise ConfigError(f"invalid remote.url {url!r}: {exc}") from None
 
 
 def _resolve(backend: str | None, model: str | None, config: Config | None) -> Config:
@@ -334,7 +404,14 @@ async def open_runtime(
                 "the host cold budget is 0 bytes: kvrt needs room to park evicted blocks "
                 "(set memory.cold, KVRT_MEM_COLD or --mem-cold to a size such as 1GiB)"
             )
-        cold = ColdStore(budget, victim)
+        disk = await _open_disk(info, cfg, victim)
+        cold = ColdStore(
+            budget,
+            victim,
+            disk=disk,
+            remote=_open_remote(cfg),
+            flush_timeout=cfg.disk.flush_timeout,
+        )
         # An error from the caller's block reaches the caller as itself, not wrapped in
         # the task group's ExceptionGroup: it is raised again once the group has closed.
         raised: Exception | None = None

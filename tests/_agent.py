@@ -27,3 +27,7 @@ def context(*files: tuple[str, str], question: str) -> list[kvrt.Segment]:
 
 async def greedy(session: kvrt.Session, n: int) -> list[int]:
     return [p.token async for p in session.generate(n, stop_at_end=False)]
+
+
+NO_DISK = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
+"""A runtime with no disk tier: it starts with an empty cold store, whatever ran before."""

@@ -40,3 +40,12 @@ def words(engine: LlamaEngine, text: str) -> list[int]:
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every anyio test runs on asyncio and on trio."""
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test gets a cache folder of its own (the disk tier's default lives there), so
+    no test finds blocks another test wrote."""
+    folder = str(tmp_path_factory.mktemp("kvrt-cache"))
+    monkeypatch.setenv("KVRT_CACHE_DIR", folder)
+    return folder

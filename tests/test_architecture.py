@@ -5,8 +5,8 @@
 - ``adapters/`` imports only ``kvrt`` (public names), ``kvrt.backend`` and the bridge;
 - ``native_bridge/`` imports nothing of kvrt;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
-- inside ``kvrt/_session/`` dependencies run one way: handle -> reply -> actor ->
-  generation -> placement -> paging -> gate -> layout.
+- inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
+  actor -> generation -> placement -> paging -> gate -> layout.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def test_nothing_imports_generic_top_level_names(folder: str) -> None:
 
 SESSION_LAYERS = [
     "handle",
+    "saving",
     "chat",
     "reply",
     "actor",
@@ -167,7 +168,29 @@ def test_session_layers_depend_one_way() -> None:
         [*SESSION_LAYERS, "__init__"]
     )
     core = [p for p in modules("kvrt") if p.parent == ROOT / "kvrt"]
-    assert max(len(p.read_text().splitlines()) for p in core + modules("kvrt/_session")) < 500
+    packages = modules("kvrt/_session") + modules("kvrt/_cold")
+    assert max(len(p.read_text().splitlines()) for p in core + packages) < 500
+
+
+def test_the_cold_store_stands_below_the_sessions() -> None:
+    """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime;
+    inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and
+    ``entry``."""
+    order = ["store", "stats", "ram", "disk", "remote", "blockfile", "entry"]
+    wrong = set()
+    for path in modules("kvrt/_cold"):
+        for m in kvrt_imports(path):
+            if m.startswith(("kvrt._session", "kvrt._runtime", "kvrt.tools", "kvrt.serve")):
+                wrong.add(f"{path.name} -> {m}")
+            parts = m.split(".")
+            other = parts[2] if parts[:2] == ["kvrt", "_cold"] and len(parts) > 2 else None
+            rank = order.index(path.stem) if path.stem in order else -1
+            if other in order and order.index(other) < rank:
+                wrong.add(f"{path.stem} -> {other}")
+    assert not wrong
+    assert sorted(p.stem for p in (ROOT / "kvrt" / "_cold").glob("*.py")) == sorted(
+        [*order, "__init__"]
+    )
 
 
 def test_the_reader_sees_a_wrong_arrow() -> None:

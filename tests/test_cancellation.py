@@ -8,13 +8,17 @@ consistent, and that the next call succeeds.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 import kvrt
-from kvrt import Config, Residency, SessionConfig
+from kvrt import Config, DiskConfig, Residency, SessionConfig
 
 from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy
 
@@ -32,6 +36,15 @@ pytestmark = pytest.mark.anyio
 # Small blocks keep each step cheap while exercising every kind of await point.
 SMALL = Config(session=SessionConfig(block_tokens=16, sink_tokens=4, recent_tokens=16))
 HOT = 128
+
+
+_RUNS = itertools.count()
+
+
+def fresh() -> Config:
+    """SMALL with a disk tier in a folder no runtime has used (inside the test's cache)."""
+    folder = Path(os.environ["KVRT_CACHE_DIR"]) / f"run-{next(_RUNS)}"
+    return msgspec.structs.replace(SMALL, disk=DiskConfig(path=str(folder), budget=2**30))
 
 
 def _labels(session: kvrt.Session) -> list[str]:
@@ -76,14 +89,15 @@ async def _sweep(
     prepare: Callable[[kvrt.Session], Awaitable[object]],
     lost_nothing: Callable[[kvrt.Session], Awaitable[None]],
 ) -> set[str]:
-    # A fresh runtime each time: a cold store shared with an earlier run would already
-    # hold the blocks, hiding a block lost between its eviction and its commit.
-    async with kvrt.open_runtime(config=SMALL) as rt, rt.open_session(hot_tokens=HOT) as probe:
+    # A fresh runtime each time, with a disk tier of its own: a cold store shared with an
+    # earlier run would already hold the blocks, hiding a block lost between its eviction
+    # and its commit.
+    async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as probe:
         await prepare(probe)
         points = _labels(probe)
         await step(probe)
     for k in _first_and_last(points):
-        async with kvrt.open_runtime(config=SMALL) as rt, rt.open_session(hot_tokens=HOT) as s:
+        async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
             await prepare(s)
             with anyio.CancelScope() as scope:
                 _cancel_at(s, k, scope)

@@ -19,7 +19,7 @@ from kvrt import (
     KvrtError,
     policies,
 )
-from kvrt._cold_store import ColdEntry, ColdStore, token_digest
+from kvrt._cold import ColdEntry, ColdStore, token_digest
 
 
 def entry(i: int, n_bytes: int, cache_class: CacheClass = CacheClass.VOLATILE) -> ColdEntry:
@@ -63,7 +63,7 @@ def test_never_over_budget_and_counts_add_up(
             stats = store.stats()
             assert stats.bytes <= budget
             assert stats.bytes == sum(
-                e.n_bytes for e in (store.lookup(k) for k in list(store._slots)) if e
+                e.n_bytes for e in (store.lookup(k) for k in list(store.ram._slots)) if e
             )
             if look and ok:
                 assert store.lookup(entry(i, size, cls).key) is not None  # just committed: present
@@ -135,8 +135,8 @@ def test_pinned_entries_are_never_dropped(budget: int, steps: list[tuple[int, bo
                 stats = store.stats()
                 assert stats.bytes <= budget and stats.pinned == len(held)
                 # The token index covers exactly the entries present.
-                indexed = {k for keys in store._by_tokens.values() for k in keys}
-                assert indexed == set(store._slots)
+                indexed = {k for keys in store.ram._by_tokens.values() for k in keys}
+                assert indexed == set(store.ram._slots)
         assert store.stats().pinned == 0
 
     anyio.run(with_store, budget, body)

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
+import msgspec
 import pytest
 
-from kvrt import Config, EngineConfig, MemoryConfig, describe_model, embedded_model_path
+from kvrt import (
+    Config,
+    EngineConfig,
+    MemoryConfig,
+    describe_model,
+    embedded_model_path,
+    load_config,
+)
 from kvrt._model import read_gguf_metadata
 
 GiB = 1024**3
@@ -103,6 +112,31 @@ def test_cli_json() -> None:
     assert data["capacity"]["hot_context_tokens"] == 1024
     assert data["capacity"]["host_cold_budget_bytes"] == GiB
     assert data["capacity"]["hot_limited_by"] == ["hot_cap"]
+
+
+def test_the_disk_tier_in_capacity_and_on_the_command_line(tmp_path: Path) -> None:
+    """Default: a tenth of the free space where the folder lives, under $KVRT_CACHE_DIR;
+    ``disk.budget`` sets it, ``0`` turns the tier off; the planner counts it."""
+    c = describe_model(Config()).capacity
+    assert c.disk_path == str(Path(os.environ["KVRT_CACHE_DIR"]) / "blocks")
+    free = shutil.disk_usage(os.environ["KVRT_CACHE_DIR"]).free
+    assert abs(c.disk_budget_bytes - free // 10) < free // 100  # free space moves a little
+    assert c.disk_store_tokens == c.disk_budget_bytes // 23040
+
+    small = Config(memory=MemoryConfig(cold=GiB // 64), engine=EngineConfig(hot_tokens=1024))
+    cfg = load_config(flags={"disk.budget": "0"})
+    off = describe_model(msgspec.structs.replace(small, disk=cfg.disk)).capacity
+    assert off.disk_budget_bytes == off.disk_store_tokens == 0
+    cfg = load_config(flags={"disk.budget": "64MiB", "disk.path": str(tmp_path)})
+    on = describe_model(msgspec.structs.replace(small, disk=cfg.disk)).capacity
+    assert on.disk_store_tokens == 64 * 1024**2 // 23040 and on.disk_path == str(tmp_path)
+    assert on.planner_effective_context == off.planner_effective_context + on.disk_store_tokens
+
+    proc = _kvrt("describe", "--disk-path", str(tmp_path), "--disk-budget", "1GiB")
+    assert proc.returncode == 0, proc.stderr
+    assert "disk tier" in proc.stdout and "1.00 GiB" in proc.stdout
+    proc = _kvrt("describe", "--json", env={"KVRT_DISK_BUDGET": "0"})
+    assert json.loads(proc.stdout)["capacity"]["disk_budget_bytes"] == 0
 
 
 def test_cli_table() -> None:

@@ -127,3 +127,16 @@ def test_pytest_trio_suite_example() -> None:
         "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "examples" / "pytest_trio_suite")
     )
     assert "3 passed" in out
+
+
+def test_kvrt_bench_tiers_measures_every_tier() -> None:
+    argv = ["-m", "kvrt", "bench", "--tiers", "--sizes", "64", "--tokens", "128", "--decode", "4"]
+    report = json.loads(run(*argv, "--json"))
+    (row,) = report["rows"]
+    assert row["tokens"] == 64 and row["bytes"] > 0
+    for figure in ("ram_ms", "disk_ms", "disk_read_ms", "plain_read_ms", "recompute_ms"):
+        assert row[figure] > 0, figure
+    assert (row["remote_ms"] is not None) == report["remote"].startswith("a local redis-server")
+    assert report["restart_restored_tokens"] >= 128  # the restarted process read the disk
+    assert report["ttft_restarted_disk_ms"] > 0 and report["ttft_restarted_recomputed_ms"] > 0
+    assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0

@@ -16,7 +16,7 @@ import pytest
 
 import kvrt
 from kvrt import Config, EngineConfig, MemoryConfig, Residency, SessionConfig
-from kvrt._cold_store import ColdKey
+from kvrt._cold import ColdKey
 
 from ._agent import FILE_A, FILE_B, REPO_MAP, SYSTEM
 

@@ -27,6 +27,14 @@ def test_the_wheel_installs_only_kvrt(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("kvrt-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"kvrt", wheel.name.split("-py3")[0] + ".dist-info"}
+    # Every package of the source tree is in the wheel (a package left out of pyproject's
+    # list would import from a checkout and fail once installed).
+    sources = {
+        str(p.relative_to(ROOT)).replace("adapters/", "kvrt/adapters/", 1)
+        for p in (ROOT / "kvrt").rglob("*.py")
+        if "__pycache__" not in p.parts and not p.is_symlink()
+    }
+    assert {"kvrt/_session/actor.py", "kvrt/_cold/store.py"} <= sources <= set(names)
     for package in ("adapters/llama", "adapters/openvino", "native_bridge", "policies"):
         assert f"kvrt/{package}/__init__.py" in names
     top_level = next(n for n in names if n.endswith("top_level.txt"))

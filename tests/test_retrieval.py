@@ -9,7 +9,7 @@ import pytest
 import kvrt
 from kvrt import Residency
 
-from ._agent import FILE_A, FILE_B, REPO_MAP, SYSTEM, greedy
+from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy
 
 pytestmark = pytest.mark.anyio
 
@@ -56,10 +56,10 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
             assert report.cold_store.approximate_hits == 0
 
     # Allowed: restored from the cold copy with keys re-rotated, and labelled so. A fresh
-    # runtime: the sessions above left exact copies of MOVED in their cold store when they
-    # closed.
+    # runtime with no disk tier: the sessions above left exact copies of MOVED in their
+    # cold store (RAM and disk) when they closed.
     async with (
-        kvrt.open_runtime(backend) as rt,
+        kvrt.open_runtime(backend, config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024, approximate="allow") as s,
     ):
         await s.ensure_context(ORIGINAL)

@@ -8,7 +8,7 @@ import pytest
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
 
-from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy
 
 pytestmark = pytest.mark.anyio
 
@@ -24,8 +24,12 @@ async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
     async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as never:
         await never.ensure_context(ctx)
         expected = await greedy(never, 24)
-    # A fresh runtime: the session above left its blocks in its cold store when it closed.
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as s:
+    # A fresh runtime with no disk tier: the session above left its blocks in the cold
+    # store (RAM and disk) when it closed.
+    async with (
+        kvrt.open_runtime(backend, config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         first = await s.ensure_context(ctx)
         assert first.prefilled_tokens == first.logical_tokens
         evicted = await s.evict("file:a.py")

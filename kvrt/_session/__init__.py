@@ -1,20 +1,27 @@
 """A session: its handle, its actor task and the layers the actor stands on.
 
-Dependencies run one way: ``handle`` (the public :class:`Session`, :class:`Prefetch`) ->
-``chat`` (messages to segments in the model's template) -> ``reply`` (a generation as its caller holds it: pieces, the completion) -> ``actor`` (the
-mailbox loop, commands, ``explain()``) -> ``generation`` (the continuation, stop
-sequences, remembered replies) -> ``placement`` (plan -> place -> converge) -> ``paging`` (evict and export runs, restore runs, approximate hits,
-prefill, room) -> ``gate`` (engine calls in threads, derived residency, tallies) ->
-``layout`` (segments and blocks: synchronous bookkeeping, no ``await``).
+Dependencies run one way: ``handle`` (the public :class:`Session`) -> ``saving`` (a
+context saved to a file and resumed in a later process) -> ``chat`` (messages to segments
+in the model's template) -> ``reply`` (a generation as its caller holds it: pieces, the
+completion) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generation``
+(the continuation, stop sequences, remembered replies) -> ``placement`` (plan -> place ->
+converge; the :class:`Prefetch` a handle starts) -> ``paging`` (evict and export runs,
+restore runs from any cold tier, approximate hits, prefill, room) -> ``gate`` (engine
+calls in threads, derived residency, tallies) -> ``layout`` (segments and blocks:
+synchronous bookkeeping, no ``await``).
 """
 
 from .actor import Actor as Actor
 from .gate import SessionParts as SessionParts
 from .gate import SessionPolicies as SessionPolicies
-from .handle import Prefetch as Prefetch
 from .handle import Session as Session
 from .layout import HotWindow as HotWindow
 from .layout import Segment as Segment
+from .placement import Prefetch as Prefetch
 from .placement import context_tokens as context_tokens
 from .placement import segment_tokens as segment_tokens
 from .reply import Reply as Reply
+from .saving import SavedSegment as SavedSegment
+from .saving import SavedSession as SavedSession
+from .saving import read_saved as read_saved
+from .saving import resume_session as resume_session

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from .._cold import ColdKey
 from .._errors import (
     InvalidRangeError,
     KvrtError,
@@ -21,13 +22,13 @@ from .._errors import (
     SessionClosedError,
 )
 from .._reports import BlockReport, SessionReport
-from .._types import Residency
+from .._types import CacheClass, Residency
 from .gate import SessionParts, Tally
 from .generation import Generate, Generation
 from .layout import Block, Segment
 from .placement import Prepared
 
-__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate"]
+__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate", "Snapshot"]
 
 CLOSE_OFFER_SECONDS = 30.0
 """At most this long copying a closing session's hot blocks to the cold store."""
@@ -52,7 +53,12 @@ class Admit:
     target: str | tuple[int, int]
 
 
-Command = Ensure | Generate | Evict | Admit
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Copy the hot blocks to the cold store (they stay hot) and describe the context."""
+
+
+Command = Ensure | Generate | Evict | Admit | Snapshot
 
 
 @dataclass(slots=True, eq=False)
@@ -150,6 +156,22 @@ class Actor(Generation):
                 return await self._evict_target(target)
             case Admit(target):
                 return await self._admit_target(target)
+            case Snapshot():
+                return await self._snapshot()
+
+    async def _snapshot(
+        self,
+    ) -> tuple[list[tuple[str, CacheClass, float | None, list[int]]], list[ColdKey]]:
+        """The context as segments (name, class, score, tokens) and its blocks' keys, once
+        every hot block has a cold copy (as the cold admission policy allows)."""
+        await self._write_back(self.window.blocks, spare=True)
+        segments: list[tuple[str, CacheClass, float | None, list[int]]] = []
+        for b in self.window.blocks:
+            if segments and segments[-1][0] == b.segment:
+                segments[-1][3].extend(b.tokens)
+            else:
+                segments.append((b.segment, b.cache_class, b.score, list(b.tokens)))
+        return segments, [b.key(self.window.fingerprint) for b in self.window.blocks]
 
     # -- explicit control --
 
@@ -216,6 +238,11 @@ class Actor(Generation):
                 last_used=b.last_used,
                 choice=self.choices.get(b.id),
                 approximate=b.id in self.tainted and states[b.id] is Residency.HOT,
+                cold_tier=(
+                    self.cold.tier(b.key(window.fingerprint))
+                    if states[b.id] is Residency.COLD
+                    else None
+                ),
             )
             for b in window.blocks
         ]

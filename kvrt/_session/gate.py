@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import anyio
 
 from .._backend import Engine, EngineContext, EvictMode, Logits
-from .._cold_store import ColdKey, ColdStore
+from .._cold import ColdKey, ColdStore
 from .._config import SessionConfig
 from .._replies import ReplyMemory
 from .._reports import ContextStatus, SessionCounters

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
@@ -27,45 +27,11 @@ from .actor import Actor, Admit, Call, Command, Ensure, Evict
 from .chat import ChatTemplate, Message, messages_of
 from .generation import Generate
 from .layout import Segment
-from .placement import Prepared, ReplyTokens, TokenKey
+from .placement import Prefetch, ReplyTokens, TokenKey
 from .reply import Reply, Stream
+from .saving import SavedSession, save_session
 
 __all__ = ["Prefetch", "Session"]
-
-
-class Prefetch:
-    """A prefetch running in the background for a session's next ``ensure_context``.
-
-    It tokenizes the segments and pins their exact cold hits, so they are still in the
-    store (and need no tokenizing) when the call comes. The pins go when that call has
-    placed the context, when :meth:`cancel` is called, when a newer prefetch replaces this
-    one, when the session closes, or after ``hold`` seconds.
-    """
-
-    def __init__(self) -> None:
-        self._scope = anyio.CancelScope()
-        self._ready = anyio.Event()
-        self._released = anyio.Event()
-        self._pins = ExitStack()
-        self._report: PrefetchReport | None = None
-        self._error: BaseException | None = None
-        self._prepared = Prepared(self.cancel)
-
-    def cancel(self) -> None:
-        """Stop the prefetch and release what it holds at once (harmless once finished)."""
-        self._scope.cancel()
-        self.release()
-
-    def release(self) -> None:
-        self._pins.close()
-        self._released.set()
-
-    async def wait(self) -> PrefetchReport | None:
-        """Wait until the blocks are pinned; what was found (None if cancelled first)."""
-        await self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self._report
 
 
 class Session(metaclass=NoPublicConstructor):
@@ -89,6 +55,8 @@ class Session(metaclass=NoPublicConstructor):
         self._actor = actor
         self._chat = chat
         self.name = name
+        self.resumed: ContextStatus | None = None
+        """What ``open_session(resume=...)`` restored and computed (None otherwise)."""
         self._tg = tg
         self._closed = False
         self._pending: set[Call] = set()
@@ -207,7 +175,12 @@ class Session(metaclass=NoPublicConstructor):
                 except Exception as exc:  # the caller's problem, never the runtime's
                     job._error = exc
                     return
-                hits = [e for e in map(a.cold.peek, keys) if e is not None]
+                hits = []  # disk and remote hits are read back into RAM ahead of the call
+                await a.cold.discover(keys)
+                for key in keys:
+                    entry = await a.cold.promote(key) if a.cold.tier(key) else None
+                    if entry is not None:
+                        hits.append(entry)
                 job._pins.enter_context(a.cold.pinned(e.key for e in hits))
                 job._report = PrefetchReport(
                     blocks=len(keys),
@@ -398,6 +371,14 @@ class Session(metaclass=NoPublicConstructor):
         """Restore a segment's (or range's) cold blocks into the hot window, in place."""
         result: int = await self._request(Admit(_target(target)))
         return result
+
+    async def save(self, path: str | os.PathLike[str]) -> SavedSession:
+        """Write the context's layout (segments, token ids, block keys) to ``path`` once
+        its blocks are in the cold tiers, for ``rt.open_session(resume=path)`` in a later
+        process; see :mod:`kvrt._session.saving` for what is and is not saved."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
+        return await save_session(self._actor, self._request, path)
 
     def explain(self) -> SessionReport:
         """Sizes, every block with its class and residency, cold-store and mailbox figures."""

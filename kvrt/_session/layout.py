@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from .._checks import check_bool, check_choice, check_int, check_number, check_text
-from .._cold_store import ColdKey, token_digest
+from .._cold import ColdKey, token_digest
 from .._errors import (
     ArgumentTypeError,
     ContextTooLargeError,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import anyio
 
 from .._backend import AdmitMode, EvictMode
-from .._cold_store import ColdEntry
+from .._cold import ColdEntry
 from .._errors import (
     ColdStoreFullError,
     HotWindowFullError,
@@ -160,12 +160,13 @@ class Paging(EngineGate):
 
         Stops at the first block the store no longer holds.
         """
-        entries = []
+        entries, tiers = [], []
         for block in blocks:
-            entry = self.cold.lookup(block.key(self.window.fingerprint))
-            if entry is None:
+            found = await self.cold.fetch(block.key(self.window.fingerprint))
+            if found is None:
                 break
-            entries.append(entry)
+            entries.append(found.entry)
+            tiers.append(found.tier)
         if not entries:
             return 0
         run = blocks[: len(entries)]
@@ -184,9 +185,10 @@ class Paging(EngineGate):
             await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
             self._observed_restore(began, sum(e.n_bytes for e in entries))
         self._tally.restored += sum(b.n_tokens for b in run)
-        for block, entry in zip(run, entries, strict=False):
+        for block, entry, tier in zip(run, entries, tiers, strict=False):
             why = self._estimate(block, entry.n_bytes)
-            self.choices[block.id] = f"restored from cold ({why})" if why else "restored from cold"
+            where = "restored from cold" if tier == "ram" else f"restored from cold ({tier})"
+            self.choices[block.id] = f"{where} ({why})" if why else where
             self.tainted.discard(block.id)
         return len(run)
 
@@ -301,8 +303,8 @@ class Paging(EngineGate):
             self._tally.prefilled += block.n_tokens
             self._taint_if_after_approximate(block)
             if block.id in self._recompute:
-                entry = self.cold.peek(block.key(self.window.fingerprint))
-                why = self._estimate(block, entry.n_bytes) if entry is not None else ""
+                size = self.cold.size(block.key(self.window.fingerprint))
+                why = self._estimate(block, size) if size is not None else ""
                 self.choices[block.id] = (
                     f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
                 )

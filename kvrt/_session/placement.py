@@ -6,6 +6,7 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from functools import partial
 
 import anyio
@@ -15,7 +16,7 @@ from .._errors import (
     HotWindowFullError,
     InvalidContextError,
 )
-from .._reports import ContextStatus
+from .._reports import ContextStatus, PrefetchReport
 from .._types import Residency
 from .gate import Tally
 from .layout import Block, Segment
@@ -23,6 +24,7 @@ from .paging import Paging
 
 __all__ = [
     "Placement",
+    "Prefetch",
     "Prepared",
     "ReplyTokens",
     "TokenKey",
@@ -73,6 +75,41 @@ class Prepared:
         self.tokens: dict[TokenKey, list[int]] | None = None
         """Set by the prefetch when its tokenizations are done; ``None`` until then."""
         self.cancel = cancel
+
+
+class Prefetch:
+    """A prefetch running in the background for a session's next ``ensure_context``.
+
+    It tokenizes the segments and pins their exact cold hits, so they are still in the
+    store (and need no tokenizing) when the call comes. The pins go when that call has
+    placed the context, when :meth:`cancel` is called, when a newer prefetch replaces this
+    one, when the session closes, or after ``hold`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self._scope = anyio.CancelScope()
+        self._ready = anyio.Event()
+        self._released = anyio.Event()
+        self._pins = ExitStack()
+        self._report: PrefetchReport | None = None
+        self._error: BaseException | None = None
+        self._prepared = Prepared(self.cancel)
+
+    def cancel(self) -> None:
+        """Stop the prefetch and release what it holds at once (harmless once finished)."""
+        self._scope.cancel()
+        self.release()
+
+    def release(self) -> None:
+        self._pins.close()
+        self._released.set()
+
+    async def wait(self) -> PrefetchReport | None:
+        """Wait until the blocks are pinned; what was found (None if cancelled first)."""
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._report
 
 
 class Placement(Paging):
@@ -131,6 +168,7 @@ class Placement(Paging):
         self, tokenized: list[tuple[Segment, list[int]]], tally: Tally
     ) -> ContextStatus:
         layout, stale = self.window.plan_layout(tokenized)
+        await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
         resident = self.resident()
         tally.reused = sum(
             b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
@@ -163,8 +201,8 @@ class Placement(Paging):
         resident = self.resident()
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
-                entry = self.cold.peek(block.key(self.window.fingerprint))
-                query = self._query(block, entry.n_bytes if entry is not None else 0)
+                size = self.cold.size(block.key(self.window.fingerprint))
+                query = self._query(block, size or 0)
                 if not self.policies.restore.restore(query):
                     self._recompute.add(block.id)
         try:

@@ -23,6 +23,8 @@ from kvrt._units import format_size
 __all__ = ["main"]
 
 LOCAL_CONFIG = "kvrt.toml"
+BENCH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TIER_SIZES = (128, 1024, 4096)
 """Read from the working directory when neither --config nor $KVRT_CONFIG names a file."""
 
 _HELP = {
@@ -129,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only restore bandwidth, time to first token and decode (a minute)",
     )
     bench.add_argument(
+        "--tiers",
+        action="store_true",
+        help="only the cold tiers: blocks restored from RAM, disk and Redis next to "
+        "recomputing, a restarted process, decode while spilling (two minutes)",
+    )
+    bench.add_argument(
         "--tokens",
         type=_count(16, 7168),
         default=None,
@@ -145,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sizes",
         type=_int_list,
-        default=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        default=BENCH_SIZES,
         metavar="N,N,...",
         help="block sizes for restore vs recompute (default 16,32,...,4096)",
     )
@@ -249,6 +257,14 @@ def _print_info(info: ModelInfo) -> None:
             f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)",
         ),
         (
+            "disk tier",
+            (
+                f"{format_size(c.disk_budget_bytes)} ({c.disk_store_tokens:,} tokens) in {c.disk_path}"
+                if c.disk_budget_bytes
+                else "off (disk.budget 0)"
+            ),
+        ),
+        (
             "hot context",
             f"{c.hot_context_tokens:,} tokens (limited by {', '.join(c.hot_limited_by)})",
         ),
@@ -346,11 +362,15 @@ def _bench(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
+    from kvrt.tools.bench import own_disk_tier
     from kvrt.tools.bench.full import run_full_bench, steps_of
     from kvrt.tools.bench.quick import run_quick_bench
 
     config = _config_from(args)
     console = Console(stderr=args.json)
+    if args.tiers:
+        _bench_tiers(args, config, console)
+        return
     if args.quick:
         total = 5
     else:
@@ -361,7 +381,7 @@ def _bench(args: argparse.Namespace) -> None:
             raise ConfigError("--sessions must stay at 16 or below")
         if not args.no_plot:
             _check_writable(args.plot)  # before minutes of measuring, not after
-    with Progress(console=console, transient=True) as progress:
+    with own_disk_tier(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=total)
 
         def step(what: str) -> None:
@@ -402,6 +422,37 @@ def _bench(args: argparse.Namespace) -> None:
         Console().print(_quick_table(figures))
     else:
         _print_full(figures)
+
+
+def _bench_tiers(args: argparse.Namespace, config: Config, console: Any) -> None:
+    import anyio
+    from rich.progress import Progress
+
+    from kvrt.tools.bench import own_disk_tier
+    from kvrt.tools.bench.tiers import print_tiers, run_tiers_bench
+
+    sizes = TIER_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
+    if max(sizes) > 7680:
+        raise ConfigError("--sizes must stay below 7680 tokens")
+    with own_disk_tier(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=len(sizes) + 2)
+
+        def step(what: str) -> None:
+            progress.update(task, description=what, advance=1)
+
+        figures = anyio.run(
+            lambda: run_tiers_bench(
+                config,
+                sizes=sizes,
+                restart_tokens=args.tokens or 2048,
+                decode=min(args.decode, 64),
+                progress=step,
+            )
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
+    else:
+        print_tiers(figures)
 
 
 def _check_writable(path: str) -> None:

@@ -5,3 +5,27 @@ engine-layer scripts, each printing figures measured side by side in one run.
     python -m kvrt.tools.bench.engine_figures [--backend openvino]
     python -m kvrt.tools.bench.engine_agreement
 """
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def own_disk_tier() -> Iterator[str]:
+    """Point the disk tier's default folder (``$KVRT_CACHE_DIR``) at a temporary one for a
+    benchmark's run, removed afterwards, so the run measures what it computed itself, not
+    blocks an earlier run left on disk. An explicit ``disk.path`` still wins."""
+    before = os.environ.get("KVRT_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="kvrt-bench-") as folder:
+        os.environ["KVRT_CACHE_DIR"] = folder
+        try:
+            yield folder
+        finally:
+            if before is None:
+                os.environ.pop("KVRT_CACHE_DIR", None)
+            else:
+                os.environ["KVRT_CACHE_DIR"] = before

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 
 import kvrt
+from kvrt.tools.bench import own_disk_tier
 
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 QUESTIONS = [
@@ -261,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         run_clients(args.clients)
         return
     turns = min(args.turns, len(QUESTIONS))
+    with own_disk_tier():
+        compare(args, turns)
+
+
+def compare(args: argparse.Namespace, turns: int) -> None:
 
     ours = anyio.run(kvrt_chat, turns)
     theirs = llama_chat(turns)

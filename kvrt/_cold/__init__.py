@@ -1,0 +1,30 @@
+"""The cold store and its tiers.
+
+- :mod:`.entry` — what every tier holds: immutable blocks under a content key;
+- :mod:`.store` — the service sessions talk to: the RAM tier, its budget, pins, and the
+  traffic to the tiers below (write-through, demotion, promotion);
+- :mod:`.blockfile` — a block's bytes outside RAM, checked before use;
+- :mod:`.disk` — the disk tier: one file per block, crash-safe, rebuilt on open;
+- :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey.
+"""
+
+from .disk import BlockIO, DiskStats, DiskTier
+from .entry import ColdEntry, ColdKey, token_digest
+from .remote import RemoteStats, RemoteTier
+from .stats import ColdStats
+from .store import ColdStore, Fetched, Tier
+
+__all__ = [
+    "BlockIO",
+    "ColdEntry",
+    "ColdKey",
+    "ColdStats",
+    "ColdStore",
+    "DiskStats",
+    "DiskTier",
+    "Fetched",
+    "RemoteStats",
+    "RemoteTier",
+    "Tier",
+    "token_digest",
+]

@@ -1,0 +1,138 @@
+"""The bytes of one cold block outside RAM, the same on disk and in a remote store.
+
+A fixed prefix, a header, then the KV payload::
+
+    magic "KVRTBLK\\0" | version u16 | flags u16 | header length u32 | payload length u64
+    | xxh3-128 of header + payload (16 bytes) | header (msgpack) | payload
+
+The header names the model fingerprint, the key, the cache class, the KV precision and the
+block's token ids. :func:`decode` refuses anything that does not check out — a wrong magic
+or version, lengths that disagree with the bytes, a checksum mismatch, tokens that do not
+hash to the key, a key other than the one asked for — so nothing damaged ever reaches an
+engine.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from .._backend import ColdBlock, ColdBlockMeta
+from .._errors import KvrtError
+from .._types import CacheClass
+from .entry import ColdEntry, ColdKey, token_digest
+
+__all__ = [
+    "MAGIC",
+    "PREFIX",
+    "VERSION",
+    "CorruptBlockError",
+    "decode",
+    "encode",
+    "read_header",
+    "read_prefix",
+]
+
+MAGIC = b"KVRTBLK\0"
+VERSION = 1
+PREFIX = struct.Struct("<8sHHIQ16s")
+"""magic, version, flags, header length, payload length, checksum."""
+
+
+class CorruptBlockError(KvrtError):
+    """Stored block bytes failed a check: never handed to an engine."""
+
+
+class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    fingerprint: str
+    prefix: str
+    tokens_digest: str
+    start: int
+    cache_class: str
+    kv_type: str
+    tokens: list[int]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Header)
+
+
+def encode(entry: ColdEntry) -> tuple[bytes, memoryview]:
+    """The prefix and header of ``entry``'s stored form, and its payload (not copied)."""
+    key, meta = entry.key, entry.meta
+    header = _encoder.encode(
+        Header(
+            fingerprint=key.fingerprint,
+            prefix=key.prefix,
+            tokens_digest=key.tokens,
+            start=key.start,
+            cache_class=str(entry.cache_class),
+            kv_type=meta.kv_type,
+            tokens=list(meta.tokens),
+        )
+    )
+    payload = np.ascontiguousarray(entry.data).data.cast("B")
+    h = xxhash.xxh3_128()
+    h.update(header)
+    h.update(payload)
+    prefix = PREFIX.pack(MAGIC, VERSION, 0, len(header), payload.nbytes, h.digest())
+    return prefix + header, payload
+
+
+def read_prefix(raw: bytes) -> tuple[int, int]:
+    """Header and payload lengths from a stored block's prefix (no checksum yet)."""
+    if len(raw) < PREFIX.size:
+        raise CorruptBlockError("truncated: shorter than the block prefix")
+    magic, version, _flags, header_len, payload_len, _sum = PREFIX.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptBlockError("not a kvrt block (wrong magic)")
+    if version != VERSION:
+        raise CorruptBlockError(f"block format version {version}, expected {VERSION}")
+    return header_len, payload_len
+
+
+def read_header(raw: bytes) -> Header:
+    """The header of a stored block (checked for shape, not against the checksum)."""
+    try:
+        header = _decoder.decode(raw)
+        CacheClass(header.cache_class)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise CorruptBlockError(f"unreadable header: {exc}") from None
+    return header
+
+
+def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEntry:
+    """The entry stored in ``buf`` (a whole stored block; its payload is a view of it)."""
+    raw = buf.data.cast("B")
+    header_len, payload_len = read_prefix(bytes(raw[: PREFIX.size]))
+    total = PREFIX.size + header_len + payload_len
+    if raw.nbytes != total:
+        raise CorruptBlockError(f"{raw.nbytes} bytes where the prefix promises {total}")
+    checksum = PREFIX.unpack_from(raw)[5]
+    header_bytes = raw[PREFIX.size : PREFIX.size + header_len]
+    payload = raw[PREFIX.size + header_len :]
+    h = xxhash.xxh3_128()
+    h.update(header_bytes)
+    h.update(payload)
+    if h.digest() != checksum:
+        raise CorruptBlockError("checksum mismatch")
+    header = read_header(bytes(header_bytes))
+    cache_class = CacheClass(header.cache_class)
+    if token_digest(header.tokens) != header.tokens_digest:
+        raise CorruptBlockError("the token ids do not match the key's token digest")
+    key = ColdKey(header.fingerprint, header.prefix, header.tokens_digest, header.start)
+    if expect is not None and key != expect:
+        raise CorruptBlockError("the block holds another key than the one asked for")
+    meta = ColdBlockMeta(
+        fingerprint=header.fingerprint,
+        kv_type=header.kv_type,
+        start=header.start,
+        tokens=tuple(header.tokens),
+        n_bytes=payload_len,
+    )
+    data = buf[PREFIX.size + header_len :]
+    return ColdEntry(key, cache_class, ColdBlock(meta, data))

@@ -1,0 +1,392 @@
+"""``kvrt bench --tiers``: the cold tiers measured side by side in one run.
+
+- restoring a block of 128, 1k and 4k tokens from RAM, from disk and from a Redis server,
+  next to computing it again; reading from disk with the page cache dropped for the file
+  (``posix_fadvise(DONTNEED)``) where the kernel allows it, and a plain sequential read of
+  the same bytes beside it;
+- time to first token of a re-sent 2k-token segment in a restarted process: restored from
+  the disk tier an earlier process wrote, next to computed again;
+- decode tokens/s of 4 sessions generating at once, with and without the cold store
+  spilling blocks to disk as fast as it can meanwhile, and the spill rate reached.
+
+Redis is measured when ``redis-server`` is on the PATH (a server is started on a free
+loopback port and stopped after). Figures to read, not assertions: machines here are
+shared and noisy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+
+import kvrt
+from kvrt import CacheClass
+from kvrt._backend import AdmitMode, EngineContext, EvictMode
+from kvrt._cold import ColdEntry, ColdKey, DiskTier, RemoteTier, token_digest
+from kvrt._config import Config
+from kvrt.tools.bench.quick import text_of
+
+__all__ = ["TierRow", "TiersBench", "run_tiers_bench"]
+
+
+class TierRow(msgspec.Struct, frozen=True, kw_only=True):
+    tokens: int
+    bytes: int
+    ram_ms: float
+    disk_ms: float
+    """Read (page cache dropped where possible), verify and admit."""
+    disk_read_ms: float
+    """The disk tier's read and check alone."""
+    plain_read_ms: float
+    """A plain sequential read of the same file, page cache dropped the same way."""
+    remote_ms: float | None
+    recompute_ms: float
+
+    @property
+    def disk_gbps(self) -> float:
+        return self.bytes / 1e9 / (self.disk_read_ms / 1e3)
+
+    @property
+    def plain_gbps(self) -> float:
+        return self.bytes / 1e9 / (self.plain_read_ms / 1e3)
+
+
+class TiersBench(msgspec.Struct, frozen=True, kw_only=True):
+    rows: list[TierRow]
+    page_cache: str
+    """How the page cache was dropped before disk reads, or why it was not."""
+    remote: str
+    """The Redis server measured, or why none was."""
+    restart_tokens: int
+    ttft_restarted_disk_ms: float
+    ttft_restarted_recomputed_ms: float
+    restart_restored_tokens: int
+    decode_tps_quiet: float
+    decode_tps_spilling: float
+    spill_mb_per_s: float
+    spilled_blocks: int
+
+
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1e3
+
+
+def _drop_cache(path: Path) -> bool:
+    """Ask the kernel to forget ``path``'s cached pages; False where it cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _plain_read(path: Path) -> None:
+    with path.open("rb", buffering=0) as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(buf)
+
+
+@contextlib.contextmanager
+def _redis_server() -> Iterator[str | None]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", folder],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            import redis
+
+            client = redis.Redis(port=port, socket_timeout=1)
+            for _ in range(100):
+                with contextlib.suppress(redis.ConnectionError):
+                    client.ping()
+                    break
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _admit(ctx: EngineContext, block: kvrt.ColdBlock) -> None:
+    """Put ``block`` back in place, in the window that computed it."""
+    ctx.evict(block.meta.start, block.meta.end, EvictMode.GAP)
+    ctx.admit(block, AdmitMode.IN_PLACE)
+
+
+async def _block_rows(
+    config: Config, sizes: tuple[int, ...], repeat: int, step: Callable[[str], None]
+) -> tuple[list[TierRow], str, str]:
+    engine = await anyio.to_thread.run_sync(partial(kvrt.load_engine, config=config))
+    rows, dropped = [], True
+    try:
+        with tempfile.TemporaryDirectory() as folder, _redis_server() as url:
+            victim = kvrt.policies.get("cold_victim", "class_lru")
+            disk = DiskTier(folder, 1 << 40, engine.facts.fingerprint, victim.order)
+            disk.open()
+            remote = RemoteTier(url) if url else None
+            for n in sizes:
+                step(f"{n}-token block")
+                ctx = engine.open_context(max(512, n + 64))
+                tokens = engine.tokenize(text_of(engine, n + 8), add_special=True)[:n]
+                ctx.prefill(tokens)
+                block = ctx.export(0, n)
+                key = ColdKey(engine.facts.fingerprint, token_digest([]), token_digest(tokens), 0)
+                entry = ColdEntry(key, CacheClass.VOLATILE, block)
+
+                admit = partial(_admit, ctx)
+                ram_ms = _median_ms(partial(admit, block), repeat)
+                await disk.write(entry)
+                path = disk._path(key)
+                disk_read, disk_total, plain = [], [], []
+                for _ in range(repeat):
+                    dropped &= _drop_cache(path)
+                    began = time.perf_counter()
+                    got = await disk.read(key)
+                    read = time.perf_counter() - began
+                    assert got is not None
+                    admit(got.block)
+                    disk_total.append(time.perf_counter() - began)
+                    disk_read.append(read)
+                    _drop_cache(path)
+                    began = time.perf_counter()
+                    _plain_read(path)
+                    plain.append(time.perf_counter() - began)
+                remote_ms = None
+                if remote is not None:
+                    await remote.write(entry)
+                    times = []
+                    for _ in range(repeat):
+                        began = time.perf_counter()
+                        got = await remote.read(key)
+                        assert got is not None
+                        admit(got.block)
+                        times.append(time.perf_counter() - began)
+                    remote_ms = statistics.median(times) * 1e3
+                fresh = engine.open_context(max(512, n + 64))
+                began = time.perf_counter()
+                fresh.prefill(tokens)
+                recompute_ms = (time.perf_counter() - began) * 1e3
+                fresh.close()
+                ctx.close()
+                rows.append(
+                    TierRow(
+                        tokens=n,
+                        bytes=int(block.data.size),
+                        ram_ms=ram_ms,
+                        disk_ms=statistics.median(disk_total) * 1e3,
+                        disk_read_ms=statistics.median(disk_read) * 1e3,
+                        plain_read_ms=statistics.median(plain) * 1e3,
+                        remote_ms=remote_ms,
+                        recompute_ms=recompute_ms,
+                    )
+                )
+            if remote is not None:
+                remote.close()
+            where = "a local redis-server on loopback" if url else "none: redis-server not found"
+    finally:
+        engine.close()
+    cache = (
+        "dropped per file with posix_fadvise(DONTNEED) after fsync"
+        if dropped
+        else "not dropped (the kernel refused): disk reads may come from the page cache"
+    )
+    return rows, cache, where
+
+
+RESTART = """
+import anyio, json, sys, time, kvrt
+from kvrt import Segment
+from kvrt.tools.bench.quick import text_of
+
+async def main(mode):
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens={hot}) as s:
+        doc = text_of(rt.engine, {tokens})
+        context = [Segment("doc", doc), Segment("q", "Which crates came first?")]
+        began = time.perf_counter()
+        status = await s.ensure_context(context)
+        async for _ in s.generate(1, stop_at_end=False):
+            break
+        ms = (time.perf_counter() - began) * 1e3
+        print(json.dumps({{"ms": ms, "restored": status.restored_tokens}}))
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+async def _restart(tokens: int, folder: str) -> tuple[float, float, int]:
+    """TTFT of a re-sent segment in a fresh process: from disk, then with no disk tier."""
+    script = RESTART.format(hot=tokens + 512, tokens=tokens)
+    env = {**os.environ, "KVRT_DISK_PATH": folder}
+
+    async def once(extra: dict[str, str]) -> dict[str, float]:
+        done = await anyio.run_process(
+            [sys.executable, "-c", script, "x"], env={**env, **extra}, check=True
+        )
+        return dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+
+    await once({})  # the earlier process: computes, writes its blocks, exits
+    restored = await once({})
+    recomputed = await once({"KVRT_DISK_BUDGET": "0"})
+    return restored["ms"], recomputed["ms"], int(restored["restored"])
+
+
+async def _spilling(config: Config, decode: int) -> tuple[float, float, float, int]:
+    """Decode tokens/s of 4 sessions, quiet and while the cold store spills blocks to disk
+    as fast as it can (real exported KV, put under ever new keys); the MB/s spilled."""
+
+    async def generate(rt: kvrt.Runtime, i: int, made: list[int]) -> None:
+        async with rt.open_session(hot_tokens=512) as s:
+            await s.ensure_context([kvrt.Segment("q", f"Story {i}: once upon a time")])
+            made[i] = len((await s.generate(decode, stop_at_end=False)).tokens)
+
+    async def spill(rt: kvrt.Runtime, block: kvrt.ColdBlock, stop: anyio.Event) -> None:
+        i = 0
+        while not stop.is_set():
+            key = ColdKey(block.meta.fingerprint, token_digest([i]), "spill", 0)
+            await rt._cold.put(ColdEntry(key, CacheClass.VOLATILE, block))
+            i += 1
+
+    results = []
+    for spilling in (False, True):
+        async with kvrt.open_runtime(config=config) as rt:
+            ctx = rt.engine.open_context(512)
+            ctx.prefill(rt.engine.tokenize(text_of(rt.engine, 128), add_special=True)[:128])
+            block = ctx.export(0, 128)
+            ctx.close()
+            stop = anyio.Event()
+            made = [0] * 4
+            async with anyio.create_task_group() as tg:
+                if spilling:
+                    tg.start_soon(spill, rt, block, stop)
+                began = time.perf_counter()
+                async with anyio.create_task_group() as gens:
+                    for i in range(4):
+                        gens.start_soon(generate, rt, i, made)
+                seconds = time.perf_counter() - began
+                stop.set()
+            disk = rt.cold_stats().disk
+            writes = disk.writes if disk is not None else 0
+            mb = writes * block.data.size / 1e6
+            results.append((sum(made) / seconds, mb / seconds, writes))
+    return results[0][0], results[1][0], results[1][1], results[1][2]
+
+
+async def run_tiers_bench(
+    config: Config,
+    *,
+    sizes: tuple[int, ...] = (128, 1024, 4096),
+    restart_tokens: int = 2048,
+    decode: int = 32,
+    repeat: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> TiersBench:
+    def step(what: str) -> None:
+        if progress is not None:
+            progress(what)
+
+    rows, cache, where = await _block_rows(config, sizes, repeat, step)
+    step("restarted process")
+    with tempfile.TemporaryDirectory() as folder:
+        disk_ms, recomputed_ms, restored = await _restart(restart_tokens, folder)
+    step("decode while spilling")
+    quiet, busy, mb_s, blocks = await _spilling(config, decode)
+    return TiersBench(
+        rows=rows,
+        page_cache=cache,
+        remote=where,
+        restart_tokens=restart_tokens,
+        ttft_restarted_disk_ms=disk_ms,
+        ttft_restarted_recomputed_ms=recomputed_ms,
+        restart_restored_tokens=restored,
+        decode_tps_quiet=quiet,
+        decode_tps_spilling=busy,
+        spill_mb_per_s=mb_s,
+        spilled_blocks=blocks,
+    )
+
+
+def print_tiers(f: TiersBench) -> None:
+    print("block restore, median ms (page cache: " + f.page_cache + "; remote: " + f.remote + ")")
+    print("tokens     bytes      RAM     disk  (read  GB/s | plain read GB/s)   Redis  recompute")
+    for r in f.rows:
+        remote = f"{r.remote_ms:7.2f}" if r.remote_ms is not None else "      -"
+        print(
+            f"{r.tokens:6d} {r.bytes:9d} {r.ram_ms:8.2f} {r.disk_ms:8.2f}  ({r.disk_read_ms:6.2f} "
+            f"{r.disk_gbps:5.2f} | {r.plain_read_ms:6.2f} {r.plain_gbps:5.2f})   {remote} "
+            f"{r.recompute_ms:9.1f}"
+        )
+    print(
+        f"re-sent {f.restart_tokens}-token segment in a restarted process: first token "
+        f"{f.ttft_restarted_disk_ms:.0f} ms from disk ({f.restart_restored_tokens} tokens "
+        f"restored) vs {f.ttft_restarted_recomputed_ms:.0f} ms recomputed "
+        f"({f.ttft_restarted_recomputed_ms / f.ttft_restarted_disk_ms:.1f}x)"
+    )
+    print(
+        f"4 sessions decoding: {f.decode_tps_quiet:.1f} tok/s quiet, {f.decode_tps_spilling:.1f} "
+        f"tok/s while the cold store spills {f.spill_mb_per_s:.1f} MB/s to disk "
+        f"({f.spilled_blocks} blocks)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from kvrt.tools.bench import own_disk_tier
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="128,1024,4096")
+    parser.add_argument("--restart-tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = tuple(int(x) for x in args.sizes.split(","))
+    with own_disk_tier():
+        figures = anyio.run(
+            lambda: run_tiers_bench(
+                kvrt.load_config(),
+                sizes=sizes,
+                restart_tokens=args.restart_tokens,
+                progress=lambda what: print(what, file=sys.stderr),
+            )
+        )
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(figures)).decode())
+    else:
+        print_tiers(figures)
+
+
+if __name__ == "__main__":
+    main()

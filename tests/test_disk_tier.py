@@ -1,0 +1,450 @@
+"""The disk tier: blocks that survive restarts and crashes, checked before every use.
+
+The format refuses damaged bytes; the tier rebuilds its index from the files on open,
+removing truncated or damaged ones; RAM victims are demoted to disk and disk hits promoted
+back; faults in the writer leave a block in RAM or count it lost, never crash; a process
+killed mid-spill leaves only complete blocks; two processes share a folder. The restart
+test runs the real model: a second process restores, bit-exact, what the first computed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+
+import kvrt
+from kvrt import CacheClass, Segment, policies
+from kvrt._cold import BlockIO, ColdStore, DiskTier, blockfile
+from kvrt.adapters.llama import LlamaEngine
+
+from .disk_writer import SIZE, block, disk_tier
+
+HERE = Path(__file__).resolve().parent
+WRITER = [sys.executable, str(HERE / "disk_writer.py")]
+
+
+def store_over(disk: DiskTier, ram_blocks: int = 2, **kw: object) -> ColdStore:
+    victim = policies.get("cold_victim", "class_lru")
+    return ColdStore(ram_blocks * SIZE, victim, disk=disk, **kw)  # type: ignore[arg-type]
+
+
+async def settled(store: ColdStore) -> None:
+    """Wait until the disk writers have nothing queued or in flight."""
+    with anyio.fail_after(20):
+        while store.pending:
+            await anyio.sleep(0.01)
+
+
+def block_files(path: Path) -> list[Path]:
+    return sorted(path.rglob("*.kvb"))
+
+
+# -- the format --
+
+
+def test_a_block_round_trips_and_every_damage_is_refused() -> None:
+    entry = block(7)
+    head, payload = blockfile.encode(entry)
+    good = np.frombuffer(head + bytes(payload), dtype=np.uint8).copy()
+    back = blockfile.decode(good.copy(), expect=entry.key)
+    assert back.key == entry.key and back.cache_class is CacheClass.VOLATILE
+    assert back.meta == entry.meta and np.array_equal(back.data, entry.data)
+
+    def damaged(at: int) -> np.ndarray:
+        bad = good.copy()
+        bad[at] ^= 0x01
+        return bad
+
+    for at in (0, 9, blockfile.PREFIX.size + 3, len(head) + 100, len(good) - 1):
+        with pytest.raises(blockfile.CorruptBlockError):
+            blockfile.decode(damaged(at))
+    with pytest.raises(blockfile.CorruptBlockError, match="promises"):
+        blockfile.decode(good[:-1].copy())
+    with pytest.raises(blockfile.CorruptBlockError, match="another key"):
+        blockfile.decode(good.copy(), expect=block(8).key)
+
+
+# -- the tier in one process --
+
+
+@pytest.mark.anyio
+async def test_ram_victims_are_demoted_and_disk_hits_promoted(tmp_path: Path) -> None:
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    store = store_over(disk)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(6):
+            assert await store.put(block(i))
+        await settled(store)
+        stats = store.stats()
+        assert stats.entries == 2 and stats.evictions == stats.demoted == 4
+        for i in range(6):
+            assert block(i).key in store
+        found = await store.fetch(block(0).key)
+        assert found is not None and found.tier == "disk"
+        assert np.array_equal(found.entry.data, block(0).data)
+        assert found.entry.meta == block(0).meta
+        again = await store.fetch(block(0).key)
+        assert again is not None and again.tier == "ram"  # promoted
+        stats = store.stats()
+        assert stats.disk_hits == 1 and stats.promoted == 1 and stats.exact_hits == 2
+        store.close()
+    assert store.stats().disk is not None
+    assert store.stats().disk.writes == 6 and len(block_files(tmp_path)) == 6
+
+
+@pytest.mark.anyio
+async def test_the_index_is_rebuilt_on_open_and_damaged_files_removed(tmp_path: Path) -> None:
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    store = store_over(disk)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(5):
+            await store.put(block(i))
+        store.close()
+    files = block_files(tmp_path)
+    assert len(files) == 5
+    truncated, flipped = files[0], files[1]
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    raw = bytearray(flipped.read_bytes())
+    raw[-10] ^= 0xFF  # the header still reads: only the checksum can tell
+    flipped.write_bytes(bytes(raw))
+    garbage = files[2].parent / ("0" * 40 + ".kvb")
+    garbage.write_bytes(b"not a block at all")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    leftover = files[3].parent / f".{files[3].stem}.{int(dead.stdout)}.abcd.tmp"
+    leftover.write_bytes(b"half a block")
+    unrelated = tmp_path / "notes.txt"
+    unrelated.write_text("mine")
+
+    reopened = disk_tier(str(tmp_path))
+    reopened.open()
+    stats = reopened.stats()
+    assert stats.opened_with == stats.entries == 4  # the flipped one is caught on read
+    assert stats.corrupt == 2  # the truncated file and the garbage
+    assert not truncated.exists() and not garbage.exists() and not leftover.exists()
+    assert unrelated.read_text() == "mine"  # not ours: left alone
+
+    store = store_over(reopened)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        served = {i: await store.fetch(block(i).key) for i in range(5)}
+        store.close()
+    broken = {i for i, f in served.items() if f is None}
+    assert len(broken) == 2  # the truncated block and the flipped one: misses, never served
+    for i, found in served.items():
+        if found is not None:
+            assert np.array_equal(found.entry.data, block(i).data)
+    assert reopened.stats().corrupt == 3 and not flipped.exists()
+    assert reopened.stats().last_error is not None
+
+
+@pytest.mark.anyio
+async def test_the_disk_budget_holds(tmp_path: Path) -> None:
+    one = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in blockfile.encode(block(0)))
+    disk = DiskTier(tmp_path, 3 * one, "f", policies.get("cold_victim", "class_lru").order)
+    disk.open()
+    store = store_over(disk)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(8):
+            await store.put(block(i))
+        store.close()
+    stats = disk.stats()
+    assert stats.entries == 3 and stats.bytes <= stats.budget_bytes and stats.removed == 5
+    assert len(block_files(tmp_path)) == 3
+    kept = {i for i in range(8) if block(i).key in disk}
+    assert kept <= {4, 5, 6, 7}  # the least recently written went (two writers: near order)
+
+
+class Faulty(BlockIO):
+    """A writer that fails the way disks do: no space, an I/O error, or a short write that
+    claims more than it wrote."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.on = True
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if not self.on:
+            return super().write(fd, data)
+        if self.fault == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if self.fault == "eio":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        os.write(fd, data[: max(1, data.nbytes // 2)])
+        return data.nbytes  # lies: the check of the file's size catches it
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["enospc", "eio", "short"])
+async def test_writer_faults_are_reported_never_served_never_a_crash(
+    tmp_path: Path, fault: str
+) -> None:
+    io = Faulty(fault)
+    disk = DiskTier(tmp_path, 1 << 30, "f", policies.get("cold_victim", "class_lru").order, io=io)
+    disk.open()
+    store = store_over(disk, ram_blocks=3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(2):
+            await store.put(block(i))
+        await settled(store)
+        stats = disk.stats()
+        assert stats.write_failures == 2 and stats.writes == 0 and stats.lost == 0
+        assert stats.last_error is not None and "writ" in stats.last_error
+        for i in range(2):  # still in RAM, whole
+            found = await store.fetch(block(i).key)
+            assert found is not None and found.tier == "ram"
+            assert np.array_equal(found.entry.data, block(i).data)
+
+        for i in range(2, 8):  # RAM overflows while every write fails
+            await store.put(block(i))
+        await settled(store)
+        stats, ram = disk.stats(), store.stats()
+        held = [i for i in range(8) if block(i).key in store]
+        assert len(held) == ram.entries <= 3
+        assert stats.lost == 8 - len(held)  # counted, not silent
+        for i in held:
+            found = await store.fetch(block(i).key)
+            assert found is not None and np.array_equal(found.entry.data, block(i).data)
+
+        io.on = False  # the disk recovers: later blocks are written
+        await store.put(block(9))
+        await settled(store)
+        assert disk.stats().writes == 1 and block(9).key in disk
+        store.close()
+    assert not list(tmp_path.rglob("*.tmp"))  # no half-written file left behind
+    assert len(block_files(tmp_path)) == 1
+
+
+class Slow(BlockIO):
+    def write(self, fd: int, data: memoryview) -> int:
+        time.sleep(0.3)
+        return super().write(fd, data)
+
+
+@pytest.mark.anyio
+async def test_close_finishes_queued_writes_within_its_timeout(tmp_path: Path) -> None:
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    store = store_over(disk, ram_blocks=8)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(4):
+            await store.put(block(i))
+        store.close()
+    assert len(block_files(tmp_path)) == 4
+    assert store.flush_report is None or "finished" in store.flush_report
+
+    slow = DiskTier(tmp_path / "slow", 1 << 30, "f", disk._order, io=Slow())
+    slow.open()
+    store = store_over(slow, ram_blocks=8, flush_timeout=0.2, writers=1)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        for i in range(4):
+            await store.put(block(i))
+        store.close()
+    assert store.flush_report is not None and "unfinished after 0.2 s" in store.flush_report
+    assert not list((tmp_path / "slow").rglob("*.tmp"))
+
+
+# -- processes --
+
+
+@pytest.mark.subprocess
+def test_a_process_killed_mid_spill_leaves_only_complete_blocks(tmp_path: Path) -> None:
+    child = subprocess.Popen(
+        [*WRITER, str(tmp_path), "0", "100000"], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    written = 0
+    while written < 40:
+        line = child.stdout.readline()
+        assert line, "the writer ended early"
+        written = int(line.split()[1])
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    stats = disk.stats()
+    assert stats.entries >= written and stats.corrupt == 0
+    assert not list(tmp_path.rglob("*.tmp"))  # the dead writer's temporary files went
+
+    async def read_all() -> int:
+        good = 0
+        for path in block_files(tmp_path):
+            raw = np.fromfile(path, dtype=np.uint8)
+            entry = blockfile.decode(raw)
+            i = entry.meta.start // 16
+            assert entry.key == block(i).key and np.array_equal(entry.data, block(i).data)
+            good += 1
+        return good
+
+    assert anyio.run(read_all) == stats.entries
+
+
+@pytest.mark.subprocess
+def test_two_processes_share_one_folder(tmp_path: Path) -> None:
+    a = subprocess.Popen([*WRITER, str(tmp_path), "0", "60"], stdout=subprocess.PIPE, text=True)
+    b = subprocess.Popen([*WRITER, str(tmp_path), "30", "90"], stdout=subprocess.PIPE, text=True)
+    out_a, _ = a.communicate(timeout=120)
+    out_b, _ = b.communicate(timeout=120)
+    assert a.returncode == b.returncode == 0
+    assert out_a.splitlines()[-1].startswith("done") and out_b.splitlines()[-1].startswith("done")
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    assert disk.stats().entries == 90 and disk.stats().corrupt == 0
+    for path in block_files(tmp_path):
+        entry = blockfile.decode(np.fromfile(path, dtype=np.uint8))
+        i = entry.meta.start // 16
+        assert np.array_equal(entry.data, block(i).data)
+
+
+# -- the real model across a restart --
+
+DOC = (
+    "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "
+    "colour of the sky, the height of the waves and the names of the ships that passed. "
+) * 5
+OTHER = (
+    "A baker in the valley rose at four each morning to light the ovens, and by six the "
+    "whole street smelled of rye, caraway and the sweet buns the children liked best. "
+) * 5
+FIRST_PROCESS = """
+import anyio, kvrt
+from kvrt import Segment
+
+async def main():
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+        await s.ensure_context([Segment("doc", {doc!r}), Segment("q", "Who kept the logbook?")])
+        # Another context pushes the first one out of the hot window, into the cold store.
+        await s.ensure_context([Segment("other", {other!r}), Segment("q", "Who baked?")])
+        print(rt.cold_stats().pending_writes, flush=True)
+
+anyio.run(main)
+"""
+
+
+async def references(engine: LlamaEngine, context: list[Segment]) -> tuple[list[int], np.ndarray]:
+    """With no tier below RAM: the greedy continuation of a session that never evicted,
+    and the logits of one that restored the whole context from RAM (its last token then
+    computed alone, as after any restore that brings back the context's end)."""
+    off = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
+    async with kvrt.open_runtime(engine=engine, config=off) as rt:
+        async with rt.open_session(hot_tokens=512) as ref:
+            await ref.ensure_context(context)
+            want = (await ref.generate(max_tokens=16)).tokens
+        async with rt.open_session(hot_tokens=512) as ref:
+            status = await ref.ensure_context(context)
+            assert status.restored_tokens > 0
+            logits = await ref._actor._engine("logits", ref._actor.ctx.logits)
+    return want, logits
+
+
+@pytest.mark.subprocess
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # the remote tier's twin runs asyncio
+async def test_a_restarted_process_restores_what_an_earlier_one_computed(
+    engine: LlamaEngine, anyio_backend: str
+) -> None:
+    context = [Segment("doc", DOC), Segment("q", "Who kept the logbook?")]
+    script = FIRST_PROCESS.format(doc=DOC, other=OTHER)
+    done = await anyio.run_process([sys.executable, "-c", script], check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+    want, want_logits = await references(engine, context)
+
+    small_ram = kvrt.load_config(flags={"memory.cold": "3MiB"})
+    async with kvrt.open_runtime(engine=engine, config=small_ram) as rt:
+        disk = rt.cold_stats().disk
+        assert disk is not None and disk.opened_with > 0  # the first process's blocks
+        async with rt.open_session(hot_tokens=512) as s:
+            status = await s.ensure_context(context)
+            assert status.restored_tokens > 0 and status.exact
+            assert status.prefilled_tokens < status.restored_tokens
+            choices = {b.choice for b in s.explain().blocks if b.segment == "doc"}
+            assert any("restored from cold (disk)" in c for c in choices), choices
+            got_logits = await s._actor._engine("logits", s._actor.ctx.logits)
+            got = (await s.generate(max_tokens=16)).tokens
+            # RAM holds about one block here: the doc's evicted blocks are cold on disk
+            # (demoted, or never promoted) or in RAM, and explain() says which.
+            await s.evict("doc")
+            tiers = [b.cold_tier for b in s.explain().blocks if b.segment == "doc"]
+            assert "disk" in tiers and set(tiers) <= {"ram", "disk"}, tiers
+        assert rt.cold_stats().disk_hits > 0
+    assert np.array_equal(got_logits, want_logits)
+    assert got == want
+
+
+SAVING_PROCESS = """
+import anyio, json, sys, kvrt
+from kvrt import Segment
+
+async def main():
+    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=512) as s:
+        await s.ensure_context([
+            Segment("system", "You answer briefly.", cache_class="task_pinned"),
+            Segment("doc", {doc!r}),
+            Segment("q", "The logbook was kept by"),
+        ])
+        first = await s.generate(max_tokens=12)  # generated tokens join the context
+        saved = await s.save(sys.argv[1])
+        after = await s.generate(max_tokens=12)
+        assert len(first.tokens) == 12, first.finish_reason
+        print(json.dumps({{"first": first.tokens, "after": after.tokens,
+                          "on_disk": saved.on_disk, "blocks": len(saved.blocks)}}))
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_saved_session_resumes_in_a_later_process(
+    engine: LlamaEngine, tmp_path: Path, anyio_backend: str
+) -> None:
+    path = tmp_path / "agent.json"
+    script = SAVING_PROCESS.format(doc=DOC)
+    done = await anyio.run_process([sys.executable, "-c", script, str(path)], check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    child = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert child["on_disk"] == child["blocks"] > 0  # every block reached the disk
+
+    saved = msgspec.json.decode(path.read_bytes(), type=kvrt.SavedSession)
+    assert [s.name for s in saved.segments] == ["system", "doc", "q", "assistant"]
+    assert saved.segments[0].cache_class is CacheClass.TASK_PINNED
+    assert saved.segments[-1].tokens == child["first"]  # the reply is part of it
+
+    async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(resume=path) as s:
+        assert s.resumed is not None
+        assert s.resumed.restored_tokens == s.resumed.logical_tokens  # every block, from disk
+        assert s.resumed.prefilled_tokens <= 1 and s.resumed.exact
+        after = await s.generate(max_tokens=12)
+    assert list(after.tokens) == child["after"]  # it continues as the first process did
+
+    other = kvrt.Config(engine=kvrt.EngineConfig(kv_type="q8_0"), disk=kvrt.DiskConfig(budget=0))
+    with pytest.raises(kvrt.InvalidContextError, match="another model or KV layout"):
+        async with kvrt.open_runtime(config=other) as rt, rt.open_session(resume=path):
+            pass
+    path.write_text("{not json")
+    with pytest.raises(kvrt.InvalidContextError, match="not a saved kvrt session"):
+        async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(resume=path):
+            pass
