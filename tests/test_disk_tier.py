@@ -448,3 +448,51 @@ async def test_a_saved_session_resumes_in_a_later_process(
     with pytest.raises(kvrt.InvalidContextError, match="not a saved kvrt session"):
         async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(resume=path):
             pass
+
+
+@pytest.mark.anyio
+async def test_bad_tier_settings_and_paths_are_clear_errors(
+    engine: LlamaEngine, tmp_path: Path
+) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    bad = kvrt.load_config(flags={"disk.path": str(not_a_folder / "blocks")})
+    with pytest.raises(kvrt.ConfigError, match=r"disk\.path .* cannot hold cold blocks"):
+        async with kvrt.open_runtime(engine=engine, config=bad):
+            pass
+    with pytest.raises(kvrt.ConfigError, match=r"remote\.url must be a redis://"):
+        async with kvrt.open_runtime(
+            engine=engine, config=kvrt.load_config(flags={"remote.url": "http://x"})
+        ):
+            pass
+    with pytest.raises(kvrt.ConfigError, match=r"disk\.budget"):
+        kvrt.load_config(flags={"disk.budget": "-1"})
+    async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(hot_tokens=512) as s:
+        await s.ensure_context([Segment("q", "Hello")])
+        with pytest.raises(kvrt.InvalidArgumentError, match="cannot write the saved session"):
+            await s.save(tmp_path / "missing" / "agent.json")
+        with pytest.raises(kvrt.ArgumentTypeError):
+            await s.save(42)  # type: ignore[arg-type]
+    with pytest.raises(kvrt.InvalidContextError, match="cannot read the saved session"):
+        async with (
+            kvrt.open_runtime(engine=engine) as rt,
+            rt.open_session(resume=tmp_path / "none.json"),
+        ):
+            pass
+
+
+@pytest.mark.anyio
+async def test_a_prefetch_reads_disk_hits_into_ram_ahead_of_the_call(engine: LlamaEngine) -> None:
+    context = [Segment("doc", DOC), Segment("q", "Who kept the logbook?")]
+    async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(hot_tokens=512) as s:
+        await s.ensure_context(context)  # its blocks reach the disk when the session closes
+    async with kvrt.open_runtime(engine=engine) as rt, rt.open_session(hot_tokens=512) as s:
+        assert rt.cold_stats().entries == 0  # a new store: the blocks are on disk only
+        found = await s.prefetch(context).wait()
+        assert found is not None and found.cold_blocks == 3  # doc (128 + 58 tokens), question
+        stats = rt.cold_stats()
+        assert stats.promoted == found.cold_blocks and stats.entries == found.cold_blocks
+        status = await s.ensure_context(context)
+        assert status.restored_tokens == status.logical_tokens
+        assert {b.choice for b in s.explain().blocks} == {"restored from cold"}  # from RAM
+        assert rt.cold_stats().disk_hits == 0

@@ -149,6 +149,7 @@ async def fuzz(s: kvrt.Session, rng: random.Random, steps: int) -> int:
     return cancelled
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the sixteen sessions run trio
 async def test_random_cancellation_fuzz_1000_operations(anyio_backend: str) -> None:
     config = Config(session=SessionConfig(**SMALL))
     rng = random.Random(f"fuzz-{anyio_backend}")
@@ -162,6 +163,7 @@ async def test_random_cancellation_fuzz_1000_operations(anyio_backend: str) -> N
     assert cancelled >= 100  # the fuzz really did cancel a good share of its calls
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # the cancellation fuzz runs asyncio
 async def test_sixteen_sessions_hundred_operations_each(anyio_backend: str) -> None:
     budget = 24_000_000  # a cold store much smaller than 16 sessions' blocks: victims go
     config = Config(

@@ -158,8 +158,11 @@ async def test_resent_earlier_turn_restores_every_cold_block_with_the_choice_sho
 
 
 def small_cold(n_bytes: int, wait: float) -> kvrt.Config:
+    """A small RAM cold store and no disk tier: what is pinned is all a prefetch holds."""
     return kvrt.Config(
-        memory=kvrt.MemoryConfig(cold=n_bytes), session=kvrt.SessionConfig(cold_wait=wait)
+        memory=kvrt.MemoryConfig(cold=n_bytes),
+        session=kvrt.SessionConfig(cold_wait=wait),
+        disk=kvrt.DiskConfig(budget=0),
     )
 
 

@@ -134,7 +134,7 @@ async def test_two_sessions_share_one_model_and_cold_store(backend: str) -> None
 
 
 async def test_bad_input(backend: str) -> None:
-    small = Config(memory=MemoryConfig(cold=23040 * 512))
+    small = Config(memory=MemoryConfig(cold=23040 * 512), disk=kvrt.DiskConfig(budget=0))
     async with kvrt.open_runtime(backend, config=small) as rt:
         async with rt.open_session(hot_tokens=512) as s:
             assert s.explain().planner_context == 1024

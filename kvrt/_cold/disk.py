@@ -317,11 +317,15 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)  # removed by another process sharing the path
             return None
-        except (OSError, blockfile.CorruptBlockError) as exc:
+        except blockfile.CorruptBlockError as exc:
             self._forget(key)
             self.corrupt += 1
             self.last_error = f"{record.path.name}: {exc}"
             await anyio.to_thread.run_sync(self._unlink, record.path, limiter=self._limiter)
+            return None
+        except OSError as exc:  # unreadable now: not served, left for a later process
+            self._forget(key)
+            self.last_error = f"reading {record.path.name}: {exc.strerror or exc}"
             return None
         self.hits += 1
         return entry

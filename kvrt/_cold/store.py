@@ -8,12 +8,13 @@ dropped; when nothing else can go, a put waits, bounded, for a pin to be release
 then fails with :class:`~kvrt.ColdStoreFullError`. Entries are immutable, so a block
 served to one session can be served to any other.
 
-Below RAM, an optional disk tier (:class:`~kvrt._cold.disk.DiskTier`): every entry
-admitted to RAM is written through to disk by background writers fed by a bounded queue
-(backpressure again), so a crash loses only the writes in flight and a new process finds
-the blocks. A RAM victim with a disk copy (or one on its way) is *demoted*, not lost; a
-disk hit is read, verified and *promoted* back into RAM. Closing the store finishes the
-queued writes, within ``flush_timeout``.
+Below RAM, an optional disk tier (:class:`~kvrt._cold.disk.DiskTier`) and an optional
+remote tier (:class:`~kvrt._cold.remote.RemoteTier`): every entry admitted to RAM is
+written through to them by background writers fed by a bounded queue (backpressure
+again), so a crash loses only the writes in flight and a new process, or another host,
+finds the blocks. A RAM victim with a copy below (or one on its way) is *demoted*, not
+lost; a hit below is read, verified and *promoted* back into RAM. Closing the store
+finishes the queued writes, within ``flush_timeout``.
 
 Besides exact lookups by key, the store finds entries by their tokens alone (the same
 tokens after another prefix): the *approximate* hits a policy may allow (RAM only).

@@ -80,8 +80,9 @@ class Prepared:
 class Prefetch:
     """A prefetch running in the background for a session's next ``ensure_context``.
 
-    It tokenizes the segments and pins their exact cold hits, so they are still in the
-    store (and need no tokenizing) when the call comes. The pins go when that call has
+    It tokenizes the segments, reads their exact cold hits on disk or in the remote tier
+    back into RAM, and pins them, so they are still in RAM (and need no tokenizing) when
+    the call comes. The pins go when that call has
     placed the context, when :meth:`cancel` is called, when a newer prefetch replaces this
     one, when the session closes, or after ``hold`` seconds.
     """

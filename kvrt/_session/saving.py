@@ -25,7 +25,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from .._errors import InvalidContextError
+from .._errors import InvalidArgumentError, InvalidContextError
 from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
@@ -94,7 +94,12 @@ async def save_session(
         cold_blocks=sum(k in cold for k in keys),
         on_disk=sum(cold.lower_holds(k) for k in keys),
     )
-    await anyio.to_thread.run_sync(_write, Path(path), msgspec.json.encode(saved))
+    try:
+        await anyio.to_thread.run_sync(_write, Path(path), msgspec.json.encode(saved))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise InvalidArgumentError(
+            f"cannot write the saved session to {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     return saved
 
 
