@@ -56,6 +56,7 @@ from ._errors import InvalidRangeError as InvalidRangeError
 from ._errors import InvalidTokenError as InvalidTokenError
 from ._errors import KvrtError as KvrtError
 from ._errors import ModelLoadError as ModelLoadError
+from ._errors import NotVisibleError as NotVisibleError
 from ._errors import OperationCancelledError as OperationCancelledError
 from ._errors import SessionClosedError as SessionClosedError
 from ._errors import UnknownPolicyError as UnknownPolicyError
@@ -67,6 +68,7 @@ from ._reports import Completion as Completion
 from ._reports import ContextStatus as ContextStatus
 from ._reports import Piece as Piece
 from ._reports import PrefetchReport as PrefetchReport
+from ._reports import SegmentReport as SegmentReport
 from ._reports import SessionCounters as SessionCounters
 from ._reports import SessionReport as SessionReport
 from ._reports import Timings as Timings
@@ -132,6 +134,7 @@ __all__ = [
     "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
+    "NotVisibleError",
     "OperationCancelledError",
     "Piece",
     "PolicyConfig",
@@ -147,6 +150,7 @@ __all__ = [
     "SavedSegment",
     "SavedSession",
     "Segment",
+    "SegmentReport",
     "Session",
     "SessionClosedError",
     "SessionConfig",

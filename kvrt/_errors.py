@@ -23,6 +23,7 @@ __all__ = [
     "InvalidTokenError",
     "KvrtError",
     "ModelLoadError",
+    "NotVisibleError",
     "OperationCancelledError",
     "SessionClosedError",
     "UnknownPolicyError",
@@ -83,6 +84,11 @@ class ColdBlockMismatchError(KvrtError, ValueError):
 
 class ColdStoreFullError(KvrtError):
     """The cold store stayed full for the whole bounded wait: nothing in it could be dropped."""
+
+
+class NotVisibleError(KvrtError):
+    """Segments the caller requires visible (``require_visible``) cannot all be hot at once:
+    the model would not attend to them. Raised before anything is placed."""
 
 
 class ContextTooLargeError(KvrtError, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
+
 import msgspec
 
 from ._backend import Capabilities, Counters
@@ -14,10 +16,12 @@ __all__ = [
     "ContextStatus",
     "Piece",
     "PrefetchReport",
+    "SegmentReport",
     "SessionCounters",
     "SessionReport",
     "Timings",
     "Usage",
+    "segment_reports",
 ]
 
 
@@ -202,6 +206,52 @@ class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
     ``remote``."""
 
 
+class SegmentReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One segment of a session's context: how much of it the model attends to."""
+
+    name: str
+    """The segment's name."""
+    cache_class: CacheClass
+    """Its cache class."""
+    n_tokens: int
+    """Its tokens."""
+    hot_tokens: int
+    """Of those, tokens in the hot window: what the model attends to."""
+    cold_tokens: int
+    """Tokens kept as KV bytes in a cold tier: restorable, not attended to."""
+    dropped_tokens: int
+    """Tokens kept as tokens only: computed again when needed."""
+    seen: str
+    """``hot`` (all of it attended to), ``partly`` or ``unseen``."""
+    required: bool
+    """Named in the last ``ensure_context``'s ``require_visible``: kept hot."""
+
+
+def segment_reports(blocks: Sequence[BlockReport], required: Container[str]) -> list[SegmentReport]:
+    """One line per segment, in context order, from its blocks' residency."""
+    order: dict[str, list[BlockReport]] = {}
+    for b in blocks:
+        order.setdefault(b.segment, []).append(b)
+    out = []
+    for name, parts in order.items():
+        by = {r: sum(b.n_tokens for b in parts if b.residency is r) for r in Residency}
+        total = sum(by.values())
+        hot = by[Residency.HOT]
+        out.append(
+            SegmentReport(
+                name=name,
+                cache_class=parts[0].cache_class,
+                n_tokens=total,
+                hot_tokens=hot,
+                cold_tokens=by[Residency.COLD],
+                dropped_tokens=by[Residency.DROPPED],
+                seen="hot" if hot == total else "partly" if hot else "unseen",
+                required=name in required,
+            )
+        )
+    return out
+
+
 class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     """A session's state: sizes, every block, the cold store, the mailbox, counters."""
 
@@ -219,6 +269,8 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     """The context's tokens now."""
     blocks: list[BlockReport]
     """Every block of the context, in order."""
+    segments: list[SegmentReport]
+    """Every segment of the context, in order: how much of it is hot (seen by the model)."""
     residency_tokens: dict[str, int]
     """Context tokens by residency (``hot``, ``cold``, ``dropped``)."""
     cold_store: ColdStats

@@ -21,7 +21,7 @@ from .._errors import (
     OperationCancelledError,
     SessionClosedError,
 )
-from .._reports import BlockReport, SessionReport
+from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
 from .gate import SessionParts, Tally
 from .generation import Generate, Generation
@@ -41,6 +41,7 @@ CLOSE_OFFER_SECONDS = 30.0
 class Ensure:
     segments: tuple[Segment, ...]
     prepared: Prepared | None = None
+    require: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +149,8 @@ class Actor(Generation):
 
     async def _dispatch(self, command: Command) -> Any:
         match command:
-            case Ensure(segments, prepared):
-                return await self._ensure(segments, prepared)
+            case Ensure(segments, prepared, require):
+                return await self._ensure(segments, prepared, require=require)
             case Generate():
                 return await self._generate(command)
             case Evict(target):
@@ -269,6 +270,7 @@ class Actor(Generation):
             planner_context=window.planner_context,
             logical_tokens=window.length,
             blocks=blocks,
+            segments=segment_reports(blocks, window.required),
             residency_tokens=self.residency_tokens(),
             cold_store=self.cold.stats(),
             mailbox={

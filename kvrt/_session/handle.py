@@ -123,20 +123,27 @@ class Session(metaclass=NoPublicConstructor):
 
     # -- the API --
 
-    async def ensure_context(self, segments: Sequence[Segment]) -> ContextStatus:
+    async def ensure_context(
+        self, segments: Sequence[Segment], *, require_visible: Iterable[str] = ()
+    ) -> ContextStatus:
         """Make the session's context exactly ``segments``, in order.
 
         The resident prefix is reused, blocks with an exact cold-store hit are restored
         without compute, the rest is prefilled, and the hot window is kept within budget
         by the eviction policy. Returns what was reused, restored, prefilled and evicted.
+
+        ``require_visible`` names segments the model must attend to: they stay hot (like the
+        sinks) until the next context, or :class:`~kvrt.NotVisibleError` is raised before
+        anything moves when they cannot all be hot at once.
         """
         segments = _segments(segments)
+        require = _required(require_visible, segments)
         job, self._next = self._next, None
         if job is None or job._scope.cancel_called:
-            result: ContextStatus = await self._request(Ensure(segments))
+            result: ContextStatus = await self._request(Ensure(segments, require=require))
             return result
         try:
-            result = await self._request(Ensure(segments, job._prepared))
+            result = await self._request(Ensure(segments, job._prepared, require))
         finally:
             job.release()  # the call placed the context, failed or was dropped: unpin
         return result
@@ -416,6 +423,23 @@ def _segments(segments: Any) -> tuple[Segment, ...]:
     if not out:
         raise InvalidContextError("the context is empty: give at least one segment")
     return out
+
+
+def _required(names: Any, segments: tuple[Segment, ...]) -> tuple[str, ...]:
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise ArgumentTypeError(
+            f"require_visible must be a list of segment names, got {type(names).__name__}"
+        )
+    required = tuple(names)
+    known = {s.name for s in segments}
+    for name in required:
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"require_visible names must be str, got {name!r}")
+        if name not in known:
+            raise InvalidContextError(
+                f"require_visible names {name!r}, which is not a segment of this context"
+            )
+    return required
 
 
 def _target(target: Any) -> str | tuple[int, int]:

@@ -150,6 +150,9 @@ class HotWindow:
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
         self.blocks: list[Block] = []
+        self.required: frozenset[str] = frozenset()
+        """Segments the last ``ensure_context`` required visible: protected like the sinks
+        until the next context is placed."""
         self._next_id = 0
         self.clock = 0
 
@@ -317,13 +320,31 @@ class HotWindow:
     # -- eviction rules --
 
     def protected(self) -> set[int]:
-        """Ids of blocks that never leave the window: sinks and the recent window."""
+        """Ids of blocks that never leave the window: sinks, the recent window and the
+        segments required visible."""
         length = self.length
-        keep = set()
-        for b in self.blocks:
-            if b.start < self.sink_tokens or b.end > length - self.recent_tokens:
-                keep.add(b.id)
-        return keep
+        return {
+            b.id
+            for b in self.blocks
+            if self._stays_hot(b.segment, b.start, b.end, length, self.required)
+        }
+
+    def protected_tokens(
+        self, segments: Sequence[tuple[Segment, list[int]]], required: Container[str]
+    ) -> int:
+        """Tokens that would have to stay hot if ``segments`` were the context and the
+        segments named in ``required`` were required visible (nothing changes)."""
+        length = sum(len(toks) for _, toks in segments)
+        return sum(
+            len(chunk)
+            for seg, _, pos, chunk, _ in self._chunks(segments)
+            if self._stays_hot(seg.name, pos, pos + len(chunk), length, required)
+        )
+
+    def _stays_hot(
+        self, segment: str, start: int, end: int, length: int, required: Container[str]
+    ) -> bool:
+        return start < self.sink_tokens or end > length - self.recent_tokens or segment in required
 
     def plan_hot(self, order: Callable[[Sequence[BlockView]], list[int]], budget: int) -> set[int]:
         """Ids of the blocks the window should hold once the context is placed.

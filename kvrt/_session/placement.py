@@ -15,6 +15,7 @@ from .._backend import Engine, EvictMode
 from .._errors import (
     HotWindowFullError,
     InvalidContextError,
+    NotVisibleError,
 )
 from .._reports import ContextStatus, PrefetchReport
 from .._types import Residency
@@ -153,6 +154,7 @@ class Placement(Paging):
         segments: Sequence[Segment],
         prepared: Prepared | None = None,
         replies: Mapping[str, ReplyTokens] | None = None,
+        require: tuple[str, ...] = (),
     ) -> ContextStatus:
         self.counters.ensure_calls += 1
         self._tally = tally = Tally()
@@ -163,11 +165,15 @@ class Placement(Paging):
                 prepared.cancel()  # not ready when its call began: of no more use
         tokenize = partial(self.tokenize, segments, known=known, replies=replies)
         tokenized = await anyio.to_thread.run_sync(tokenize)
-        return await self._ensure_placed(tokenized, tally)
+        return await self._ensure_placed(tokenized, tally, require)
 
     async def _ensure_placed(
-        self, tokenized: list[tuple[Segment, list[int]]], tally: Tally
+        self,
+        tokenized: list[tuple[Segment, list[int]]],
+        tally: Tally,
+        require: tuple[str, ...] = (),
     ) -> ContextStatus:
+        self._check_visible(tokenized, require)
         layout, stale = self.window.plan_layout(tokenized)
         await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
         resident = self.resident()
@@ -183,11 +189,37 @@ class Placement(Paging):
         await self._write_back(superseded)
         await self._evict_blocks([b for b in stale if b not in superseded])
         self.window.adopt(layout)
+        self.window.required = frozenset(require)
         self.tainted &= {b.id for b in layout}
         await self._tidy()
         await self._place(layout)
         await self._last_logits()
+        unseen = [
+            b.segment for b in layout if b.segment in require and self.state(b) is not Residency.HOT
+        ]
+        if unseen:  # the plan keeps them hot, so this means a block could not come back
+            raise NotVisibleError(
+                f"segment {unseen[0]!r} is required visible but not all of it is hot"
+            )
         return self._status(tally)
+
+    def _check_visible(
+        self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...]
+    ) -> None:
+        """Refuse, before anything moves, a context whose required segments cannot be hot
+        together with the sinks and the recent window."""
+        if not require:
+            return
+        need = self.window.protected_tokens(tokenized, require)
+        if need > self.ctx.n_ctx:
+            sizes = ", ".join(
+                f"{seg.name!r} {len(toks)}" for seg, toks in tokenized if seg.name in require
+            )
+            raise NotVisibleError(
+                f"the segments required visible ({sizes} tokens), with the sinks and the recent "
+                f"window, need {need} tokens hot, more than the hot window's {self.ctx.n_ctx}: "
+                "require fewer segments, shorten them, or open the session with more hot_tokens"
+            )
 
     async def _place(self, layout: list[Block]) -> None:
         """Bring the layout's blocks in, left to right, keeping the window within budget.
