@@ -69,9 +69,7 @@ async def test_an_impossible_requirement_is_refused_before_anything_moves(
         await s.ensure_context(context()[:2] + context()[-1:])
         before = s.explain()
         with pytest.raises(kvrt.NotVisibleError, match="more than the hot window's 512"):
-            await s.ensure_context(
-                context(), require_visible=["notes:a", "notes:b", "notes:c"]
-            )
+            await s.ensure_context(context(), require_visible=["notes:a", "notes:b", "notes:c"])
         after = s.explain()
         assert after.blocks == before.blocks and after.consistent  # nothing moved
         with pytest.raises(kvrt.InvalidContextError, match="'notes:z', which is not a segment"):
