@@ -204,6 +204,9 @@ class BlockReport(msgspec.Struct, frozen=True, kw_only=True):
     cold_tier: str | None = None
     """For a ``cold`` block, the nearest tier holding its bytes: ``ram``, ``disk`` or
     ``remote``."""
+    relevance: float | None = None
+    """Its relevance to the query, when the hot-eviction policy scores blocks
+    (``relevance``): higher stays hot."""
 
 
 class SegmentReport(msgspec.Struct, frozen=True, kw_only=True):

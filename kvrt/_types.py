@@ -57,6 +57,10 @@ class BlockView(msgspec.Struct, frozen=True, kw_only=True):
     """A logical clock: larger is more recent."""
     score: float | None = None
     """Optional importance (e.g. attention mass); higher is more important."""
+    relevance: float | None = None
+    """How relevant the block is to the context's query (its last segment), as the
+    session's hot-eviction policy scored it (:class:`kvrt.policy.Relevance`); None when
+    that policy scores nothing."""
 
 
 class ColdEntryView(msgspec.Struct, frozen=True, kw_only=True):

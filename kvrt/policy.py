@@ -29,7 +29,9 @@ in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
 A runtime makes one instance per name and shares it among the sessions that pick it. A
 restore policy that also has :class:`Calibrating`'s methods is fed every session's
 measured restores and prefills; one with :class:`Estimating`'s shows its estimates in
-``explain()``.
+``explain()``. A hot-eviction policy with :class:`Relevance`'s method scores every block
+against the query before the context is placed, and reads the scores back in
+``BlockView.relevance``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "ColdVictim",
     "Estimating",
     "HotEviction",
+    "Relevance",
     "Restore",
     "RestoreQuery",
     "create",
@@ -107,6 +110,20 @@ class Calibrating(Protocol):
     def observe_restore(self, n_bytes: int, seconds: float) -> None: ...
 
     def observe_prefill(self, start: int, n_tokens: int, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class Relevance(Protocol):
+    """Optional for a hot-eviction policy: how relevant each block is to the query.
+
+    Called (pure, synchronous) each time a context is placed, with every block's tokens
+    and the tokens of the context's last segment; the scores come back to ``order`` as
+    ``BlockView.relevance`` and show in ``explain()``.
+    """
+
+    def relevance(self, blocks: Sequence[Sequence[int]], query: Sequence[int]) -> list[float]:
+        """One score per block, higher is more relevant."""
+        ...
 
 
 @runtime_checkable

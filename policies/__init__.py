@@ -25,6 +25,7 @@ from .cold_admission import AdmitAll as AdmitAll
 from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
 from .hot_eviction import ClassThenLRU as ClassThenLRU
+from .hot_eviction import LexicalRelevance as LexicalRelevance
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
 from .restore import AlwaysRestore as AlwaysRestore
 from .restore import CalibratedCost as CalibratedCost

@@ -239,6 +239,7 @@ class Actor(Generation):
                 last_used=b.last_used,
                 choice=self.choices.get(b.id),
                 approximate=b.id in self.tainted and states[b.id] is Residency.HOT,
+                relevance=window.relevance.get(b.id),
                 cold_tier=(
                     self.cold.tier(b.key(window.fingerprint))
                     if states[b.id] is Residency.COLD

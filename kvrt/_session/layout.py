@@ -150,6 +150,8 @@ class HotWindow:
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
         self.blocks: list[Block] = []
+        self.relevance: dict[int, float] = {}
+        """Block id -> relevance to the query, when the hot-eviction policy scores it."""
         self.required: frozenset[str] = frozenset()
         """Segments the last ``ensure_context`` required visible: protected like the sinks
         until the next context is placed."""
@@ -364,8 +366,7 @@ class HotWindow:
             total -= block.n_tokens
         return planned
 
-    @staticmethod
-    def view(block: Block) -> BlockView:
+    def view(self, block: Block) -> BlockView:
         """What a policy sees of ``block``."""
         return BlockView(
             id=block.id,
@@ -374,7 +375,18 @@ class HotWindow:
             n_tokens=block.n_tokens,
             last_used=block.last_used,
             score=block.score,
+            relevance=self.relevance.get(block.id),
         )
+
+    def score_relevance(self, scorer: Callable[[list[list[int]], list[int]], list[float]]) -> None:
+        """Score every block against the query (the last segment's tokens) with ``scorer``."""
+        if not self.blocks:
+            self.relevance = {}
+            return
+        last = self.blocks[-1].segment
+        query = [t for b in self.blocks if b.segment == last for t in b.tokens]
+        scores = scorer([b.tokens for b in self.blocks], query)
+        self.relevance = {b.id: float(s) for b, s in zip(self.blocks, scores, strict=True)}
 
     def eviction_order(
         self,

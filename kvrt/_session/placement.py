@@ -19,6 +19,7 @@ from .._errors import (
 )
 from .._reports import ContextStatus, PrefetchReport
 from .._types import Residency
+from ..policy import Relevance
 from .gate import Tally
 from .layout import Block, Segment
 from .paging import Paging
@@ -229,7 +230,10 @@ class Placement(Paging):
         that must be computed on, blocks are placed in order and a computed block's
         predecessor is made resident first.
         """
-        planned = self.window.plan_hot(self.policies.hot_eviction.order, self.ctx.n_ctx)
+        policy = self.policies.hot_eviction
+        if isinstance(policy, Relevance):
+            self.window.score_relevance(policy.relevance)
+        planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)
         self._recompute = set()
         resident = self.resident()
         for block in layout:
