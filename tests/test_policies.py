@@ -68,9 +68,10 @@ def test_cold_class_lru(entries: list[tuple[CacheClass, int, int]]) -> None:
 
 
 def test_registry() -> None:
-    assert policies.names("hot_eviction") == ["class_lru", "score_lru"]
+    assert policies.names("hot_eviction") == ["class_lru", "relevance", "score_lru"]
     with pytest.raises(
-        KeyError, match="no hot_eviction policy named 'nope' \\(known: class_lru, score_lru\\)"
+        KeyError,
+        match="no hot_eviction policy named 'nope' \\(known: class_lru, relevance, score_lru\\)",
     ):
         policies.get("hot_eviction", "nope")
     with pytest.raises(ValueError, match="already registered"):

@@ -46,7 +46,7 @@ _HELP = {
     "block_tokens": "tokens per cold-store block",
     "sink_tokens": "leading tokens that never leave the hot window",
     "recent_tokens": "trailing tokens that never leave the hot window",
-    "hot_eviction": "hot eviction policy by name (class_lru, score_lru)",
+    "hot_eviction": "hot eviction policy by name (class_lru, relevance, score_lru)",
     "cold_victim": "cold victim policy by name (class_lru)",
     "cold_admission": "which evicted blocks keep KV bytes (all, skip_small_volatile)",
     "restore": "restore-vs-recompute policy (always, never, size_threshold, calibrated)",
