@@ -9,6 +9,8 @@ Prints ``written N`` as the disk tier commits blocks, then ``done``.
 from __future__ import annotations
 
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import numpy as np
@@ -28,6 +30,17 @@ def block(i: int) -> ColdEntry:
     return ColdEntry(key, CacheClass.VOLATILE, ColdBlock(meta=meta, data=data))
 
 
+@asynccontextmanager
+async def serving(store: ColdStore) -> AsyncIterator[ColdStore]:
+    """``store`` with its service task running; closed (queued writes finished) on exit."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
 def disk_tier(path: str, budget: int = 1 << 30) -> DiskTier:
     return DiskTier(path, budget, "f", policies.get("cold_victim", "class_lru").order)
 
@@ -36,12 +49,10 @@ async def main(path: str, first: int, last: int) -> None:
     disk = disk_tier(path)
     disk.open()
     store = ColdStore(2 * SIZE, policies.get("cold_victim", "class_lru"), disk=disk)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(first, last):
             await store.put(block(i))
             print("written", disk.writes, flush=True)
-        store.close()
     print("done", disk.writes, flush=True)
 
 

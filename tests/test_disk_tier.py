@@ -28,7 +28,7 @@ from kvrt import CacheClass, Segment, policies
 from kvrt._cold import BlockIO, ColdStore, DiskTier, blockfile
 from kvrt.adapters.llama import LlamaEngine
 
-from .disk_writer import SIZE, block, disk_tier
+from .disk_writer import SIZE, block, disk_tier, serving
 
 HERE = Path(__file__).resolve().parent
 WRITER = [sys.executable, str(HERE / "disk_writer.py")]
@@ -83,8 +83,7 @@ async def test_ram_victims_are_demoted_and_disk_hits_promoted(tmp_path: Path) ->
     disk = disk_tier(str(tmp_path))
     disk.open()
     store = store_over(disk)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(6):
             assert await store.put(block(i))
         await settled(store)
@@ -100,7 +99,6 @@ async def test_ram_victims_are_demoted_and_disk_hits_promoted(tmp_path: Path) ->
         assert again is not None and again.tier == "ram"  # promoted
         stats = store.stats()
         assert stats.disk_hits == 1 and stats.promoted == 1 and stats.exact_hits == 2
-        store.close()
     assert store.stats().disk is not None
     assert store.stats().disk.writes == 6 and len(block_files(tmp_path)) == 6
 
@@ -110,11 +108,9 @@ async def test_the_index_is_rebuilt_on_open_and_damaged_files_removed(tmp_path: 
     disk = disk_tier(str(tmp_path))
     disk.open()
     store = store_over(disk)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(5):
             await store.put(block(i))
-        store.close()
     files = block_files(tmp_path)
     assert len(files) == 5
     truncated, flipped = files[0], files[1]
@@ -141,10 +137,8 @@ async def test_the_index_is_rebuilt_on_open_and_damaged_files_removed(tmp_path: 
     assert unrelated.read_text() == "mine"  # not ours: left alone
 
     store = store_over(reopened)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         served = {i: await store.fetch(block(i).key) for i in range(5)}
-        store.close()
     broken = {i for i, f in served.items() if f is None}
     assert len(broken) == 2  # the truncated block and the flipped one: misses, never served
     for i, found in served.items():
@@ -160,11 +154,9 @@ async def test_the_disk_budget_holds(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 3 * one, "f", policies.get("cold_victim", "class_lru").order)
     disk.open()
     store = store_over(disk)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(8):
             await store.put(block(i))
-        store.close()
     stats = disk.stats()
     assert stats.entries == 3 and stats.bytes <= stats.budget_bytes and stats.removed == 5
     assert len(block_files(tmp_path)) == 3
@@ -200,8 +192,7 @@ async def test_writer_faults_are_reported_never_served_never_a_crash(
     disk = DiskTier(tmp_path, 1 << 30, "f", policies.get("cold_victim", "class_lru").order, io=io)
     disk.open()
     store = store_over(disk, ram_blocks=3)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(2):
             await store.put(block(i))
         await settled(store)
@@ -228,7 +219,6 @@ async def test_writer_faults_are_reported_never_served_never_a_crash(
         await store.put(block(9))
         await settled(store)
         assert disk.stats().writes == 1 and block(9).key in disk
-        store.close()
     assert not list(tmp_path.rglob("*.tmp"))  # no half-written file left behind
     assert len(block_files(tmp_path)) == 1
 
@@ -244,22 +234,18 @@ async def test_close_finishes_queued_writes_within_its_timeout(tmp_path: Path) -
     disk = disk_tier(str(tmp_path))
     disk.open()
     store = store_over(disk, ram_blocks=8)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(4):
             await store.put(block(i))
-        store.close()
     assert len(block_files(tmp_path)) == 4
     assert store.flush_report is None or "finished" in store.flush_report
 
     slow = DiskTier(tmp_path / "slow", 1 << 30, "f", disk._order, io=Slow())
     slow.open()
     store = store_over(slow, ram_blocks=8, flush_timeout=0.2, writers=1)
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(4):
             await store.put(block(i))
-        store.close()
     assert store.flush_report is not None and "unfinished after 0.2 s" in store.flush_report
     assert not list((tmp_path / "slow").rglob("*.tmp"))
 

@@ -27,7 +27,7 @@ from kvrt._cold import ColdStore, RemoteTier
 from kvrt._cold.remote import key_name
 from kvrt.adapters.llama import LlamaEngine
 
-from .disk_writer import SIZE, block
+from .disk_writer import SIZE, block, serving
 from .test_disk_tier import DOC, FIRST_PROCESS, OTHER, references, settled
 
 
@@ -84,12 +84,10 @@ def remote_only(url: str) -> kvrt.Config:
 async def test_an_altered_value_is_refused_and_a_good_one_served(server: Server) -> None:
     victim = policies.get("cold_victim", "class_lru")
     store = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
-    async with anyio.create_task_group() as tg:
-        await tg.start(store.serve)
+    async with serving(store):
         for i in range(2):
             await store.put(block(i))
         await settled(store)
-        store.close()
     assert store.stats().remote is not None and store.stats().remote.writes == 2
 
     client = redis.Redis.from_url(server.url)
@@ -99,8 +97,7 @@ async def test_an_altered_value_is_refused_and_a_good_one_served(server: Server)
     client.setrange(name, len(raw) - 5, b"X")  # one byte of the payload
 
     fresh = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
-    async with anyio.create_task_group() as tg:
-        await tg.start(fresh.serve)
+    async with serving(fresh):
         await fresh.discover([block(0).key, block(1).key, block(5).key])
         assert fresh.tier(block(0).key) == fresh.tier(block(1).key) == "remote"
         assert fresh.tier(block(5).key) is None
@@ -110,7 +107,6 @@ async def test_an_altered_value_is_refused_and_a_good_one_served(server: Server)
         assert np.array_equal(good.entry.data, block(1).data)
         again = await fresh.fetch(block(1).key)
         assert again is not None and again.tier == "ram"  # promoted
-        fresh.close()
     stats = fresh.stats()
     assert stats.remote is not None and stats.remote.refused == 1 and stats.remote.hits == 1
     assert stats.remote.warning is not None and "refused" in stats.remote.warning
