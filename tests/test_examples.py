@@ -140,3 +140,16 @@ def test_kvrt_bench_tiers_measures_every_tier() -> None:
     assert report["restart_restored_tokens"] >= 128  # the restarted process read the disk
     assert report["ttft_restarted_disk_ms"] > 0 and report["ttft_restarted_recomputed_ms"] > 0
     assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0
+
+
+def test_kvrt_bench_fidelity_reports_every_condition() -> None:
+    argv = ["-m", "kvrt", "bench", "--fidelity", "--sizes", "768", "--keys", "1", "--json"]
+    report = json.loads(run(*argv))
+    cells = report["cells"]
+    names = {c["condition"] for c in cells}
+    assert names == {"full", "discard", "class_lru@1024", "relevance@512", "relevance@1024"}
+    assert {c["depth"] for c in cells} == {0.1, 0.5, 0.9}
+    for c in cells:
+        assert 0.0 <= c["exact_match"] <= 1.0 and c["gold_logprob"] <= 0.0 and c["seconds"] > 0
+    full = [c for c in cells if c["condition"] == "full"]
+    assert all(c["top1_agreement"] == 1.0 for c in full)  # full agrees with itself

@@ -96,3 +96,23 @@ async def test_a_passkey_outside_the_window_is_answered_under_relevance(
         if ok:
             assert answered["relevance"][i], answered
             assert not answered["class_lru"][i], answered
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_planned_block_comes_back_past_an_unplanned_neighbour(
+    engine: LlamaEngine, anyio_backend: str
+) -> None:
+    """Relevance plans a block whose neighbour is hot but unplanned, with the window full of
+    sinks and recent tokens: the neighbour makes room (it used to be kept, and the call
+    failed with HotWindowFullError)."""
+    context = [Segment("haystack", haystack("12345", 38, 0.9)), Segment("question", QUESTION)]
+    async with (
+        kvrt.open_runtime(engine=engine) as rt,
+        rt.open_session(hot_tokens=512, hot_eviction="relevance") as s,
+    ):
+        await s.ensure_context(context)
+        await s.generate(max_tokens=6)
+        for answer in (" ", " 1", " 12"):  # the answer fed back, a token more each time
+            status = await s.ensure_context([*context, Segment("answer", answer)])
+            assert status.hot_tokens <= 512 and s.explain().consistent

@@ -282,7 +282,16 @@ class Placement(Paging):
                     and self.state(layout[i + len(run)]) is Residency.COLD
                 ):
                     run.append(layout[i + len(run)])
-                restored = await self._restore_run(run, pred)
+                # The block before stays only if the plan keeps it or this run feeds a
+                # computation; otherwise it may make room like any unplanned block.
+                keep = pred if feeds or pred <= planned else set()
+                try:
+                    restored = await self._restore_run(run, keep)
+                except HotWindowFullError:
+                    if feeds:
+                        raise
+                    i += len(run)  # no room beside what must stay: these blocks stay cold
+                    continue
                 if not restored:
                     continue  # dropped from the store meanwhile: look again
                 i += restored

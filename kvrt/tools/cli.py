@@ -25,6 +25,7 @@ __all__ = ["main"]
 LOCAL_CONFIG = "kvrt.toml"
 BENCH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 TIER_SIZES = (128, 1024, 4096)
+FIDELITY_SIZES = (1024, 2048)
 """Read from the working directory when neither --config nor $KVRT_CONFIG names a file."""
 
 _HELP = {
@@ -135,6 +136,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the cold tiers: blocks restored from RAM, disk and Redis next to "
         "recomputing, a restarted process, decode while spilling (two minutes)",
+    )
+    bench.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="only how much of a long context the model can use: passkey retrieval under "
+        "full, discard, class_lru and relevance windows (--sizes, --keys; about ten minutes)",
+    )
+    bench.add_argument(
+        "--keys",
+        type=_count(1, 100),
+        default=10,
+        metavar="N",
+        help="passkeys per cell with --fidelity (default 10)",
     )
     bench.add_argument(
         "--tokens",
@@ -371,6 +385,9 @@ def _bench(args: argparse.Namespace) -> None:
     if args.tiers:
         _bench_tiers(args, config, console)
         return
+    if args.fidelity:
+        _bench_fidelity(args, config, console)
+        return
     if args.quick:
         total = 5
     else:
@@ -422,6 +439,31 @@ def _bench(args: argparse.Namespace) -> None:
         Console().print(_quick_table(figures))
     else:
         _print_full(figures)
+
+
+def _bench_fidelity(args: argparse.Namespace, config: Config, console: Any) -> None:
+    import anyio
+    from rich.progress import Progress
+
+    from kvrt.tools.bench import own_disk_tier
+    from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
+
+    sizes = FIDELITY_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
+    if max(sizes) > 7168 or min(sizes) < 256:
+        raise ConfigError("--sizes must stay between 256 and 7168 tokens with --fidelity")
+    with own_disk_tier(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=3 * len(sizes))
+
+        def step(what: str) -> None:
+            progress.update(task, description=what, advance=1)
+
+        figures = anyio.run(
+            lambda: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step)
+        )
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
+    else:
+        print_fidelity(figures)
 
 
 def _bench_tiers(args: argparse.Namespace, config: Config, console: Any) -> None:
