@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
+
+import kvrt
+from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,14 +146,22 @@ def test_kvrt_bench_tiers_measures_every_tier() -> None:
     assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0
 
 
-def test_kvrt_bench_fidelity_reports_every_condition() -> None:
-    argv = ["-m", "kvrt", "bench", "--fidelity", "--sizes", "768", "--keys", "1", "--json"]
-    report = json.loads(run(*argv))
-    cells = report["cells"]
-    names = {c["condition"] for c in cells}
+def test_kvrt_bench_fidelity_reports_every_condition(capsys: pytest.CaptureFixture[str]) -> None:
+    """One cell in process (the command line's own path is checked by its refusal below)."""
+    config = kvrt.load_config()
+    report = anyio.run(lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1))
+    names = {c.condition for c in report.cells}
     assert names == {"full", "discard", "class_lru@1024", "relevance@512", "relevance@1024"}
-    assert {c["depth"] for c in cells} == {0.1, 0.5, 0.9}
-    for c in cells:
-        assert 0.0 <= c["exact_match"] <= 1.0 and c["gold_logprob"] <= 0.0 and c["seconds"] > 0
-    full = [c for c in cells if c["condition"] == "full"]
-    assert all(c["top1_agreement"] == 1.0 for c in full)  # full agrees with itself
+    for c in report.cells:
+        assert 0.0 <= c.exact_match <= 1.0 and c.gold_logprob <= 0.0 and c.seconds > 0
+    full = [c for c in report.cells if c.condition == "full"]
+    assert all(c.top1_agreement == 1.0 for c in full)  # full agrees with itself
+    print_fidelity(report)
+    assert "relevance@512" in capsys.readouterr().out
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvrt", "bench", "--fidelity", "--sizes", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "between 256 and 7168" in refused.stderr
