@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -29,6 +31,7 @@ from .entry import ColdEntry, ColdKey
 __all__ = ["RemoteStats", "RemoteTier"]
 
 log = logging.getLogger("kvrt")
+T = TypeVar("T")
 
 
 class RemoteStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,12 +98,12 @@ class RemoteTier:
     def close(self) -> None:
         self._client.close()
 
-    async def _call(self, what: str, fn: object, *args: object) -> object:
+    async def _call(self, what: str, fn: Callable[[], T]) -> T | None:
         """Run one client call in a thread; None (and the tier marked down) if it fails."""
         if not self.up:
             return None
         try:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)  # type: ignore[arg-type]
+            return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
         except redis.RedisError as exc:
             self.errors += 1
             self._down_until = time.monotonic() + self.retry_after
@@ -138,7 +141,7 @@ class RemoteTier:
             return True
         head, payload = blockfile.encode(entry)
         value = head + bytes(payload)
-        done = await self._call("write", self._set_once, key_name(entry.key), value)
+        done = await self._call("write", partial(self._set_once, key_name(entry.key), value))
         if done is None:
             return False
         self._known.add(entry.key)
@@ -153,7 +156,7 @@ class RemoteTier:
     async def read(self, key: ColdKey) -> ColdEntry | None:
         """The verified block under ``key``; None if the server lacks it, is down, or
         holds a value that fails a check (refused, counted)."""
-        raw = await self._call("read", self._client.get, key_name(key))
+        raw = await self._call("read", partial(self._client.get, key_name(key)))
         if not isinstance(raw, bytes):
             self._known.discard(key)
             return None

@@ -441,60 +441,67 @@ def _bench(args: argparse.Namespace) -> None:
         _print_full(figures)
 
 
-def _bench_fidelity(args: argparse.Namespace, config: Config, console: Any) -> None:
+def _bench_section(
+    args: argparse.Namespace,
+    console: Any,
+    steps: int,
+    run: Callable[[Callable[[str], None]], Any],
+    show: Callable[[Any], None],
+) -> None:
+    """Run one ``kvrt bench`` section with a progress bar and a disk tier of its own, then
+    print its figures (or their JSON)."""
     import anyio
     from rich.progress import Progress
 
     from kvrt.tools.bench import own_disk_tier
+
+    with own_disk_tier(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=steps)
+
+        def step(what: str) -> None:
+            progress.update(task, description=what, advance=1)
+
+        figures = anyio.run(lambda: run(step))
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
+    else:
+        show(figures)
+
+
+def _bench_fidelity(args: argparse.Namespace, config: Config, console: Any) -> None:
     from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
 
     sizes = FIDELITY_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
     if max(sizes) > 7168 or min(sizes) < 256:
         raise ConfigError("--sizes must stay between 256 and 7168 tokens with --fidelity")
-    with own_disk_tier(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("measuring", total=3 * len(sizes))
-
-        def step(what: str) -> None:
-            progress.update(task, description=what, advance=1)
-
-        figures = anyio.run(
-            lambda: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step)
-        )
-    if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
-    else:
-        print_fidelity(figures)
+    _bench_section(
+        args,
+        console,
+        3 * len(sizes),
+        lambda step: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step),
+        print_fidelity,
+    )
 
 
 def _bench_tiers(args: argparse.Namespace, config: Config, console: Any) -> None:
-    import anyio
-    from rich.progress import Progress
-
-    from kvrt.tools.bench import own_disk_tier
     from kvrt.tools.bench.tiers import print_tiers, run_tiers_bench
 
     sizes = TIER_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
     if max(sizes) > 7680:
         raise ConfigError("--sizes must stay below 7680 tokens")
-    with own_disk_tier(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("measuring", total=len(sizes) + 2)
-
-        def step(what: str) -> None:
-            progress.update(task, description=what, advance=1)
-
-        figures = anyio.run(
-            lambda: run_tiers_bench(
-                config,
-                sizes=sizes,
-                restart_tokens=args.tokens or 2048,
-                decode=min(args.decode, 64),
-                progress=step,
-            )
-        )
-    if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
-    else:
-        print_tiers(figures)
+    _bench_section(
+        args,
+        console,
+        len(sizes) + 2,
+        lambda step: run_tiers_bench(
+            config,
+            sizes=sizes,
+            restart_tokens=args.tokens or 2048,
+            decode=min(args.decode, 64),
+            progress=step,
+        ),
+        print_tiers,
+    )
 
 
 def _check_writable(path: str) -> None:
