@@ -84,8 +84,10 @@ class KvWindow(abc.ABC):
         """Copy record entries ``i:j`` out as bytes."""
 
     @abc.abstractmethod
-    def _put(self, block: ColdBlock, i: int, target: int) -> None:
-        """Splice a block in before record entry ``i``, its first token at ``target``."""
+    def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
+        """Splice a block in before record entry ``i``, its first token at ``target``;
+        with ``skip``, only its tokens from that index on (the first ones are resident
+        already, freshly computed at ``target...``)."""
 
     @abc.abstractmethod
     def _after_failure(self) -> None:
@@ -356,17 +358,26 @@ class KvWindow(abc.ABC):
             raise ColdBlockMismatchError(f"cold block starts at a negative position {meta.start}")
         check_tokens(meta.tokens, self._facts.n_vocab)
 
-    def admit(self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE) -> int:
+    def admit(
+        self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE, *, skip: int = 0
+    ) -> int:
         """Bring a cold block back; the position of its first token. Whole or not at all.
 
         ``IN_PLACE`` puts it at its original positions, which must all be free (bit-exact).
-        ``TAIL`` puts it after the last resident token, re-rotating its keys.
+        ``TAIL`` puts it after the last resident token, re-rotating its keys. ``skip``
+        (``TAIL`` only) admits the block's tokens from that index on, after its first
+        ``skip`` tokens, which must be the last resident ones (computed afresh: a blend of
+        recomputed and restored KV).
         """
         mode = AdmitMode(mode)
         self._check_block(block)
         meta = block.meta
         n = meta.n_tokens
-        self._check_room(n, f"admitting {n} tokens")
+        if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < n:
+            raise InvalidRangeError(f"skip must be an integer in [0, {n}), got {skip!r}")
+        if skip and mode is not AdmitMode.TAIL:
+            raise InvalidRangeError("skip applies to admitting at the tail only")
+        self._check_room(n - skip, f"admitting {n - skip} tokens")
         if mode is AdmitMode.IN_PLACE:
             target = meta.start
             i = bisect.bisect_left(self._positions, target)
@@ -375,13 +386,20 @@ class KvWindow(abc.ABC):
                     f"cannot admit in place: positions [{target}, {target + n}) are partly resident"
                 )
         else:
-            target, i = self.next_position, len(self._positions)
+            target, i = self.next_position - skip, len(self._positions)
+            if skip and (
+                self._tokens[-skip:] != list(meta.tokens[:skip])
+                or self._positions[-skip:] != list(range(target, target + skip))
+            ):
+                raise InvalidRangeError(
+                    f"the last {skip} resident tokens are not the block's first {skip}"
+                )
             if target != meta.start and not self.can_shift:
                 raise EngineError("this model's KV cache cannot shift positions: admit in place")
-        self._put(block, i, target)
-        self._positions[i:i] = range(target, target + n)
-        self._tokens[i:i] = meta.tokens
-        self._counters.admitted_tokens += n
+        self._put(block, i, target, skip)
+        self._positions[i:i] = range(target + skip, target + n)
+        self._tokens[i:i] = meta.tokens[skip:]
+        self._counters.admitted_tokens += n - skip
         self._counters.admitted_bytes += meta.n_bytes
         return target
 

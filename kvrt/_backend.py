@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -27,6 +27,7 @@ __all__ = [
     "Engine",
     "EngineContext",
     "EvictMode",
+    "KeySketching",
     "ModelFacts",
     "SamplingParams",
 ]
@@ -222,10 +223,33 @@ class EngineContext(Protocol):
     def evict(self, start: int, end: int, mode: EvictMode) -> int: ...
     def export(self, start: int, end: int) -> ColdBlock: ...
     def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]: ...
-    def admit(self, block: ColdBlock, mode: AdmitMode) -> int: ...
+    def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int: ...
     def admit_run(self, blocks: Sequence[ColdBlock]) -> None: ...
     def clear(self) -> None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeySketching(Protocol):
+    """Optional for a context: sketches of its keys, for relevance scoring by key vectors.
+
+    A sketch is an opaque object the ``relevance_keys`` policy understands (for kvrt's
+    adapters, ``float32[layer, kv_head, vector, head_dim]`` of keys rotated back to position
+    0). Any method may return None where the engine cannot say; scoring then falls back to
+    the policy's lexical score.
+    """
+
+    def key_sketches(self, ranges: Sequence[tuple[int, int]]) -> list[object | None]:
+        """One sketch per resident range ``[start, end)``; the window is unchanged."""
+        ...
+
+    def cold_key_sketch(self, block: ColdBlock) -> object | None:
+        """The sketch of a cold block's bytes."""
+        ...
+
+    def query_sketch(self, tokens: Sequence[int]) -> object | None:
+        """Every key of ``tokens`` computed on their own (not attending to the window)."""
+        ...
 
 
 class Engine(Protocol):

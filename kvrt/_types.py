@@ -100,6 +100,11 @@ class ApproximateQuery(msgspec.Struct, frozen=True, kw_only=True):
     """Where the cold copy was computed."""
     n_tokens: int
     n_bytes: int
+    run_start: int | None = None
+    """Where the run of approximate hits holding this block begins: the first token after
+    the changed prefix (None: the block itself)."""
+    run_tokens: int | None = None
+    """Tokens in that run (None: the block's own)."""
 
     @property
     def shift(self) -> int:

@@ -17,9 +17,13 @@ What a context must do, and what kvrt relies on:
 - ``export(start, end)`` returns a :class:`ColdBlock`: immutable KV bytes plus the
   :class:`ColdBlockMeta` needed to check them later (model fingerprint, KV type,
   positions, tokens). ``admit(block, AdmitMode.IN_PLACE)`` puts it back at its positions,
-  whole or not at all; bytes of another model, layout or position are refused with
+  whole or not at all (``AdmitMode.TAIL`` after the last resident token, keys re-rotated;
+  with ``skip=m``, only the tokens after its first ``m``, which were just computed); bytes of another model, layout or position are refused with
   :class:`~kvrt.ColdBlockMismatchError`, never handed to native code.
 - ``capabilities`` says honestly what is exact (``exact_in_place``) and what is not.
+- Optionally, :class:`KeySketching` (``key_sketches``, ``cold_key_sketch``,
+  ``query_sketch``): key vectors with RoPE undone, which the ``relevance`` hot-eviction
+  policy scores blocks by; without them it scores by tokens (BM25).
 - Engine errors become kvrt errors (:class:`~kvrt.EngineError`, :class:`~kvrt.ModelLoadError`
   ...) at the adapter boundary, with ``raise ... from exc``; no argument that could abort
   the process may reach native code.
@@ -43,6 +47,7 @@ from ._backend import Counters as Counters
 from ._backend import Engine as Engine
 from ._backend import EngineContext as EngineContext
 from ._backend import EvictMode as EvictMode
+from ._backend import KeySketching as KeySketching
 from ._backend import Logits as Logits
 from ._backend import ModelFacts as ModelFacts
 from ._backend import SamplingParams as SamplingParams

@@ -46,6 +46,7 @@ __all__ = [
     "KINDS",
     "Approximate",
     "ApproximateQuery",
+    "Blending",
     "BlockView",
     "CacheClass",
     "Calibrating",
@@ -54,6 +55,7 @@ __all__ = [
     "ColdVictim",
     "Estimating",
     "HotEviction",
+    "KeyScoring",
     "Relevance",
     "Restore",
     "RestoreQuery",
@@ -104,6 +106,21 @@ class Approximate(Protocol):
 
 
 @runtime_checkable
+class Blending(Protocol):
+    """Optional for an approximate-hit policy: recompute part of an accepted hit.
+
+    After the prefix changed, the first tokens of a reused block are the ones whose KV
+    differs most from a fresh computation (they attended to the old prefix most
+    directly). The session computes this many of the block's leading tokens afresh and
+    restores the rest (in the spirit of CacheBlend's selective recompute).
+    """
+
+    def recompute_tokens(self, query: ApproximateQuery) -> int:
+        """How many of the block's leading tokens to compute afresh (0 to all of them)."""
+        ...
+
+
+@runtime_checkable
 class Calibrating(Protocol):
     """Optional for any policy: learns from the runtime's measured work."""
 
@@ -127,6 +144,20 @@ class Relevance(Protocol):
 
 
 @runtime_checkable
+class KeyScoring(Protocol):
+    """Optional for a hot-eviction policy with :class:`Relevance`: scores from key vectors.
+
+    Where the engine context offers key sketches (:class:`kvrt.backend.KeySketching`), the
+    session calls this instead of ``relevance``, with each block's sketch (None where it
+    has none: not computed yet, or cold outside RAM) and the query's.
+    """
+
+    def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
+        """One score per block, None where it cannot say; higher is more relevant."""
+        ...
+
+
+@runtime_checkable
 class Estimating(Protocol):
     """Optional for a restore policy: its cost estimates, shown in ``explain()``."""
 
@@ -144,17 +175,17 @@ KINDS: dict[str, type] = {
 }
 """Every policy kind and the protocol its policies implement."""
 
-_REGISTRY: dict[str, dict[str, Callable[[], Any]]] = {kind: {} for kind in KINDS}
+_REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 
 
-def register(kind: str, name: str, factory: Callable[[], Any] | None = None) -> Any:
+def register(kind: str, name: str, factory: Callable[..., Any] | None = None) -> Any:
     """Make ``factory`` (a class, or any callable returning a policy) the ``kind`` policy
     called ``name``. Without ``factory`` it is a class decorator. A name is registered once.
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown policy kind {kind!r} (expected one of: {', '.join(KINDS)})")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"a policy name must be a non-empty str, got {name!r}")
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ConfigError(f"a policy name must be a non-empty str without ':', got {name!r}")
 
     def add(made: T) -> T:
         if not callable(made):
@@ -170,15 +201,30 @@ def register(kind: str, name: str, factory: Callable[[], Any] | None = None) -> 
 
 def create(kind: str, name: str) -> Any:
     """A new instance of the ``kind`` policy registered as ``name``, checked against its
-    protocol; :class:`~kvrt.ConfigError` if there is none."""
+    protocol; :class:`~kvrt.ConfigError` if there is none.
+
+    ``"name:argument"`` passes ``argument`` (a str) to the factory of ``name``, for policies
+    with a knob (``approximate="blend:0.15"``); a policy without one refuses it.
+    """
     if kind not in KINDS:
         raise ConfigError(f"unknown policy kind {kind!r} (expected one of: {', '.join(KINDS)})")
     table = _REGISTRY[kind]
-    factory = table.get(name)
+    base, colon, argument = name.partition(":")
+    factory = table.get(base)
     if factory is None:
         known = ", ".join(sorted(table)) or "none"
-        raise UnknownPolicyError(f"no {kind} policy named {name!r} (known: {known})")
-    made = factory()
+        raise UnknownPolicyError(f"no {kind} policy named {base!r} (known: {known})")
+    if colon:
+        try:
+            made = factory(argument)
+        except TypeError:
+            raise ConfigError(
+                f"the {kind} policy {base!r} takes no argument (got {name!r})"
+            ) from None
+        except ValueError as exc:
+            raise ConfigError(f"the {kind} policy {name!r}: {exc}") from None
+    else:
+        made = factory()
     protocol = KINDS[kind]
     if not isinstance(made, protocol):
         raise ConfigError(

@@ -30,6 +30,7 @@ __all__ = [
     "pack",
     "rotate_keys",
     "unpack",
+    "unrotate_keys",
 ]
 
 DETERMINISTIC: Final[dict[str, str]] = {
@@ -113,6 +114,31 @@ def rotate_keys(
     rot = inv_freq.size * 2
     out = keys.copy()
     k = keys[..., :rot]
+    if layout == "half":
+        k1, k2 = k[..., : rot // 2], k[..., rot // 2 :]
+        out[..., : rot // 2] = k1 * cos - k2 * sin
+        out[..., rot // 2 : rot] = k2 * cos + k1 * sin
+    else:
+        k1, k2 = k[..., 0::2], k[..., 1::2]
+        out[..., 0:rot:2] = k1 * cos - k2 * sin
+        out[..., 1:rot:2] = k2 * cos + k1 * sin
+    return out
+
+
+def unrotate_keys(
+    keys: npt.NDArray[np.float32],
+    positions: npt.NDArray[np.int64],
+    inv_freq: npt.NDArray[np.float32],
+    layout: str,
+) -> npt.NDArray[np.float32]:
+    """Keys ``[..., token, head_dim]`` at ``positions`` rotated back to position 0."""
+    if keys.shape[-2] != positions.size:
+        raise BridgeArgumentError(f"{positions.size} positions for {keys.shape[-2]} keys")
+    angles = -positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    rot = inv_freq.size * 2
+    out = np.array(keys, dtype=np.float32, copy=True)
+    k = out[..., :rot].copy()
     if layout == "half":
         k1, k2 = k[..., : rot // 2], k[..., rot // 2 :]
         out[..., : rot // 2] = k1 * cos - k2 * sin

@@ -20,11 +20,13 @@ from . import hot_eviction as hot_eviction
 from . import restore as restore
 from .approximate import AllowApproximate as AllowApproximate
 from .approximate import AllowStableApproximate as AllowStableApproximate
+from .approximate import BlendApproximate as BlendApproximate
 from .approximate import NeverApproximate as NeverApproximate
 from .cold_admission import AdmitAll as AdmitAll
 from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
 from .hot_eviction import ClassThenLRU as ClassThenLRU
+from .hot_eviction import KeyRelevance as KeyRelevance
 from .hot_eviction import LexicalRelevance as LexicalRelevance
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
 from .restore import AlwaysRestore as AlwaysRestore

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from kvrt.policy import BlockView, register
 
-__all__ = ["ClassThenLRU", "LexicalRelevance", "ScoreThenLRU"]
+__all__ = ["ClassThenLRU", "KeyRelevance", "LexicalRelevance", "ScoreThenLRU"]
 
 KIND = "hot_eviction"
 
@@ -41,7 +45,7 @@ class ScoreThenLRU:
         return [b.id for b in sorted(candidates, key=key)]
 
 
-@register(KIND, "relevance")
+@register(KIND, "relevance_lexical")
 class LexicalRelevance:
     """Blocks least relevant to the query leave first: BM25 over token ids.
 
@@ -79,3 +83,49 @@ class LexicalRelevance:
             return (b.cache_class.rank, relevance, b.last_used, b.start)
 
         return [b.id for b in sorted(candidates, key=key)]
+
+
+@register(KIND, "relevance")
+class KeyRelevance(LexicalRelevance):
+    """Blocks least relevant to the query leave first: similarity of key vectors.
+
+    In the spirit of InfLLM's block retrieval, without engine changes: each block keeps a
+    sketch of its keys (per layer and KV head, the mean key and the keys furthest from
+    it, rotated back to position 0), and the query's tokens are run on their own to get
+    theirs. Keys stand in for the queries the engine does not expose. A block's score is,
+    over layers, heads and query tokens, the mean of the best cosine between a query key
+    and one of the block's keys, both centred on the context's mean key. Blocks without a
+    sketch (not computed yet, or cold outside RAM) are not scored and rank in the middle;
+    where the engine gives no sketches at all, the lexical score (BM25) is used instead.
+    """
+
+    def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
+        """One score per block (None where it has no sketch), higher is more relevant."""
+        have = [i for i, b in enumerate(blocks) if b is not None]
+        out: list[float | None] = [None] * len(blocks)
+        if not have:
+            return out
+        q = np.asarray(query, dtype=np.float32)  # [layer, head, token, dim]
+        sketches = np.stack([np.asarray(blocks[i], dtype=np.float32) for i in have])
+        centre = sketches[:, :, :, 0].mean(axis=0)  # the context's mean key [layer, head, dim]
+        reps = _unit(sketches[:, :, :, 1:] - centre[None, :, :, None])
+        qn = _unit(q - centre[:, :, None])
+        best = np.einsum("lhqd,blhrd->blhqr", qn, reps, optimize=True).max(axis=-1)
+        for i, score in zip(have, best.mean(axis=(1, 2, 3)), strict=True):
+            out[i] = float(score)
+        return out
+
+    def order(self, candidates: Sequence[BlockView]) -> list[int]:
+        scored = [b.relevance for b in candidates if b.relevance is not None]
+        middle = statistics.median(scored) if scored else 0.0
+
+        def key(b: BlockView) -> tuple[int, float, int, int]:
+            relevance = middle if b.relevance is None else b.relevance
+            return (b.cache_class.rank, relevance, b.last_used, b.start)
+
+        return [b.id for b in sorted(candidates, key=key)]
+
+
+def _unit(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return np.asarray(x / np.maximum(norm, 1e-6), dtype=np.float32)

@@ -6,7 +6,7 @@
 - ``native_bridge/`` imports nothing of kvrt;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
 - inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
-  actor -> generation -> placement -> paging -> gate -> layout.
+  actor -> generation -> placement -> scoring -> paging -> gate -> layout.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ SESSION_LAYERS = [
     "actor",
     "generation",
     "placement",
+    "scoring",
     "paging",
     "gate",
     "layout",

@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 import kvrt
+from kvrt.tools.bench.blend import run_blend_bench
 from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
+from kvrt.tools.bench.plot import plot_fidelity
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,18 +149,38 @@ def test_kvrt_bench_tiers_measures_every_tier() -> None:
     assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0
 
 
-def test_kvrt_bench_fidelity_reports_every_condition(capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvrt_bench_fidelity_reports_every_condition(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """One cell in process (the command line's own path is checked by its refusal below)."""
     config = kvrt.load_config()
-    report = anyio.run(lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1))
-    names = {c.condition for c in report.cells}
-    assert names == {"full", "discard", "class_lru@1024", "relevance@512", "relevance@1024"}
+    report = anyio.run(
+        lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1, blend=False)
+    )
+    assert report.blend == []
+    names = {(c.task, c.condition) for c in report.cells}
+    conditions = ["full", "discard", "class_lru@1024", "lexical@512", "relevance@512"]
+    assert names == {
+        (t, n) for t in ("passkey", "paraphrase") for n in [*conditions, "relevance@1024"]
+    }
     for c in report.cells:
         assert 0.0 <= c.exact_match <= 1.0 and c.gold_logprob <= 0.0 and c.seconds > 0
     full = [c for c in report.cells if c.condition == "full"]
     assert all(c.top1_agreement == 1.0 for c in full)  # full agrees with itself
     print_fidelity(report)
     assert "relevance@512" in capsys.readouterr().out
+    blend = anyio.run(
+        lambda: run_blend_bench(config, size=512, keys=1, ratios=(0.0, 0.5), trace_turns=2)
+    )
+    assert [r.condition for r in blend] == ["blend:0", "blend:0.5", "full"]
+    assert blend[-1].top1_agreement == 1.0 and blend[-1].trace_seconds is None
+    for r in blend[:2]:
+        assert r.trace_seconds is not None and r.trace_seconds > 0
+        assert r.trace_approximate_tokens is not None and r.trace_prefilled_tokens
+    # Computing half of each run afresh never leaves more tokens restored approximately.
+    assert (blend[1].trace_approximate_tokens or 0) <= (blend[0].trace_approximate_tokens or 0)
+    plotted = plot_fidelity(msgspec.structs.replace(report, blend=blend), tmp_path / "fidelity.png")
+    assert plotted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused = subprocess.run(
         [sys.executable, "-m", "kvrt", "bench", "--fidelity", "--sizes", "100"],
         capture_output=True,

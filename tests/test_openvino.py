@@ -24,6 +24,7 @@ from kvrt import (
 )
 from kvrt.adapters.openvino import OpenVinoEngine
 from kvrt.adapters.openvino._context import OpenVinoEngineContext
+from kvrt.backend import KeySketching
 from kvrt.native_bridge.openvino import DETERMINISTIC
 
 from .conftest import STORY
@@ -333,3 +334,27 @@ def test_no_home_directory_asks_for_a_cache_folder(monkeypatch: pytest.MonkeyPat
         _prepare.cache_root()
     monkeypatch.setenv("KVRT_CACHE_DIR", "/somewhere")
     assert _prepare.cache_root() == Path("/somewhere/openvino")
+
+
+def test_keys_do_not_depend_on_their_position(ov_engine: OpenVinoEngine) -> None:
+    """As on llama.cpp: the same tokens computed alone at position 0 (the query's probe)
+    and at position 600 (in the window) give the same keys once RoPE is undone, and the
+    cold bytes give the same sketch as the hot range — so ``relevance`` scores by keys on
+    OpenVINO too."""
+    tokens = words(ov_engine, "The pass key is 71432. Remember it.")
+    ctx = ov_engine.open_context(1024)
+    try:
+        assert isinstance(ctx, KeySketching)
+        ctx.prefill(tokens, start=600)
+        query = np.asarray(ctx.query_sketch(tokens))
+        facts = ov_engine.facts
+        assert query.shape == (facts.n_layers, facts.n_head_kv, len(tokens), facts.head_dim)
+        scale = float(np.abs(query).max())
+        block = ctx.export(600, 600 + len(tokens))
+        (hot,) = ctx.key_sketches([(600, 600 + len(tokens))])
+        assert np.abs(np.asarray(hot)[:, :, 0] - query.mean(axis=2)).max() < 0.01 * scale
+        assert np.array_equal(np.asarray(ctx.cold_key_sketch(block)), np.asarray(hot))
+        ctx.query_sketch(tokens[:5])  # the probe then computes only the rest
+        assert np.abs(np.asarray(ctx.query_sketch(tokens)) - query).max() < 0.01 * scale
+    finally:
+        ctx.close()

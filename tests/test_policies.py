@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvrt
 from kvrt import policies
 from kvrt._types import BlockView, CacheClass, ColdEntryView
 
@@ -68,14 +70,48 @@ def test_cold_class_lru(entries: list[tuple[CacheClass, int, int]]) -> None:
 
 
 def test_registry() -> None:
-    assert policies.names("hot_eviction") == ["class_lru", "relevance", "score_lru"]
+    assert policies.names("hot_eviction") == [
+        "class_lru",
+        "relevance",
+        "relevance_lexical",
+        "score_lru",
+    ]
     with pytest.raises(
         KeyError,
-        match="no hot_eviction policy named 'nope' \\(known: class_lru, relevance, score_lru\\)",
+        match="no hot_eviction policy named 'nope' \\(known: class_lru, relevance, "
+        "relevance_lexical, score_lru\\)",
     ):
         policies.get("hot_eviction", "nope")
     with pytest.raises(ValueError, match="already registered"):
         policies.register("hot_eviction", "class_lru")(object)
+    with pytest.raises(ValueError, match="without ':'"):
+        policies.register("hot_eviction", "a:b")(object)
+
+
+def test_a_policy_with_a_knob_takes_it_after_a_colon() -> None:
+    from kvrt._types import ApproximateQuery
+
+    blend = policies.get("approximate", "blend:0.3")
+    assert isinstance(blend, policies.BlendApproximate) and blend.ratio == 0.3
+    assert isinstance(blend, kvrt.policy.Blending)
+    assert policies.get("approximate", "blend").ratio == policies.BlendApproximate.DEFAULT_RATIO
+    query = ApproximateQuery(
+        cache_class=CacheClass.VOLATILE, start=200, source_start=100, n_tokens=128, n_bytes=1
+    )
+    assert blend.accept(query) and blend.recompute_tokens(query) == 39  # ceil(0.3 * 128)
+    # In a run of hits, the run's first ceil(0.3 * 1000) = 300 tokens are computed afresh.
+    for start, fresh in ((100, 128), (228, 128), (356, 44), (484, 0)):
+        in_run = msgspec.structs.replace(query, start=start, run_start=100, run_tokens=1000)
+        assert blend.recompute_tokens(in_run) == fresh
+    assert policies.get("approximate", "blend:0").recompute_tokens(query) == 0
+    assert policies.get("approximate", "blend:1").recompute_tokens(query) == 128
+    for bad in ("blend:1.5", "blend:-0.1", "blend:half", "blend:"):
+        with pytest.raises(kvrt.ConfigError, match="blend ratio must be a number in \\[0, 1\\]"):
+            policies.get("approximate", bad)
+    with pytest.raises(kvrt.ConfigError, match="'allow' takes no argument"):
+        policies.get("approximate", "allow:1")
+    with pytest.raises(KeyError, match="no approximate policy named 'blender'"):
+        policies.get("approximate", "blender:0.1")
 
 
 def test_class_order_is_volatile_then_repo_map_then_task_pinned() -> None:

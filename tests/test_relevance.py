@@ -1,19 +1,29 @@
 """Relevance-driven paging: the blocks the query needs are the ones kept hot.
 
-A unit test of the lexical scorer with hand-made token bags, and a passkey on the real
-model: a five-digit key in filler text, outside a 512-token window's recency, is answered
-under ``relevance`` and not under recency alone (``class_lru``, what a context shift
-leaves), on keys the full context answers.
+Unit tests of the two scorers (the lexical one with hand-made token bags, the key-vector
+one with hand-made key sketches); the keys read out of llama.cpp's KV bytes, which must
+not depend on the position they were computed at; and a passkey on the real model: a
+five-digit key in filler text, outside a 512-token window's recency, is answered under
+``relevance`` (and ``relevance_lexical``) and not under recency alone (``class_lru``, what
+a context shift leaves), on keys the full context answers; asked in other words than the
+needle's, under ``relevance`` still.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvrt
 from kvrt import CacheClass, Segment, policies
 from kvrt.adapters.llama import LlamaEngine
-from kvrt.policy import BlockView, Relevance
+from kvrt.backend import KeySketching
+from kvrt.native_bridge import BridgeError
+from kvrt.native_bridge.llama_keys import ROPE_NEOX, ROPE_NORM, read_keys, unrotate
+from kvrt.policies.hot_eviction import KeyRelevance, LexicalRelevance
+from kvrt.policy import BlockView, KeyScoring, Relevance
+from kvrt.tools.bench import passkey
+from kvrt.tools.bench.passkey import QUESTIONS
 
 
 def view(
@@ -25,8 +35,9 @@ def view(
 
 
 def test_lexical_relevance_scores_the_block_sharing_rare_query_tokens() -> None:
-    policy = policies.get("hot_eviction", "relevance")
-    assert isinstance(policy, Relevance)
+    policy = policies.get("hot_eviction", "relevance_lexical")
+    assert isinstance(policy, LexicalRelevance) and not isinstance(policy, KeyRelevance)
+    assert isinstance(policy, Relevance) and not isinstance(policy, KeyScoring)
     common, key, pass_ = 1, 71, 72  # token ids: a filler word, "key", "pass"
     blocks = [
         [common, 2, 3, common, 4, 5, common, 6],
@@ -48,20 +59,80 @@ def test_lexical_relevance_scores_the_block_sharing_rare_query_tokens() -> None:
     assert policy.order([pinned, view(1, 3.0)]) == [1, 4]
 
 
-INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-    "it. I will quiz you about the important information there. "
-)
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
-QUESTION = "What is the pass key? The pass key is"
+def unit(*v: float) -> list[float]:
+    a = np.array(v, dtype=np.float32)
+    return list(a / np.linalg.norm(a))
+
+
+def test_key_relevance_scores_the_block_whose_keys_match_the_query() -> None:
+    """Sketches are [layer, head, 1 + r, dim]: the mean key, then representative keys."""
+    policy = policies.get("hot_eviction", "relevance")
+    assert isinstance(policy, KeyRelevance)
+    assert isinstance(policy, KeyScoring) and isinstance(policy, Relevance)
+
+    def sketch(*reps: list[float]) -> np.ndarray:
+        keys = np.array(reps, dtype=np.float32)  # [r, dim]
+        one = np.concatenate([keys.mean(axis=0, keepdims=True), keys])
+        return np.stack([one[None], one[None]])  # two layers, one head
+
+    filler = sketch(unit(1, 0, 0, 0), unit(0, 1, 0, 0))
+    other = sketch(unit(1, 0.1, 0, 0), unit(0, 1, 0.1, 0))
+    needle = sketch(unit(1, 0, 0, 0), unit(0, 0, 1, 0))  # one key points where the query does
+    query = np.array([unit(0, 0, 1, 0.2), unit(0.1, 0, 1, 0)], dtype=np.float32)[None, None]
+    query = np.concatenate([query, query])  # [layer, head, token, dim]
+    scores = policy.key_relevance([filler, needle, None, other], query)
+    assert scores[2] is None  # no sketch, no score
+    assert scores[1] == max(s for s in scores if s is not None)
+    assert scores[1] - max(scores[0] or 0.0, scores[3] or 0.0) > 0.3
+    assert policy.key_relevance([None, None], query) == [None, None]
+
+    # Unscored blocks rank in the middle of the scored ones; the cache class comes first.
+    order = policy.order([view(0, 0.1), view(1, 0.9), view(2, None), view(3, 0.2), view(4, 0.5)])
+    assert order == [0, 3, 2, 4, 1] or order == [0, 3, 4, 2, 1]
+    assert policy.order([view(5, -1.0, CacheClass.TASK_PINNED), view(6, 0.9)]) == [6, 5]
+
+
+def test_keys_read_from_kv_bytes_do_not_depend_on_their_position(engine: LlamaEngine) -> None:
+    """The same tokens computed alone at position 0 (the query's probe) and at position 600
+    (in the window) give the same keys once RoPE is undone; the cold bytes give the same
+    sketch as the hot range; undoing the wrong rotation does not match."""
+    tokens = engine.tokenize("The pass key is 71432. Remember it.", add_special=False)
+    ctx = engine.open_context(1024)
+    try:
+        assert isinstance(ctx, KeySketching)
+        ctx.prefill(tokens, start=600)
+        query = np.asarray(ctx.query_sketch(tokens))
+        facts = engine.facts
+        assert query.shape == (facts.n_layers, facts.n_head_kv, len(tokens), facts.head_dim)
+        block = ctx.export(600, 600 + len(tokens))
+        rows = read_keys(block.data, n_layer=facts.n_layers, n_embd_k=facts.n_head_kv * 64)
+        assert list(rows.positions) == list(range(600, 600 + len(tokens)))
+        scale = float(np.abs(query).max())
+        for rope_type, close in ((ROPE_NORM, True), (ROPE_NEOX, False)):
+            keys = unrotate(
+                rows.keys, rows.positions, head_dim=64, n_rot=64, base=1e5, rope_type=rope_type
+            )
+            assert bool(np.abs(keys - query).max() < 0.03 * scale) is close
+        ctx.query_sketch(tokens[:5])  # the probe then computes only the rest
+        grown = np.asarray(ctx.query_sketch(tokens))
+        assert np.abs(grown - query).max() < 0.01 * scale
+        (hot,) = ctx.key_sketches([(600, 600 + len(tokens))])
+        assert np.abs(np.asarray(hot)[:, :, 0] - query.mean(axis=2)).max() < 0.01 * scale
+        assert np.array_equal(np.asarray(ctx.cold_key_sketch(block)), np.asarray(hot))
+        with pytest.raises(BridgeError):
+            read_keys(block.data[:-10], n_layer=facts.n_layers, n_embd_k=192)
+        with pytest.raises(BridgeError):
+            read_keys(block.data, n_layer=facts.n_layers + 1, n_embd_k=192)
+    finally:
+        ctx.close()
+
+
+QUESTION = QUESTIONS["passkey"]
+PARAPHRASE = QUESTIONS["paraphrase"]
 
 
 def haystack(key: str, n_filler: int = 40, depth: float = 0.3) -> str:
-    at = int(n_filler * depth)
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    return INTRO + FILLER * at + needle + FILLER * (n_filler - at)
+    return passkey.haystack(key, n_filler, depth)
 
 
 @pytest.mark.anyio
@@ -69,33 +140,41 @@ def haystack(key: str, n_filler: int = 40, depth: float = 0.3) -> str:
 async def test_a_passkey_outside_the_window_is_answered_under_relevance(
     engine: LlamaEngine, anyio_backend: str
 ) -> None:
-    answered: dict[str, list[bool]] = {"full": [], "relevance": [], "class_lru": []}
+    conditions = (
+        ("full", 2048, "class_lru"),  # computes; the others restore its blocks
+        ("relevance", 512, "relevance"),
+        ("relevance_lexical", 512, "relevance_lexical"),
+        ("class_lru", 512, "class_lru"),
+    )
+    answered: dict[tuple[str, str], list[bool]] = {}
     async with kvrt.open_runtime(engine=engine) as rt:
         for key in ("71432", "58213"):
-            context = [Segment("haystack", haystack(key)), Segment("question", QUESTION)]
-            for condition, hot, policy in (
-                ("full", 2048, "class_lru"),  # computes; the others restore its blocks
-                ("relevance", 512, "relevance"),
-                ("class_lru", 512, "class_lru"),
-            ):
-                async with rt.open_session(hot_tokens=hot, hot_eviction=policy) as s:
-                    status = await s.ensure_context(context)
-                    text = (await s.generate(max_tokens=7)).text
-                    answered[condition].append(key in text)
-                    if condition != "full":
+            for task, question in (("passkey", QUESTION), ("paraphrase", PARAPHRASE)):
+                context = [Segment("haystack", haystack(key)), Segment("question", question)]
+                for condition, hot, policy in conditions:
+                    async with rt.open_session(hot_tokens=hot, hot_eviction=policy) as s:
+                        status = await s.ensure_context(context)
+                        text = (await s.generate(max_tokens=7)).text
+                        answered.setdefault((task, condition), []).append(key in text)
+                        if condition == "full":
+                            continue
                         assert status.logical_tokens > 2 * hot - 100  # far past the window
-                        report = s.explain()
-                        needle = [b for b in report.blocks if b.relevance is not None]
                         if condition == "relevance":
-                            best = max(needle, key=lambda b: b.relevance or 0.0)
-                            assert best.residency == "hot"  # the needle's block is seen
+                            report = s.explain()
+                            scored = [b for b in report.blocks if b.relevance is not None]
+                            best = max(scored, key=lambda b: b.relevance or 0.0)
+                            assert best.residency == "hot"  # the best-scored block is seen
                             assert best.start > 128  # and it is no sink
-    full = answered["full"]
-    assert any(full)  # the model answers with the whole context in view
-    for i, ok in enumerate(full):
-        if ok:
-            assert answered["relevance"][i], answered
-            assert not answered["class_lru"][i], answered
+    print(answered)
+    for task in ("passkey", "paraphrase"):
+        full = answered[task, "full"]
+        assert any(full), task  # the model answers with the whole context in view
+        for i, ok in enumerate(full):
+            if ok:
+                assert answered[task, "relevance"][i], (task, answered)
+                assert not answered[task, "class_lru"][i], (task, answered)
+                if task == "passkey":  # it shares the needle's words
+                    assert answered[task, "relevance_lexical"][i], answered
 
 
 @pytest.mark.anyio
@@ -109,7 +188,7 @@ async def test_a_planned_block_comes_back_past_an_unplanned_neighbour(
     context = [Segment("haystack", haystack("12345", 38, 0.9)), Segment("question", QUESTION)]
     async with (
         kvrt.open_runtime(engine=engine) as rt,
-        rt.open_session(hot_tokens=512, hot_eviction="relevance") as s,
+        rt.open_session(hot_tokens=512, hot_eviction="relevance_lexical") as s,
     ):
         await s.ensure_context(context)
         await s.generate(max_tokens=6)

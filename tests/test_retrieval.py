@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import anyio
 import numpy as np
 import pytest
 
 import kvrt
 from kvrt import Residency
+from kvrt.adapters.llama import LlamaEngine
+from kvrt.backend import AdmitMode, EvictMode
 
 from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy
 
@@ -285,3 +289,76 @@ async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> 
         choices = [b.choice for b in blocks_of(s.explain(), "file:a.py")]
         assert choices[:same] == ["restored from cold"] * same
         assert set(choices[same:]) == {"prefilled"}
+
+
+def test_a_blend_splices_the_restored_tail_after_the_recomputed_head(engine: LlamaEngine) -> None:
+    """``admit(block, TAIL, skip=m)`` after computing the block's first ``m`` tokens: with
+    the same prefix and the same batches as a never-evicting reference, the next token's
+    logits are bit-identical (a splice at the wrong offset would not be); misuse refused."""
+    tokens = engine.tokenize(SYSTEM + FILE_A, add_special=True)
+    a, head, tail = tokens[:96], tokens[96:112], tokens[112:160]
+    nxt = tokens[160]
+    ref = engine.open_context(512)
+    ctx = engine.open_context(512)
+    try:
+        for part, start in ((a, 0), (head, 96), (tail, 112)):
+            ref.prefill(part, start=start)
+            ctx.prefill(part, start=start)
+        want = ref.step(nxt).copy()
+        block = ctx.export(96, 160)
+        ctx.evict(96, 160, EvictMode.GAP)
+        with pytest.raises(kvrt.InvalidRangeError, match="not the block's first"):
+            ctx.admit(block, AdmitMode.TAIL, skip=16)  # its head is not computed yet
+        ctx.prefill(head, start=96)
+        for bad in (-1, 64, 1.5, True):
+            with pytest.raises(kvrt.InvalidRangeError, match="skip must be an integer"):
+                ctx.admit(block, AdmitMode.TAIL, skip=bad)  # type: ignore[arg-type]
+        with pytest.raises(kvrt.InvalidRangeError, match="at the tail only"):
+            ctx.admit(block, AdmitMode.IN_PLACE, skip=16)
+        assert ctx.admit(block, AdmitMode.TAIL, skip=16) == 96
+        assert list(ctx.positions) == list(range(160))
+        assert list(ctx.tokens) == tokens[:160]
+        assert np.array_equal(ctx.step(nxt), want)
+    finally:
+        ref.close()
+        ctx.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_blend_computes_the_first_tokens_after_the_changed_prefix_afresh(
+    anyio_backend: str,
+) -> None:
+    """``approximate="blend:R"``: of the run of approximate hits after the changed prefix
+    (a.py and the question, after b.py), the first ceil(R * n) tokens are computed and the
+    rest restored; labelled and counted so. R = 1 computes everything."""
+    got: dict[str, np.ndarray] = {}
+    async with kvrt.open_runtime(config=NO_DISK) as rt, rt.open_session(hot_tokens=1024) as exact:
+        n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
+        n_after = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
+        await exact.ensure_context(MOVED)
+        want = await exact._actor._engine("logits", exact._actor.ctx.logits)
+    for policy, ratio in (("allow", 0.0), ("blend:0.5", 0.5), ("blend:1", 1.0)):
+        # A runtime each: what one ratio computed exactly would be an exact hit for the next.
+        async with (
+            kvrt.open_runtime(config=NO_DISK) as rt,
+            rt.open_session(hot_tokens=1024, approximate=policy) as s,
+        ):
+            await s.ensure_context(ORIGINAL)
+            await s.evict("file:a.py")
+            status = await s.ensure_context(MOVED)
+            got[policy] = await s._actor._engine("logits", s._actor.ctx.logits)
+            moved = blocks_of(s.explain(), "file:a.py")
+            fresh = math.ceil(ratio * (n_file + n_after))
+            assert status.approximate_tokens == max(0, n_file - fresh)
+            run_start = moved[0].start
+            for b in moved:
+                head = max(0, min(b.n_tokens, run_start + fresh - b.start))
+                if head == b.n_tokens:  # all of it computed, after fresh KV only
+                    assert b.choice == "prefilled" and not b.approximate
+                    continue
+                assert b.approximate and b.residency is Residency.HOT
+                label = f"first {head} tokens computed afresh"
+                assert (label in (b.choice or "")) is (head > 0), b.choice
+    for policy, logits in got.items():
+        print(f"{policy}: max |Δlogit| vs recompute {float(np.max(np.abs(logits - want))):.3f}")
+    assert float(np.max(np.abs(got["blend:1"] - want))) < 1e-3  # computed, like the reference

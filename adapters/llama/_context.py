@@ -7,6 +7,8 @@ unified cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -15,7 +17,9 @@ from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
 
 from .._errors import translate_errors
-from .._window import KvWindow
+from .._sketch import QUERY_TOKENS
+from .._window import KvWindow, check_tokens
+from ._keys import KeyReader
 
 __all__ = ["LlamaEngineContext"]
 
@@ -23,10 +27,24 @@ __all__ = ["LlamaEngineContext"]
 class LlamaEngineContext(KvWindow):
     """A hot window on a shared :class:`~native_bridge.llama.LlamaModel`."""
 
-    def __init__(self, ctx: LlamaContext, facts: ModelFacts, budget: int) -> None:
+    def __init__(
+        self,
+        ctx: LlamaContext,
+        facts: ModelFacts,
+        budget: int,
+        *,
+        keys: KeyReader | None = None,
+        n_threads: int | None = None,
+    ) -> None:
         super().__init__(facts, budget)
         self._ctx = ctx
         self._model: LlamaModel = ctx.model
+        self._keys = keys
+        self._n_threads = n_threads
+        self._probe: LlamaContext | None = None
+        self._probe_tokens: list[int] = []
+        """What the probe holds at positions 0...: a query that extends it decodes only
+        the new tokens."""
 
     @classmethod
     def create(
@@ -47,7 +65,7 @@ class LlamaEngineContext(KvWindow):
                 n_threads=n_threads,
                 kv_type=facts.kv_type,
             )
-        return cls(ctx, facts, n_ctx)
+        return cls(ctx, facts, n_ctx, keys=KeyReader.for_model(model, facts), n_threads=n_threads)
 
     @property
     def can_shift(self) -> bool:
@@ -112,7 +130,7 @@ class LlamaEngineContext(KvWindow):
             finally:
                 self._ctx.seq_clear(SCRATCH_SEQ)
 
-    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+    def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
             self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(block.data))
@@ -125,9 +143,54 @@ class LlamaEngineContext(KvWindow):
                     )
                 if target != meta.start:
                     self._ctx.seq_add(SCRATCH_SEQ, meta.start, meta.end, target - meta.start)
-                self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target, target + meta.n_tokens)
+                self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target + skip, target + meta.n_tokens)
             finally:
                 self._ctx.seq_clear(SCRATCH_SEQ)
+
+    # -- key sketches (kvrt.backend.KeySketching) --
+
+    def key_sketches(self, ranges: Sequence[tuple[int, int]]) -> list[object | None]:
+        out: list[object | None] = []
+        for start, end in ranges:
+            s, e, i, j = self._resident_slice(start, end)
+            if self._keys is None or j - i != e - s:
+                out.append(None)
+                continue
+            out.extend(self._keys.sketches([self._take(i, j, s, e)]))
+        return out
+
+    def cold_key_sketch(self, block: ColdBlock) -> object | None:
+        if self._keys is None or block.meta.fingerprint != self._facts.fingerprint:
+            return None
+        return self._keys.sketches([block.data])[0]
+
+    def query_sketch(self, tokens: Sequence[int]) -> object | None:
+        """Keys of the last :data:`QUERY_TOKENS` of ``tokens``, computed alone in a small
+        context of their own (opened on first use), so the window and its logits stay. A
+        query extending the previous one (an answer fed back token by token) computes only
+        its new tokens."""
+        if self._keys is None or not tokens:
+            return None
+        chunk = list(tokens)[-QUERY_TOKENS:]
+        check_tokens(chunk, self._facts.n_vocab)
+        with translate_errors("computing the query's keys"):
+            if self._probe is None:
+                self._probe = LlamaContext(
+                    self._model,
+                    n_ctx=QUERY_TOKENS,
+                    n_batch=QUERY_TOKENS,
+                    n_threads=self._n_threads,
+                    kv_type=self._facts.kv_type,
+                )
+            probe, held = self._probe, self._probe_tokens
+            kept = len(held) if chunk[: len(held)] == held and len(chunk) > len(held) else 0
+            self._probe_tokens = []
+            if not kept:
+                probe.clear()
+            probe.decode(chunk[kept:], kept)
+            data = probe.state_get(MAIN_SEQ)
+            self._probe_tokens = chunk
+        return self._keys.keys(data)
 
     def _reset(self) -> None:
         with translate_errors("clearing the context"):
@@ -138,6 +201,9 @@ class LlamaEngineContext(KvWindow):
         return self._ctx.closed
 
     def close(self) -> None:
-        if not self._ctx.closed:
-            with translate_errors("closing the context"):
+        with translate_errors("closing the context"):
+            if self._probe is not None:
+                self._probe.close()
+                self._probe = None
+            if not self._ctx.closed:
                 self._ctx.close()

@@ -16,10 +16,11 @@ import numpy.typing as npt
 
 from kvrt import ColdBlockMismatchError, EngineError
 from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
-from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack
+from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack, unrotate_keys
 
 from .._errors import translate_errors
-from .._window import KvWindow
+from .._sketch import QUERY_TOKENS, block_sketch
+from .._window import KvWindow, check_tokens
 
 __all__ = ["EXACT_KV", "OpenVinoEngineContext"]
 
@@ -42,6 +43,8 @@ class OpenVinoEngineContext(KvWindow):
         self._chunk = chunk
         self._is_end_token = is_end
         self._last_logits: Logits | None = None
+        self._probe: OvRequest | None = None
+        self._probe_tokens: list[int] = []
 
     @property
     def can_shift(self) -> bool:
@@ -136,9 +139,9 @@ class OpenVinoEngineContext(KvWindow):
             self._req.insert(i, stored)
         return True
 
-    def _put(self, block: ColdBlock, i: int, target: int) -> None:
+    def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         m = self._model
-        kv = self._stored(block)
+        kv = self._stored(block)[:, :, :, skip:]
         if target != block.meta.start:
             kv = unpack(kv).copy()  # unpacking f32 blocks is a view of the read-only bytes
             kv[:, 0] = rotate_keys(kv[:, 0], target - block.meta.start, m.inv_freq, m.rotary_layout)
@@ -154,6 +157,60 @@ class OpenVinoEngineContext(KvWindow):
     def closed(self) -> bool:
         return self._req.closed
 
+    # -- key sketches (kvrt.backend.KeySketching) --
+
+    def _keys(self, kv: npt.NDArray[Any], positions: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+        """``[layer, head, token, dim]`` keys of a state slice, RoPE undone."""
+        m = self._model
+        return unrotate_keys(unpack(kv)[:, 0], positions, m.inv_freq, m.rotary_layout)
+
+    def key_sketches(self, ranges: Sequence[tuple[int, int]]) -> list[object | None]:
+        out: list[object | None] = []
+        for start, end in ranges:
+            s, e, i, j = self._resident_slice(start, end)
+            if j - i != e - s:
+                out.append(None)
+                continue
+            with translate_errors(f"reading the keys of [{s}, {e})"):
+                kv = self._req.take(i, j)
+            out.append(block_sketch(self._keys(kv, np.arange(s, e, dtype=np.int64))))
+        return out
+
+    def cold_key_sketch(self, block: ColdBlock) -> object | None:
+        if block.meta.fingerprint != self._facts.fingerprint:
+            return None
+        try:
+            kv = self._stored(block)
+        except ColdBlockMismatchError:
+            return None
+        meta = block.meta
+        return block_sketch(self._keys(kv, np.arange(meta.start, meta.end, dtype=np.int64)))
+
+    def query_sketch(self, tokens: Sequence[int]) -> object | None:
+        """Keys of the last :data:`QUERY_TOKENS` of ``tokens``, computed alone in an infer
+        request of their own (opened on first use); a query extending the previous one
+        computes only its new tokens."""
+        if not tokens:
+            return None
+        chunk = list(tokens)[-QUERY_TOKENS:]
+        check_tokens(chunk, self._facts.n_vocab)
+        with translate_errors("computing the query's keys"):
+            if self._probe is None:
+                self._probe = self._model.request()
+            probe, held = self._probe, self._probe_tokens
+            kept = len(held) if chunk[: len(held)] == held and len(chunk) > len(held) else 0
+            self._probe_tokens = []
+            if not kept or probe.length != kept:
+                probe.reset()
+                kept = 0
+            probe.infer(chunk[kept:], range(kept, len(chunk)))
+            kv = probe.take(0, len(chunk))
+            self._probe_tokens = chunk
+        return self._keys(kv, np.arange(len(chunk), dtype=np.int64))
+
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         if not self.closed:
             self._req.close()

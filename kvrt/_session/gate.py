@@ -98,6 +98,9 @@ class EngineGate:
         every block computed while one of them was resident before it. Their KV never
         enters the cold store."""
         self._recompute: set[int] = set()
+        self._approximate_runs: dict[int, tuple[int, int]] = {}
+        """While a context is placed: block id -> (start, tokens) of its run of
+        approximate-hit candidates."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
         self.counters = SessionCounters()

@@ -378,15 +378,25 @@ class HotWindow:
             relevance=self.relevance.get(block.id),
         )
 
+    def query_tokens(self) -> list[int]:
+        """The query relevance is scored against: the last segment's tokens."""
+        if not self.blocks:
+            return []
+        last = self.blocks[-1].segment
+        return [t for b in self.blocks if b.segment == last for t in b.tokens]
+
     def score_relevance(self, scorer: Callable[[list[list[int]], list[int]], list[float]]) -> None:
         """Score every block against the query (the last segment's tokens) with ``scorer``."""
         if not self.blocks:
             self.relevance = {}
             return
-        last = self.blocks[-1].segment
-        query = [t for b in self.blocks if b.segment == last for t in b.tokens]
-        scores = scorer([b.tokens for b in self.blocks], query)
-        self.relevance = {b.id: float(s) for b, s in zip(self.blocks, scores, strict=True)}
+        self.set_relevance(scorer([b.tokens for b in self.blocks], self.query_tokens()))
+
+    def set_relevance(self, scores: Sequence[float | None]) -> None:
+        """One score per block, in order; None leaves a block unscored."""
+        self.relevance = {
+            b.id: float(s) for b, s in zip(self.blocks, scores, strict=True) if s is not None
+        }
 
     def eviction_order(
         self,

@@ -23,6 +23,7 @@ from .._errors import (
 )
 from .._types import ApproximateQuery, CacheClass, Residency, RestoreQuery
 from ..policy import (
+    Blending,
     Estimating,
 )
 from .gate import EngineGate
@@ -222,45 +223,88 @@ class Paging(EngineGate):
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    def _approximate_entry(self, block: Block) -> ColdEntry | None:
+    def _find_approximate_runs(self, layout: Sequence[Block]) -> None:
+        """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
+        their tokens after another prefix: block id -> (run start, run tokens)."""
+        self._approximate_runs = {}
+        run: list[Block] = []
+        for block in [*layout, None]:
+            candidate = (
+                block is not None
+                and self.state(block) is Residency.DROPPED
+                and self.cold.similar(block.key(self.window.fingerprint), count=False) is not None
+            )
+            if candidate and block is not None:
+                run.append(block)
+                continue
+            size = sum(b.n_tokens for b in run)
+            for b in run:
+                self._approximate_runs[b.id] = (run[0].start, size)
+            run = []
+
+    def _approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
         """The cold copy of ``block``'s tokens after another prefix that the session's
-        approximate-hit policy accepts, if any."""
+        approximate-hit policy accepts, if any, with what the policy was asked."""
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
             return None
+        run_start, run_tokens = self._approximate_runs.get(block.id, (None, None))
         query = ApproximateQuery(
             cache_class=block.cache_class,
             start=block.start,
             source_start=entry.key.start,
             n_tokens=block.n_tokens,
             n_bytes=entry.n_bytes,
+            run_start=run_start,
+            run_tokens=run_tokens,
         )
         if query.shift and not self.ctx.capabilities.position_shift:
             return None
-        return entry if self.policies.approximate.accept(query) else None
+        return (entry, query) if self.policies.approximate.accept(query) else None
 
     async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
-        approximate-hit policy accepts it; the window must end right before the block."""
+        approximate-hit policy accepts it; the window must end right before the block. A
+        blending policy has the block's first tokens computed afresh, the rest restored."""
         if self.ctx.next_position != block.start:
             return False
-        entry = self._approximate_entry(block)
-        if entry is None:
+        found = self._approximate_entry(block)
+        if found is None:
             return False
+        entry, query = found
+        policy = self.policies.approximate
+        fresh = policy.recompute_tokens(query) if isinstance(policy, Blending) else 0
+        if fresh >= block.n_tokens:
+            return False  # all of it computed afresh: an ordinary prefill
         self.cold.count_approximate(entry.key)
         with self.cold.pinned([entry.key]):
-            await self._make_room(block.n_tokens, keep | {block.id})
+            # The engine holds the whole block in scratch while splicing its tail in.
+            await self._make_room(block.n_tokens + fresh, keep | {block.id})
             if self.ctx.next_position != block.start:
                 return False
+            if fresh:
+                began = time.perf_counter()
+                await self._engine(
+                    "prefill",
+                    self.ctx.prefill,
+                    block.tokens[:fresh],
+                    start=block.start,
+                    checkpoint=anyio.from_thread.check_cancelled,
+                )
+                self._observed_prefill(began, block.start, fresh)
             began = time.perf_counter()
-            await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL)
+            await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL, skip=fresh)
             self._observed_restore(began, entry.n_bytes)
         self.tainted.add(block.id)
-        self._tally.approximate += block.n_tokens
+        self._tally.approximate += block.n_tokens - fresh
+        self._tally.prefilled += fresh
         shift = block.start - entry.key.start
+        how = f"keys re-rotated by {shift:+d}" if shift else ""
+        if fresh:
+            how = f"first {fresh} tokens computed afresh" + (f", {how}" if how else "")
         self.choices[block.id] = (
-            f"restored approximately (same tokens after another prefix; keys re-rotated by {shift:+d})"
-            if shift
+            f"restored approximately (same tokens after another prefix; {how})"
+            if how
             else "restored approximately (same tokens after another prefix)"
         )
         return True

@@ -19,10 +19,9 @@ from .._errors import (
 )
 from .._reports import ContextStatus, PrefetchReport
 from .._types import Residency
-from ..policy import Relevance
 from .gate import Tally
 from .layout import Block, Segment
-from .paging import Paging
+from .scoring import Scoring
 
 __all__ = [
     "Placement",
@@ -115,7 +114,7 @@ class Prefetch:
         return self._report
 
 
-class Placement(Paging):
+class Placement(Scoring):
     """Makes the hot window hold a context the way the eviction policy plans it."""
 
     # -- commands --
@@ -231,8 +230,7 @@ class Placement(Paging):
         predecessor is made resident first.
         """
         policy = self.policies.hot_eviction
-        if isinstance(policy, Relevance):
-            self.window.score_relevance(policy.relevance)
+        await self._score()
         planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)
         self._recompute = set()
         resident = self.resident()
@@ -242,11 +240,13 @@ class Placement(Paging):
                 query = self._query(block, size or 0)
                 if not self.policies.restore.restore(query):
                     self._recompute.add(block.id)
+        self._find_approximate_runs(layout)
         try:
             await self._place_blocks(layout, planned)
             await self._converge(layout, planned)
         finally:
             self._recompute = set()
+            self._approximate_runs = {}
 
     async def _converge(self, layout: list[Block], planned: set[int]) -> None:
         """Bring back planned blocks that computing later ones pushed out, in exchange for

@@ -23,10 +23,12 @@ from kvrt._units import format_size
 __all__ = ["main"]
 
 LOCAL_CONFIG = "kvrt.toml"
+"""Read from the working directory when neither --config nor $KVRT_CONFIG names a file."""
 BENCH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 TIER_SIZES = (128, 1024, 4096)
 FIDELITY_SIZES = (1024, 2048)
-"""Read from the working directory when neither --config nor $KVRT_CONFIG names a file."""
+BENCH_PLOT = "kvrt-bench.png"
+FIDELITY_PLOT = "kvrt-fidelity.png"
 
 _HELP = {
     "cold": "host-RAM cold store budget, e.g. 2GiB (default: 25%% of free RAM)",
@@ -187,9 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--plot",
-        default="kvrt-bench.png",
+        default=BENCH_PLOT,
         metavar="PATH",
-        help="where the PNG plot goes (default kvrt-bench.png)",
+        help="where the PNG plot goes (default kvrt-bench.png; kvrt-fidelity.png with --fidelity)",
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -447,14 +449,19 @@ def _bench_section(
     steps: int,
     run: Callable[[Callable[[str], None]], Any],
     show: Callable[[Any], None],
+    *,
+    plot: tuple[str, Callable[[Any, str], Any]] | None = None,
 ) -> None:
     """Run one ``kvrt bench`` section with a progress bar and a disk tier of its own, then
-    print its figures (or their JSON)."""
+    print its figures (or their JSON) and, given ``plot`` (a path and a drawing function),
+    draw them there."""
     import anyio
     from rich.progress import Progress
 
     from kvrt.tools.bench import own_disk_tier
 
+    if plot is not None:
+        _check_writable(plot[0])  # before minutes of measuring, not after
     with own_disk_tier(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=steps)
 
@@ -462,6 +469,13 @@ def _bench_section(
             progress.update(task, description=what, advance=1)
 
         figures = anyio.run(lambda: run(step))
+    if plot is not None:
+        path, draw = plot
+        try:
+            written = draw(figures, path)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+        console.print(f"plot written to {written}", highlight=False)
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
     else:
@@ -469,17 +483,20 @@ def _bench_section(
 
 
 def _bench_fidelity(args: argparse.Namespace, config: Config, console: Any) -> None:
-    from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
+    from kvrt.tools.bench.fidelity import fidelity_steps, print_fidelity, run_fidelity_bench
+    from kvrt.tools.bench.plot import plot_fidelity
 
     sizes = FIDELITY_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
     if max(sizes) > 7168 or min(sizes) < 256:
         raise ConfigError("--sizes must stay between 256 and 7168 tokens with --fidelity")
+    path = FIDELITY_PLOT if args.plot == BENCH_PLOT else args.plot
     _bench_section(
         args,
         console,
-        3 * len(sizes),
+        fidelity_steps(len(sizes), args.keys),
         lambda step: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step),
         print_fidelity,
+        plot=None if args.no_plot else (path, plot_fidelity),
     )
 
 

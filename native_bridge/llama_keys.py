@@ -1,0 +1,170 @@
+"""Keys read out of llama.cpp's sequence state bytes, with RoPE undone.
+
+``llama_state_seq_get_data`` writes, for one sequence of a unified (single-stream) KV
+cache: an 8-byte header, the stream count (``u32``, 1 here), the cell count, one record
+per cell (position ``i32``, sequence count ``u32``, that many sequence ids ``i32``), then
+the data: ``v_trans`` and the layer count (``u32`` each) and, per layer, the key type
+(``i32``), the key row size (``u64``) and one key row per cell; the values follow. Only the
+keys are read; every length is checked before a byte is interpreted, and the lengths must
+add up to the whole buffer, so foreign or truncated bytes raise
+:class:`BridgeArgumentError` instead of yielding garbage.
+
+Keys sit in the cache after RoPE: a key at position ``p`` is rotated by angles ``p *
+base**(-2i/n_rot)``. :func:`unrotate` turns them back, so keys computed at different
+positions can be compared directly.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import BridgeArgumentError
+
+__all__ = ["ROPE_NEOX", "ROPE_NORM", "KeyRows", "read_keys", "unrotate"]
+
+ROPE_NORM: Final = 0
+"""llama.cpp's rope type for adjacent pairs (x[2i], x[2i+1]) (LLaMA-style GGUFs)."""
+ROPE_NEOX: Final = 2
+"""llama.cpp's rope type for split halves (x[i], x[i + n_rot/2])."""
+
+_HEADER: Final = 8
+_GGML_F32: Final = 0
+_GGML_F16: Final = 1
+_GGML_Q8_0: Final = 8
+_GGML_BF16: Final = 30
+
+
+class KeyRows:
+    """The keys of one exported sequence: ``keys[layer, cell, n_embd_k]`` and each cell's
+    position."""
+
+    __slots__ = ("keys", "positions")
+
+    def __init__(self, keys: npt.NDArray[np.float32], positions: npt.NDArray[np.int64]) -> None:
+        self.keys = keys
+        self.positions = positions
+
+
+def _dequantize(
+    raw: npt.NDArray[np.uint8], k_type: int, n_cells: int, width: int
+) -> npt.NDArray[np.float32]:
+    if k_type == _GGML_F32:
+        return raw.view(np.float32).reshape(n_cells, width)
+    if k_type == _GGML_F16:
+        return raw.view(np.float16).reshape(n_cells, width).astype(np.float32)
+    if k_type == _GGML_BF16:
+        wide = raw.view(np.uint16).astype(np.uint32) << 16
+        return wide.view(np.float32).reshape(n_cells, width)
+    if k_type == _GGML_Q8_0:  # blocks of 32: an f16 scale, then 32 int8
+        blocks = raw.reshape(n_cells * width // 32, 34)
+        scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        values = blocks[:, 2:].view(np.int8).astype(np.float32)
+        return (values * scale).reshape(n_cells, width)
+    raise BridgeArgumentError(f"keys of ggml type {k_type} are not readable here")
+
+
+def _row_bytes(k_type: int, width: int) -> int:
+    if k_type == _GGML_F32:
+        return 4 * width
+    if k_type in (_GGML_F16, _GGML_BF16):
+        return 2 * width
+    if k_type == _GGML_Q8_0 and width % 32 == 0:
+        return width // 32 * 34
+    raise BridgeArgumentError(f"keys of ggml type {k_type} are not readable here")
+
+
+def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> KeyRows:
+    """The keys in sequence state bytes of a single-stream cache of ``n_layer`` layers.
+
+    Raises :class:`BridgeArgumentError` when the bytes do not have that layout (another
+    model, a multi-stream or sliding-window cache, an unreadable key type).
+    """
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise BridgeArgumentError("state bytes must be a 1-D uint8 array")
+    buf = np.ascontiguousarray(data)
+    raw = buf.data
+    size = data.size
+    off = _HEADER
+
+    def take(fmt: str) -> tuple[int, ...]:
+        nonlocal off
+        n = struct.calcsize(fmt)
+        if off + n > size:
+            raise BridgeArgumentError("state bytes end early")
+        values = struct.unpack_from(fmt, raw, off)
+        off += n
+        return values
+
+    (n_stream,) = take("<I")
+    if n_stream != 1:
+        raise BridgeArgumentError(f"state bytes hold {n_stream} streams, expected 1")
+    (n_cells,) = take("<I")
+    if n_cells == 0 or n_cells > size:
+        raise BridgeArgumentError(f"state bytes claim {n_cells} cells")
+    positions = np.empty(n_cells, dtype=np.int64)
+    for i in range(n_cells):
+        pos, n_seq = take("<iI")
+        if n_seq > 64:
+            raise BridgeArgumentError(f"a cell claims {n_seq} sequences")
+        off += 4 * n_seq
+        positions[i] = pos
+    v_trans, layers = take("<II")
+    if layers != n_layer:
+        raise BridgeArgumentError(f"state bytes hold {layers} layers, the model has {n_layer}")
+    keys = np.empty((n_layer, n_cells, n_embd_k), dtype=np.float32)
+    for layer in range(n_layer):
+        k_type, row = take("<iQ")
+        if row != _row_bytes(k_type, n_embd_k):
+            raise BridgeArgumentError(f"layer {layer}: key rows of {row} bytes do not fit")
+        n = row * n_cells
+        if off + n > size:
+            raise BridgeArgumentError("state bytes end early")
+        keys[layer] = _dequantize(buf[off : off + n], k_type, n_cells, n_embd_k)
+        off += n
+    for _ in range(n_layer):  # the values: only their lengths are checked
+        if v_trans:
+            _v_type, element, width = take("<iII")
+            off += element * width * n_cells
+        else:
+            _v_type, row = take("<iQ")
+            off += row * n_cells
+    if off != size:
+        raise BridgeArgumentError(f"state bytes hold {size} bytes, their layout says {off}")
+    return KeyRows(keys, positions)
+
+
+def unrotate(
+    keys: npt.NDArray[np.float32],
+    positions: npt.NDArray[np.int64],
+    *,
+    head_dim: int,
+    n_rot: int,
+    base: float,
+    rope_type: int,
+) -> npt.NDArray[np.float32]:
+    """Keys ``[layer, token, heads * head_dim]`` rotated back to position 0, as
+    ``[layer, head, token, head_dim]``."""
+    if rope_type not in (ROPE_NORM, ROPE_NEOX):
+        raise BridgeArgumentError(f"rope type {rope_type} is not undone here")
+    if n_rot % 2 or not 0 < n_rot <= head_dim or keys.shape[-1] % head_dim:
+        raise BridgeArgumentError(f"rope over {n_rot} of {head_dim} dims does not fit the keys")
+    n_layer, n_tok, width = keys.shape
+    k = keys.reshape(n_layer, n_tok, width // head_dim, head_dim).transpose(0, 2, 1, 3).copy()
+    inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    angle = -positions[:, None].astype(np.float64) * inv[None, :]
+    cos = np.cos(angle).astype(np.float32)
+    sin = np.sin(angle).astype(np.float32)
+    if rope_type == ROPE_NEOX:
+        half = n_rot // 2
+        x0, x1 = k[..., :half].copy(), k[..., half:n_rot].copy()
+        k[..., :half] = x0 * cos - x1 * sin
+        k[..., half:n_rot] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = k[..., 0:n_rot:2].copy(), k[..., 1:n_rot:2].copy()
+        k[..., 0:n_rot:2] = x0 * cos - x1 * sin
+        k[..., 1:n_rot:2] = x0 * sin + x1 * cos
+    return k
