@@ -31,7 +31,13 @@ restore policy that also has :class:`Calibrating`'s methods is fed every session
 measured restores and prefills; one with :class:`Estimating`'s shows its estimates in
 ``explain()``. A hot-eviction policy with :class:`Relevance`'s method scores every block
 against the query before the context is placed, and reads the scores back in
-``BlockView.relevance``.
+``BlockView.relevance``; with :class:`KeyScoring`'s too, it scores by key vectors where
+the engine gives them. An approximate-hit policy with :class:`Blending`'s method has part
+of each accepted hit computed afresh.
+
+A factory that takes one argument is a policy with a knob: ``"name:argument"`` hands it
+the text after the colon (``approximate="blend:0.3"``); a ``ValueError`` from it becomes a
+:class:`~kvrt.ConfigError`.
 """
 
 from __future__ import annotations
@@ -107,12 +113,13 @@ class Approximate(Protocol):
 
 @runtime_checkable
 class Blending(Protocol):
-    """Optional for an approximate-hit policy: recompute part of an accepted hit.
+    """Optional for an approximate-hit policy: compute part of an accepted hit afresh.
 
-    After the prefix changed, the first tokens of a reused block are the ones whose KV
-    differs most from a fresh computation (they attended to the old prefix most
-    directly). The session computes this many of the block's leading tokens afresh and
-    restores the rest (in the spirit of CacheBlend's selective recompute).
+    The session computes this many of the block's leading tokens and restores the rest
+    (CacheBlend's selective recompute, by position). The query says where the run of
+    approximate hits holding the block begins (``run_start``, the first token after the
+    changed prefix) and how long it is (``run_tokens``), so a policy can recompute the
+    tokens right after the change rather than the head of every block.
     """
 
     def recompute_tokens(self, query: ApproximateQuery) -> int:

@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
         "--fidelity",
         action="store_true",
         help="only how much of a long context the model can use: passkey retrieval under "
-        "full, discard, class_lru and relevance windows (--sizes, --keys; about ten minutes)",
+        "full, discard, class_lru and relevance windows, then approximate hits per blend "
+        "ratio (--sizes, --keys; about eleven minutes)",
     )
     bench.add_argument(
         "--keys",
