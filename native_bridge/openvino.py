@@ -103,17 +103,15 @@ def unpack(kv: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return np.asarray(kv, dtype=np.float32)
 
 
-def rotate_keys(
-    keys: npt.NDArray[np.float32], delta: int, inv_freq: npt.NDArray[np.float32], layout: str
+def _rotate(
+    keys: npt.NDArray[np.float32], angles: npt.NDArray[np.float64], layout: str
 ) -> npt.NDArray[np.float32]:
-    """Keys rotated by ``delta`` positions (RoPE composes: R(p + d) = R(d) R(p))."""
-    if delta == 0:
-        return keys
-    angles = np.float64(delta) * inv_freq.astype(np.float64)
+    """A copy of ``keys [..., head_dim]`` with its rotary dims turned by ``angles``
+    (broadcast against ``[..., head_dim / 2]``)."""
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    rot = inv_freq.size * 2
-    out = keys.copy()
-    k = keys[..., :rot]
+    rot = angles.shape[-1] * 2
+    out = np.array(keys, dtype=np.float32, copy=True)
+    k = out[..., :rot].copy()
     if layout == "half":
         k1, k2 = k[..., : rot // 2], k[..., rot // 2 :]
         out[..., : rot // 2] = k1 * cos - k2 * sin
@@ -123,6 +121,15 @@ def rotate_keys(
         out[..., 0:rot:2] = k1 * cos - k2 * sin
         out[..., 1:rot:2] = k2 * cos + k1 * sin
     return out
+
+
+def rotate_keys(
+    keys: npt.NDArray[np.float32], delta: int, inv_freq: npt.NDArray[np.float32], layout: str
+) -> npt.NDArray[np.float32]:
+    """Keys rotated by ``delta`` positions (RoPE composes: R(p + d) = R(d) R(p))."""
+    if delta == 0:
+        return keys
+    return _rotate(keys, np.float64(delta) * inv_freq.astype(np.float64), layout)
 
 
 def unrotate_keys(
@@ -135,19 +142,7 @@ def unrotate_keys(
     if keys.shape[-2] != positions.size:
         raise BridgeArgumentError(f"{positions.size} positions for {keys.shape[-2]} keys")
     angles = -positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    rot = inv_freq.size * 2
-    out = np.array(keys, dtype=np.float32, copy=True)
-    k = out[..., :rot].copy()
-    if layout == "half":
-        k1, k2 = k[..., : rot // 2], k[..., rot // 2 :]
-        out[..., : rot // 2] = k1 * cos - k2 * sin
-        out[..., rot // 2 : rot] = k2 * cos + k1 * sin
-    else:
-        k1, k2 = k[..., 0::2], k[..., 1::2]
-        out[..., 0:rot:2] = k1 * cos - k2 * sin
-        out[..., 1:rot:2] = k2 * cos + k1 * sin
-    return out
+    return _rotate(keys, angles, layout)
 
 
 class OvModel:
