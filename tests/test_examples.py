@@ -187,8 +187,6 @@ def test_kvrt_bench_fidelity_reports_every_condition(
     for r in blend[:2]:
         assert r.trace_seconds is not None and r.trace_seconds > 0
         assert r.trace_approximate_tokens is not None and r.trace_prefilled_tokens
-    # Computing half of each run afresh never leaves more tokens restored approximately.
-    assert (blend[1].trace_approximate_tokens or 0) <= (blend[0].trace_approximate_tokens or 0)
     plotted = plot_fidelity(msgspec.structs.replace(report, blend=blend), tmp_path / "fidelity.png")
     assert plotted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused = subprocess.run(

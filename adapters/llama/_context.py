@@ -156,13 +156,13 @@ class LlamaEngineContext(KvWindow):
             if self._keys is None or j - i != e - s:
                 out.append(None)
                 continue
-            out.extend(self._keys.sketches([self._take(i, j, s, e)]))
+            out.append(self._keys.sketch(self._take(i, j, s, e)))
         return out
 
     def cold_key_sketch(self, block: ColdBlock) -> object | None:
         if self._keys is None or block.meta.fingerprint != self._facts.fingerprint:
             return None
-        return self._keys.sketches([block.data])[0]
+        return self._keys.sketch(block.data)
 
     def query_sketch(self, tokens: Sequence[int]) -> object | None:
         """Keys of the last :data:`QUERY_TOKENS` of ``tokens``, computed alone in a small

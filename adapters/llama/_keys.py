@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,9 +67,7 @@ class KeyReader:
         except BridgeError:
             return None
 
-    def sketches(self, blobs: Sequence[npt.NDArray[np.uint8]]) -> list[object | None]:
-        out: list[object | None] = []
-        for data in blobs:
-            keys = self.keys(data)
-            out.append(None if keys is None else block_sketch(keys))
-        return out
+    def sketch(self, data: npt.NDArray[np.uint8]) -> object | None:
+        """The block sketch of sequence state bytes, or None when they cannot be read."""
+        keys = self.keys(data)
+        return None if keys is None else block_sketch(keys)
