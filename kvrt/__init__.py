@@ -8,6 +8,7 @@ them again. This module is the whole public surface; everything else is private.
 import msgspec as _msgspec
 
 from . import backend as backend
+from . import models as models
 from . import policy as policy
 from ._backend import AdmitMode as AdmitMode
 from ._backend import Capabilities as Capabilities
@@ -165,6 +166,7 @@ __all__ = [
     "embedded_model_path",
     "load_config",
     "load_engine",
+    "models",
     "open_engine",
     "open_runtime",
     "parse_size",

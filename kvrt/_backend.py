@@ -94,6 +94,14 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """Bytes of weights loaded."""
     file_bytes: int
     """Bytes of the model file(s) on disk."""
+    n_swa_layers: int = 0
+    """Layers that attend over the sliding window only, as the engine's KV cache holds them
+    (measured from the cache's own state layout; 0 for models without a window)."""
+    kv_bytes_per_token_swa: int = 0
+    """Of ``kv_bytes_per_token``, the share of the windowed layers."""
+    rope_freq_base_swa: float | None = None
+    """RoPE base frequency of the windowed layers where it differs by layer kind (Gemma 3:
+    10,000 there, 1,000,000 in global layers); shifts re-rotate each layer by its own."""
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

@@ -68,8 +68,10 @@ class LayerProfile(msgspec.Struct, frozen=True, kw_only=True):
     sliding_window: int | None = None
     """Their window, in tokens."""
     swa_full: bool = False
-    """The engine sizes windowed layers like dense ones (llama.cpp does with several
-    sequences in one unified cache), so the window saves no memory."""
+    """The engine sizes windowed layers like dense ones, so the window saves no memory.
+    kvrt's llama.cpp contexts do: a window-sized cache drops the keys that slid out of the
+    window, which a range taken back at the tail (or restored inside the window) needs, and
+    its logits differ from a full-size cache's."""
 
     @property
     def windowed(self) -> bool:
@@ -275,6 +277,14 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
             "capped there"
         )
         cold_bytes = usable
+
+    layers = inputs.layers
+    if layers is not None and layers.n_swa_layers and layers.sliding_window and layers.swa_full:
+        notes.append(
+            f"{layers.n_swa_layers} of {layers.n_layers} layers attend over a "
+            f"{layers.sliding_window}-token window but are kept at full size (exact restores "
+            "and tail rollbacks need every key), so they cost as much as the global layers"
+        )
 
     memory_tokens: int | None = None
     if usable is not None and kvpt is not None:

@@ -42,11 +42,6 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) -> CapacityInputs:
     """The capacity derivation's inputs for a model under a configuration."""
-    n_swa_layers = 0
-    if facts.sliding_window_live:
-        pattern = facts.sliding_window_pattern
-        # A pattern of p means p-1 windowed layers out of every p.
-        n_swa_layers = facts.n_layers - facts.n_layers // pattern if pattern else facts.n_layers
     mem = config.memory
     disk_path, disk_bytes = disk_location(config.disk.path, config.disk.budget)
     return CapacityInputs(
@@ -55,7 +50,7 @@ def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) ->
         weight_bytes=facts.weight_bytes,
         layers=LayerProfile(
             n_layers=facts.n_layers,
-            n_swa_layers=n_swa_layers,
+            n_swa_layers=facts.n_swa_layers if facts.sliding_window_live else 0,
             sliding_window=facts.sliding_window_live,
             swa_full=facts.swa_full,
         ),

@@ -57,12 +57,24 @@ def expand_path(model: str | os.PathLike[str]) -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The GGUF file to load: ``None`` is the embedded model; anything else must exist."""
+    """The GGUF file to load: ``None`` is the embedded model, a name from
+    :data:`kvrt.models.NAMES` that model (a file of that name in the working folder wins);
+    anything else must exist."""
     if model is None:
         return embedded_model_path()
     path = expand_path(model)
+    if isinstance(model, str) and not path.exists():
+        from .models import NAMES, model_path
+
+        if model in NAMES:
+            return model_path(model)
     if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
+        hint = ""
+        if isinstance(model, str) and "/" not in model and "." not in model:
+            from .models import NAMES  # a bare word: perhaps a misspelt model name
+
+            hint = f" (model names kvrt knows: {', '.join(NAMES)})"
+        raise ModelLoadError(f"model file not found: {path}{hint}")
     if not path.is_file():
         raise ModelLoadError(f"model path is not a file: {path}")
     try:

@@ -37,7 +37,21 @@ __all__ = [
 
 MAIN_SEQ: Final = 0
 SCRATCH_SEQ: Final = 1
-_N_SEQ: Final = 2
+FLUSH_SEQ: Final = 2
+"""Where one throwaway token is computed to apply pending position shifts: llama.cpp
+re-rotates shifted keys only when it next computes, and writes state bytes as they are,
+so bytes read right after a shift would pair new positions with keys rotated for the old
+ones. Callers never name it."""
+KEEP_SEQ: Final = 3
+"""On models with sliding-window layers, a second owner of every cell of ``MAIN_SEQ``.
+
+llama.cpp takes a cell that slid out of its sequence's window for new tokens when only
+one sequence owns it, and then drops every older cell of that sequence from the windowed
+layers (measured: after evictions and restores at 4k tokens, the windowed layers kept only
+positions 2048 and up). Those keys are what a range taken back at the tail, or exported
+for another context, needs. A cell owned twice is never taken, so the windowed layers keep
+every position, as the global ones do. The bridge mirrors ``MAIN_SEQ`` into it: callers
+never name it."""
 
 # ggml type ids and (elements per block, bytes per block) of the KV cache types kvrt offers.
 KV_TYPES: Final[dict[str, tuple[int, int, int]]] = {
@@ -70,11 +84,15 @@ def kv_type_row_bytes(kv_type: str, n_elements: int) -> int:
 
 _LOG: collections.deque[str] = collections.deque(maxlen=40)
 _LOG_ECHO = os.environ.get("KVRT_NATIVE_LOG", "") not in ("", "0")
+_CAPTURE: list[str] | None = None
+"""Every line llama.cpp logs while a model loads (its ``print_info`` facts)."""
 
 
 @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     line = text.decode("utf-8", "replace")
+    if _CAPTURE is not None:
+        _CAPTURE.append(line)
     if level >= 3:  # warnings and errors; continuation lines (5) follow their head
         _LOG.append(line.rstrip("\n"))
     if _LOG_ECHO:
@@ -96,6 +114,18 @@ def _failure(what: str) -> BridgeCallError:
     return BridgeCallError(f"{what}" + (f" (llama.cpp: {tail})" if tail else ""))
 
 
+_LOAD_LOCK = threading.Lock()
+
+
+def _print_info(lines: list[str]) -> dict[str, str]:
+    info: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("print_info: ") and "=" in line:
+            key, _, value = line[len("print_info: ") :].partition("=")
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
@@ -108,8 +138,14 @@ class LlamaModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
+        global _CAPTURE
         _LOG.clear()
-        ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        with _LOAD_LOCK:
+            _CAPTURE = []
+            try:
+                ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+            finally:
+                lines, _CAPTURE = _CAPTURE, None
         if not ptr:
             tail = recent_log()
             raise BridgeLoadError(
@@ -128,6 +164,9 @@ class LlamaModel:
         self.n_swa: int = llama_cpp.llama_model_n_swa(ptr)
         self.size_bytes: int = llama_cpp.llama_model_size(ptr)
         self.rope_type: int = llama_cpp.llama_model_rope_type(ptr)
+        self.info: dict[str, str] = _print_info(lines)
+        """What llama.cpp printed about the model while loading it (``print_info: key =
+        value``), e.g. ``freq_base_swa``, the RoPE base of windowed layers."""
 
     # -- lifetime --
 
@@ -280,6 +319,7 @@ class LlamaContext:
         n_threads: int | None = None,
         kv_type: str = "f16",
         flash_attn: bool | None = None,
+        swa_full: bool = True,
     ) -> None:
         model_ptr = model._live()
         if kv_type not in KV_TYPES:
@@ -300,9 +340,16 @@ class LlamaContext:
         # (aborting the process) if a batch cannot hold them: with two sequences a batch of
         # one token kills it (measured). The context's batch is at least one per sequence;
         # kvrt still hands it at most ``n_batch`` tokens per call.
-        params.n_batch = params.n_ubatch = max(n_batch, _N_SEQ)
-        params.n_seq_max = _N_SEQ
+        self._keep = model.n_swa > 0
+        n_seq = 4 if self._keep else 3
+        params.n_batch = params.n_ubatch = max(n_batch, n_seq)
+        params.n_seq_max = n_seq
         params.kv_unified = True
+        # Windowed layers at full size: a window-sized cache drops the cells that slid out
+        # of the window, so a range removed at the tail and computed again (or restored
+        # inside the window) would attend to missing keys; llama.cpp's server re-processes
+        # the whole prompt there.
+        params.swa_full = swa_full
         params.n_threads = threads
         params.n_threads_batch = threads
         params.type_k = params.type_v = KV_TYPES[kv_type][0]
@@ -325,13 +372,16 @@ class LlamaContext:
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
         self.n_batch: int = min(n_batch, llama_cpp.llama_n_batch(ptr))
         self.can_shift: bool = bool(llama_cpp.llama_memory_can_shift(self._mem))
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 2)
         b = self._batch
         self._b_token = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._b_nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
         self._b_logits = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
         self._b_seq = -1
+        self._shifted = False
+        self._decoded = False
+        self._held_logits: npt.NDArray[np.float32] | None = None
         model._contexts.add(self)
 
     @property
@@ -393,28 +443,52 @@ class LlamaContext:
                 raise BridgeArgumentError(
                     f"positions must continue the sequence: it ends at {last}, batch starts at {start}"
                 )
-            if self._b_seq != seq:
-                for i in range(self.n_batch):
-                    self._batch.seq_id[i][0] = seq
-                self._b_seq = seq
-            self._b_token[:n] = arr
-            self._b_pos[:n] = np.arange(start, start + n, dtype=np.int32)
-            self._b_nseq[:n] = 1
-            self._b_logits[:n] = 0
-            self._b_logits[n - 1] = 1
-            self._batch.n_tokens = n
-            _LOG.clear()
-            rc = llama_cpp.llama_decode(ctx, self._batch)
-            if rc != 0:
-                raise _failure(f"llama_decode failed ({rc}: {_DECODE_ERRORS.get(rc, 'error')})")
+            self._held_logits = None
+            self._run(ctx, arr, start, seq)
+            self._decoded = True
+
+    def _run(self, ctx: Any, arr: npt.NDArray[np.int32], start: int, seq: int) -> None:
+        n = arr.size
+        if self._b_seq != seq:
+            for i in range(self.n_batch):
+                self._batch.seq_id[i][0] = seq
+                self._batch.seq_id[i][1] = KEEP_SEQ
+            self._b_seq = seq
+        self._b_token[:n] = arr
+        self._b_pos[:n] = np.arange(start, start + n, dtype=np.int32)
+        self._b_nseq[:n] = 2 if self._keep and seq == MAIN_SEQ else 1
+        self._b_logits[:n] = 0
+        self._b_logits[n - 1] = 1
+        self._batch.n_tokens = n
+        _LOG.clear()
+        rc = llama_cpp.llama_decode(ctx, self._batch)
+        if rc != 0:
+            raise _failure(f"llama_decode failed ({rc}: {_DECODE_ERRORS.get(rc, 'error')})")
+        self._shifted = False  # a decode applies pending shifts first
+
+    def _apply_shifts(self, ctx: Any) -> None:
+        """Re-rotate shifted keys now (see FLUSH_SEQ), keeping the last logits readable."""
+        if not self._shifted:
+            return
+        if self._decoded and self._held_logits is None:
+            self._held_logits = self._read_logits(ctx)
+        try:
+            self._run(ctx, np.zeros(1, dtype=np.int32), 0, FLUSH_SEQ)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, FLUSH_SEQ, -1, -1)
 
     def logits(self) -> npt.NDArray[np.float32]:
         """A copy of the logits of the last decoded token."""
         with self._use() as ctx:
-            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
-            if not ptr:
-                raise _failure("no logits: nothing has been decoded yet")
-            return np.ctypeslib.as_array(ptr, shape=(self._model.n_vocab,)).copy()
+            if self._held_logits is not None:
+                return self._held_logits.copy()
+            return self._read_logits(ctx)
+
+    def _read_logits(self, ctx: Any) -> npt.NDArray[np.float32]:
+        ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+        if not ptr:
+            raise _failure("no logits: nothing has been decoded yet")
+        return np.ctypeslib.as_array(ptr, shape=(self._model.n_vocab,)).copy()
 
     # -- memory --
 
@@ -434,12 +508,16 @@ class LlamaContext:
         with self._use():
             if not llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, p1):
                 raise _failure(f"llama.cpp could not remove [{p0}, {p1}) from sequence {seq}")
+            if self._keep and seq == MAIN_SEQ:
+                llama_cpp.llama_memory_seq_rm(self._mem, KEEP_SEQ, p0, p1)
 
     def seq_clear(self, seq: int) -> None:
         """Remove every token of ``seq`` (never fails)."""
         self._check_seq(seq)
         with self._use():
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            if self._keep and seq == MAIN_SEQ:
+                llama_cpp.llama_memory_seq_rm(self._mem, KEEP_SEQ, -1, -1)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self._check_seq(src)
@@ -449,6 +527,8 @@ class LlamaContext:
             raise BridgeArgumentError("source and destination sequences must differ")
         with self._use():
             llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+            if self._keep and dst == MAIN_SEQ:
+                llama_cpp.llama_memory_seq_cp(self._mem, src, KEEP_SEQ, p0, p1)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions in [p0, p1) by ``delta`` (keys are re-rotated by llama.cpp)."""
@@ -460,10 +540,13 @@ class LlamaContext:
             raise BridgeArgumentError(f"shifting [{p0}, {p1}) by {delta} gives negative positions")
         with self._use():
             llama_cpp.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+            self._shifted = True
 
     def clear(self) -> None:
         with self._use():
             llama_cpp.llama_memory_clear(self._mem, False)
+            self._shifted = self._decoded = False
+            self._held_logits = None
 
     # -- state bytes --
 
@@ -471,6 +554,7 @@ class LlamaContext:
         """The KV bytes of ``seq``, written by llama.cpp straight into a fresh buffer."""
         self._check_seq(seq)
         with self._use() as ctx:
+            self._apply_shifts(ctx)
             size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
             buf = np.empty(size, dtype=np.uint8)
             written = llama_cpp.llama_state_seq_get_data(
@@ -497,3 +581,5 @@ class LlamaContext:
             if read != data.size:
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 raise _failure(f"llama.cpp rejected the state bytes (read {read} of {data.size})")
+            if self._keep and seq == MAIN_SEQ:
+                llama_cpp.llama_memory_seq_cp(self._mem, MAIN_SEQ, KEEP_SEQ, -1, -1)

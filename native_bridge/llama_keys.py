@@ -4,8 +4,9 @@
 cache: an 8-byte header, the stream count (``u32``, 1 here), the cell count, one record
 per cell (position ``i32``, sequence count ``u32``, that many sequence ids ``i32``), then
 the data: ``v_trans`` and the layer count (``u32`` each) and, per layer, the key type
-(``i32``), the key row size (``u64``) and one key row per cell; the values follow. Only the
-keys are read; every length is checked before a byte is interpreted, and the lengths must
+(``i32``), the key row size (``u64``) and one key row per cell; the values follow. A model
+with sliding-window layers writes two such parts after the header, one per KV cache (the
+global layers', then the windowed layers'). Every length is checked before a byte is interpreted, and the lengths must
 add up to the whole buffer, so foreign or truncated bytes raise
 :class:`BridgeArgumentError` instead of yielding garbage.
 
@@ -17,14 +18,23 @@ positions can be compared directly.
 from __future__ import annotations
 
 import struct
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import BridgeArgumentError
 
-__all__ = ["ROPE_NEOX", "ROPE_NORM", "KeyRows", "read_keys", "unrotate"]
+__all__ = [
+    "ROPE_NEOX",
+    "ROPE_NORM",
+    "KeyRows",
+    "LayerRows",
+    "StatePart",
+    "read_keys",
+    "state_parts",
+    "unrotate",
+]
 
 ROPE_NORM: Final = 0
 """llama.cpp's rope type for adjacent pairs (x[2i], x[2i+1]) (LLaMA-style GGUFs)."""
@@ -77,16 +87,40 @@ def _row_bytes(k_type: int, width: int) -> int:
     raise BridgeArgumentError(f"keys of ggml type {k_type} are not readable here")
 
 
-def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> KeyRows:
-    """The keys in sequence state bytes of a single-stream cache of ``n_layer`` layers.
+class LayerRows(NamedTuple):
+    """One layer of a state part: key and value types and bytes per cell, and where the
+    layer's key rows start in the buffer."""
 
-    Raises :class:`BridgeArgumentError` when the bytes do not have that layout (another
-    model, a multi-stream or sliding-window cache, an unreadable key type).
+    k_type: int
+    k_row: int
+    v_type: int
+    v_row: int
+    k_offset: int
+
+
+class StatePart(NamedTuple):
+    """One KV cache's share of a sequence's state bytes: a model with sliding-window layers
+    has two (the global layers' cache, then the windowed layers')."""
+
+    positions: npt.NDArray[np.int64]
+    v_trans: bool
+    layers: tuple[LayerRows, ...]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K plus V bytes one cell takes over this part's layers."""
+        return sum(layer.k_row + layer.v_row for layer in self.layers)
+
+
+def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
+    """Parse the layout of sequence state bytes of a single-stream cache: one part per KV
+    cache, each with its cells' positions and its layers' row sizes.
+
+    Raises :class:`BridgeArgumentError` unless the lengths account for every byte.
     """
     if data.dtype != np.uint8 or data.ndim != 1:
         raise BridgeArgumentError("state bytes must be a 1-D uint8 array")
-    buf = np.ascontiguousarray(data)
-    raw = buf.data
+    raw = np.ascontiguousarray(data).data
     size = data.size
     off = _HEADER
 
@@ -99,42 +133,77 @@ def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> Ke
         off += n
         return values
 
-    (n_stream,) = take("<I")
-    if n_stream != 1:
-        raise BridgeArgumentError(f"state bytes hold {n_stream} streams, expected 1")
-    (n_cells,) = take("<I")
-    if n_cells == 0 or n_cells > size:
-        raise BridgeArgumentError(f"state bytes claim {n_cells} cells")
-    positions = np.empty(n_cells, dtype=np.int64)
-    for i in range(n_cells):
-        pos, n_seq = take("<iI")
-        if n_seq > 64:
-            raise BridgeArgumentError(f"a cell claims {n_seq} sequences")
-        off += 4 * n_seq
-        positions[i] = pos
-    v_trans, layers = take("<II")
-    if layers != n_layer:
-        raise BridgeArgumentError(f"state bytes hold {layers} layers, the model has {n_layer}")
-    keys = np.empty((n_layer, n_cells, n_embd_k), dtype=np.float32)
-    for layer in range(n_layer):
-        k_type, row = take("<iQ")
-        if row != _row_bytes(k_type, n_embd_k):
-            raise BridgeArgumentError(f"layer {layer}: key rows of {row} bytes do not fit")
-        n = row * n_cells
-        if off + n > size:
+    parts: list[StatePart] = []
+    while off < size:
+        if len(parts) >= 8:
+            raise BridgeArgumentError("state bytes claim more than 8 caches")
+        (n_stream,) = take("<I")
+        if n_stream != 1:
+            raise BridgeArgumentError(f"state bytes hold {n_stream} streams, expected 1")
+        (n_cells,) = take("<I")
+        if n_cells > size:
+            raise BridgeArgumentError(f"state bytes claim {n_cells} cells")
+        positions = np.empty(n_cells, dtype=np.int64)
+        for i in range(n_cells):
+            pos, n_seq = take("<iI")
+            if n_seq > 64:
+                raise BridgeArgumentError(f"a cell claims {n_seq} sequences")
+            off += 4 * n_seq
+            positions[i] = pos
+        if n_cells == 0:  # an empty cache writes no data section
+            parts.append(StatePart(positions, False, ()))
+            continue
+        v_trans, n_layer = take("<II")
+        if not 0 < n_layer <= 4096:
+            raise BridgeArgumentError(f"state bytes claim {n_layer} layers")
+        keys: list[tuple[int, int, int]] = []
+        for _ in range(n_layer):
+            k_type, k_row = take("<iQ")
+            keys.append((k_type, k_row, off))
+            off += k_row * n_cells
+        layers: list[LayerRows] = []
+        for k_type, k_row, k_offset in keys:
+            if v_trans:
+                v_type, element, width = take("<iII")
+                v_row = element * width
+            else:
+                v_type, v_row = take("<iQ")
+            off += v_row * n_cells
+            layers.append(LayerRows(k_type, k_row, v_type, v_row, k_offset))
+        if off > size:
             raise BridgeArgumentError("state bytes end early")
-        keys[layer] = _dequantize(buf[off : off + n], k_type, n_cells, n_embd_k)
-        off += n
-    for _ in range(n_layer):  # the values: only their lengths are checked
-        if v_trans:
-            _v_type, element, width = take("<iII")
-            off += element * width * n_cells
-        else:
-            _v_type, row = take("<iQ")
-            off += row * n_cells
-    if off != size:
+        parts.append(StatePart(positions, bool(v_trans), tuple(layers)))
+    if off != size or not parts:
         raise BridgeArgumentError(f"state bytes hold {size} bytes, their layout says {off}")
-    return KeyRows(keys, positions)
+    return tuple(parts)
+
+
+def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> KeyRows:
+    """The keys in sequence state bytes of a single-stream cache of ``n_layer`` layers.
+
+    Raises :class:`BridgeArgumentError` when the bytes do not have that layout (another
+    model, a multi-stream or sliding-window cache, an unreadable key type).
+    """
+    parts = state_parts(data)
+    if len(parts) != 1:
+        raise BridgeArgumentError(f"state bytes hold {len(parts)} caches, expected 1")
+    part = parts[0]
+    n_cells = part.positions.size
+    if n_cells == 0:
+        raise BridgeArgumentError("state bytes hold no cells")
+    if len(part.layers) != n_layer:
+        raise BridgeArgumentError(
+            f"state bytes hold {len(part.layers)} layers, the model has {n_layer}"
+        )
+    buf = np.ascontiguousarray(data)
+    keys = np.empty((n_layer, n_cells, n_embd_k), dtype=np.float32)
+    for i, layer in enumerate(part.layers):
+        if layer.k_row != _row_bytes(layer.k_type, n_embd_k):
+            raise BridgeArgumentError(f"layer {i}: key rows of {layer.k_row} bytes do not fit")
+        start = layer.k_offset
+        raw = buf[start : start + layer.k_row * n_cells]
+        keys[i] = _dequantize(raw, layer.k_type, n_cells, n_embd_k)
+    return KeyRows(keys, part.positions)
 
 
 def unrotate(

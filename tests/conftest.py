@@ -31,6 +31,13 @@ def engine_q8() -> Iterator[LlamaEngine]:
     eng.close()
 
 
+@pytest.fixture(scope="session")
+def engine_q4() -> Iterator[LlamaEngine]:
+    eng = LlamaEngine.open(EngineConfig(kv_type="q4_0"))
+    yield eng
+    eng.close()
+
+
 def words(engine: LlamaEngine, text: str) -> list[int]:
     """Tokens of ``text`` without BOS, for splicing into a longer sequence."""
     return engine.tokenize(text, add_special=False)

@@ -240,5 +240,5 @@ def test_the_public_names_are_listed() -> None:
 
     names = {n for n in dir(kvrt) if not n.startswith("_")}
     public = {n for n in names if not isinstance(getattr(kvrt, n), ModuleType)}
-    assert set(kvrt.__all__) == public | {"backend", "policy"}
+    assert set(kvrt.__all__) == public | {"backend", "models", "policy"}
     assert {"backend", "policy", "Session", "Segment", "open_runtime"} <= set(kvrt.__all__)

@@ -15,7 +15,7 @@ def _prompt(engine: LlamaEngine) -> list[int]:
     return engine.tokenize(STORY * 2)
 
 
-@pytest.mark.parametrize("engine_name", ["engine", "engine_q8"])
+@pytest.mark.parametrize("engine_name", ["engine", "engine_q8", "engine_q4"])
 def test_gap_evict_then_in_place_admit_is_bit_exact(
     engine_name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -104,7 +104,17 @@ def test_slide_evict_then_tail_admit_matches_fresh_prefill_argmax(engine: LlamaE
     assert ctx.capabilities.exact_tail is False  # reported honestly: not bit-exact
 
 
-def test_export_leaves_window_unchanged_and_counts(engine: LlamaEngine) -> None:
+@pytest.mark.parametrize("engine_name", ["engine", "engine_q8", "engine_q4"])
+def test_export_leaves_window_unchanged_and_counts(
+    engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Cold bytes are the cache's own rows (quantized ones stay quantized): about the
+    model's KV bytes per token at the cache's type, which the planner counts."""
+    engine: LlamaEngine = request.getfixturevalue(engine_name)
+    assert (
+        engine.facts.kv_bytes_per_token
+        == {"f16": 23040, "q8_0": 12240, "q4_0": 6480}[engine.facts.kv_type]
+    )
     tokens = _prompt(engine)
     ctx = engine.open_context(512)
     before = ctx.prefill(tokens)

@@ -16,13 +16,27 @@ from kvrt.backend import (
     resolve_model_path,
 )
 from kvrt.native_bridge import BridgeError
-from kvrt.native_bridge.llama import KV_TYPES, LlamaModel, kv_type_row_bytes
+from kvrt.native_bridge.llama import (
+    KV_TYPES,
+    MAIN_SEQ,
+    LlamaContext,
+    LlamaModel,
+    kv_type_row_bytes,
+)
+from kvrt.native_bridge.llama_keys import StatePart, state_parts
 
 from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import LlamaEngineContext
 
 __all__ = ["LlamaEngine"]
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
 
 
 def _header(model: LlamaModel, path: Path) -> GgufMetadata:
@@ -90,6 +104,18 @@ class LlamaEngine:
         return cls(model, config, facts)
 
     @staticmethod
+    def _cache_parts(model: LlamaModel, kv_type: str) -> tuple[StatePart, ...]:
+        """The KV caches llama.cpp builds for this model, read from one token's state bytes:
+        one part per cache (global layers, then windowed ones), each with its layers' bytes
+        per token."""
+        ctx = LlamaContext(model, n_ctx=16, n_batch=8, n_threads=1, kv_type=kv_type)
+        try:
+            ctx.decode([0], 0)
+            return state_parts(ctx.state_get(MAIN_SEQ))
+        finally:
+            ctx.close()
+
+    @staticmethod
     def _facts_for(
         model: LlamaModel, meta: GgufMetadata, config: EngineConfig, path: str
     ) -> ModelFacts:
@@ -104,11 +130,16 @@ class LlamaEngine:
             raise ModelLoadError(
                 f"KV type {config.kv_type} does not fit this model: {exc}"
             ) from exc
+        with translate_errors(f"reading the KV layout of {path}"):
+            parts = LlamaEngine._cache_parts(model, config.kv_type)
+        swa = parts[1:] if model.n_swa else ()
         digest = file_digest(Path(path))
         layout = (
             f"{digest}|{meta.architecture}|layers={model.n_layer}|kv_heads={model.n_head_kv}"
             f"|k={head_dim_k}|v={head_dim_v}|kv={config.kv_type}|rope_type={model.rope_type}"
             f"|rope_base={meta.rope_freq_base}|swa={model.n_swa}"
+            # Windowed layers export every cell (KEEP_SEQ): blocks from before that differ.
+            + ("|swa_cells=all" if model.n_swa else "")
         )
         return ModelFacts(
             backend="llama",
@@ -125,13 +156,16 @@ class LlamaEngine:
             sliding_window=meta.sliding_window,
             sliding_window_live=model.n_swa or None,
             sliding_window_pattern=meta.sliding_window_pattern,
-            # Two sequences in one unified cache: llama.cpp keeps windowed layers full size.
+            # Contexts keep windowed layers at full size (see LlamaContext's swa_full).
             swa_full=True,
             rope_freq_base=meta.rope_freq_base,
             kv_type=config.kv_type,
-            kv_bytes_per_token=row * model.n_layer,
+            kv_bytes_per_token=sum(part.bytes_per_token for part in parts) or row * model.n_layer,
             weight_bytes=model.size_bytes,
             file_bytes=meta.file_bytes,
+            n_swa_layers=sum(len(part.layers) for part in swa),
+            kv_bytes_per_token_swa=sum(part.bytes_per_token for part in swa),
+            rope_freq_base_swa=_float(model.info.get("freq_base_swa")) if model.n_swa else None,
         )
 
     @property

@@ -208,6 +208,13 @@ def _rewrite_f16(
     return arch, name_field.contents() if name_field is not None else None, trained, heads
 
 
+def _reason(exc: Exception) -> str:
+    """The message of an OpenVINO exception without its ``Exception from <source>:`` line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception from ")]
+    return " ".join(lines) or type(exc).__name__
+
+
 def prepare_ir(model: str | None, *, progress: Progress | None = None) -> tuple[Path, IrInfo]:
     """The IR folder for ``model`` (a GGUF file, an IR folder, or ``None``: the embedded model)."""
     if model is not None and expand_path(model).is_dir():
@@ -246,7 +253,9 @@ def prepare_ir(model: str | None, *, progress: Progress | None = None) -> tuple[
             openvino_genai.LLMPipeline(str(f16), "CPU", enable_save_ov_model=True)
         except Exception as exc:
             raise ModelLoadError(
-                f"openvino_genai could not convert {source}: {str(exc).splitlines()[0]}"
+                f"openvino_genai {openvino_genai.__version__.split('-')[0]} cannot convert {source} "
+                f"(architecture {arch!r}): {_reason(exc)}; give an OpenVINO IR folder "
+                "instead, or use this model on the llama backend"
             ) from exc
         f16.unlink()
         info = IrInfo(

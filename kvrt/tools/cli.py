@@ -251,20 +251,38 @@ def _print_info(info: ModelInfo) -> None:
     table.add_column(style="bold")
     table.add_column()
     swa = "none"
+    rope = f"{m.rope_freq_base:,.0f}" if m.rope_freq_base else "—"
+    if m.rope_freq_base_swa and m.rope_freq_base_swa != m.rope_freq_base:
+        rope += f" (sliding-window layers {m.rope_freq_base_swa:,.0f})"
+    layers = str(m.n_layers)
+    kv_bytes = f"{m.kv_bytes_per_token:,}"
     if m.sliding_window or m.sliding_window_live:
         swa = f"GGUF {m.sliding_window or '—'}, live {m.sliding_window_live or '—'}"
+    if m.n_swa_layers:
+        n_global = m.n_layers - m.n_swa_layers
+        swa = f"{m.sliding_window_live:,} tokens over {m.n_swa_layers} layers" + (
+            ", kept full size" if m.swa_full else ""
+        )
+        layers = f"{m.n_layers}: {n_global} global, {m.n_swa_layers} sliding-window"
+        dense = m.kv_bytes_per_token - m.kv_bytes_per_token_swa
+        kv_bytes += (
+            f" (global {dense:,} = {n_global} x {dense // max(n_global, 1):,}; sliding "
+            f"{m.kv_bytes_per_token_swa:,} = {m.n_swa_layers} x "
+            f"{m.kv_bytes_per_token_swa // m.n_swa_layers:,})"
+        )
     rows = [
         ("model", m.path),
         ("backend", m.backend),
         ("architecture", m.architecture),
-        ("layers", str(m.n_layers)),
+        ("layers", layers),
         ("heads / KV heads", f"{m.n_head} / {m.n_head_kv}"),
         ("head dim", str(m.head_dim)),
         ("vocabulary", str(m.n_vocab)),
         ("trained context", f"{m.trained_context} tokens"),
         ("sliding window", swa),
+        ("RoPE base", rope),
         ("KV type", m.kv_type),
-        ("KV bytes per token", f"{m.kv_bytes_per_token:,}"),
+        ("KV bytes per token", kv_bytes),
         ("weights", format_size(m.weight_bytes)),
         ("fingerprint", m.fingerprint),
         ("free host memory", format_size(info.memory.host_free_bytes)),
