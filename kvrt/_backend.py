@@ -99,6 +99,18 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     (measured from the cache's own state layout; 0 for models without a window)."""
     kv_bytes_per_token_swa: int = 0
     """Of ``kv_bytes_per_token``, the share of the windowed layers."""
+    cold_bytes_per_token: int | None = None
+    """Bytes one token takes in a cold block where that differs from
+    ``kv_bytes_per_token``; the planner counts the cold and disk budgets with it."""
+    max_block_tokens: int | None = None
+    """The most tokens one cold block may hold, where the engine sets a limit: llama.cpp
+    writes a windowed layer's KV only for the last ``window`` positions of a range, so on
+    a sliding-window model a block is at most the window."""
+    flash_attention: bool = False
+    """The engine computes attention with flash attention (llama.cpp then keeps V rows
+    untransposed, so its cold bytes differ from those of a context without it)."""
+    chat_template: bool = True
+    """The model carries a chat template; base models do not, and take text segments only."""
     rope_freq_base_swa: float | None = None
     """RoPE base frequency of the windowed layers where it differs by layer kind (Gemma 3:
     10,000 there, 1,000,000 in global layers); shifts re-rotate each layer by its own."""

@@ -120,6 +120,9 @@ class CapacityInputs(msgspec.Struct, frozen=True, kw_only=True):
     """The model's trained context."""
     kv_bytes_per_token: int | None = None
     """KV bytes one token costs."""
+    cold_bytes_per_token: int | None = None
+    """Bytes one token takes in a cold block, where that differs from the hot cache (an
+    OpenVINO u8 cache reads back as f32); ``None``: as ``kv_bytes_per_token``."""
     weight_bytes: int | None = None
     """Bytes of weights."""
     layers: LayerProfile | None = None
@@ -312,10 +315,16 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
         notes.append(f"no model, request or memory bound known: hot window falls back to {hot}")
     hot = max(0, hot)
 
-    cold_tokens = cold_bytes // kvpt if kvpt is not None else 0
-    if kvpt is None and cold_bytes:
+    cold_bpt = inputs.cold_bytes_per_token or kvpt
+    cold_tokens = cold_bytes // cold_bpt if cold_bpt is not None else 0
+    if cold_bpt is None and cold_bytes:
         notes.append("KV bytes per token unknown: the cold budget cannot be counted in tokens")
-    disk_tokens = inputs.disk_bytes // kvpt if kvpt is not None else 0
+    disk_tokens = inputs.disk_bytes // cold_bpt if cold_bpt is not None else 0
+    if cold_bpt is not None and kvpt is not None and cold_bpt != kvpt:
+        notes.append(
+            f"cold blocks take {cold_bpt:,} bytes a token against {kvpt:,} in the hot cache "
+            "(the engine reads this KV type back wider than it stores it)"
+        )
     trained = None if inputs.sparse_beyond_trained else inputs.trained_context
     planner, planner_by = planner_context(
         hot, cold_tokens + disk_tokens, trained=trained, request=inputs.request_context

@@ -69,7 +69,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     backend: BackendName = "llama"
     """The engine: ``llama`` (llama.cpp) or ``openvino``."""
     model: str | None = None
-    """Path of a GGUF model; ``None`` means the embedded SmolLM2-135M-Instruct."""
+    """Path of a GGUF model or a name from :mod:`kvrt.models` (``gemma3-270m``); ``None``
+    means the embedded SmolLM2-135M-Instruct."""
     kv_type: KvType = "f16"
     """KV cache precision (OpenVINO: ``f32``, ``f16``, ``bf16``, ``u8``)."""
     threads: Positive | None = None
@@ -87,6 +88,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     the CPU plugin's ``default`` (faster, bf16 on some CPUs)."""
     parallel: Positive | None = None
     """Engine calls that may run at once across sessions (default: cores / threads)."""
+    flash_attention: Literal["auto", "on", "off"] = "auto"
+    """llama.cpp's flash attention: ``on`` (faster; V rows stored untransposed), ``off``
+    (f16, bf16 and f32 caches only), or ``auto``: on only where the KV type needs it (a
+    quantized V cache). With it, logits depend on how a prompt is cut into batches, so
+    restores equal recomputing only for the same cuts (``kvrt bench --flash`` measures
+    both). Only ``auto`` on OpenVINO."""
 
 
 class SessionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -195,6 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "parallel", "KVRT_PARALLEL"),
     Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
     Setting("engine", "require_exact", "KVRT_REQUIRE_EXACT"),
+    Setting("engine", "flash_attention", "KVRT_FLASH_ATTENTION"),
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),

@@ -47,6 +47,7 @@ def capacity_inputs(facts: ModelFacts, config: Config, memory: MemoryReading) ->
     return CapacityInputs(
         trained_context=facts.trained_context,
         kv_bytes_per_token=facts.kv_bytes_per_token,
+        cold_bytes_per_token=facts.cold_bytes_per_token,
         weight_bytes=facts.weight_bytes,
         layers=LayerProfile(
             n_layers=facts.n_layers,

@@ -278,6 +278,13 @@ def _check_fits(info: ModelInfo, cfg: Config) -> None:
             "kvrt may use (free memory less memory.reserve and memory.headroom, capped by "
             "memory.max); lower memory.cold or raise memory.max"
         )
+    most = info.model.max_block_tokens
+    if most is not None and cfg.session.block_tokens > most:
+        raise ConfigError(
+            f"session.block_tokens of {cfg.session.block_tokens} is more than this model's "
+            f"{most}-token sliding window: the engine keeps a windowed layer's KV only for the "
+            f"last {most} positions of a block, so a block holds at most {most} tokens"
+        )
     least = 4 * cfg.session.block_tokens
     if cap.hot_context_tokens < least:
         by = ", ".join(_LIMIT_SETTING.get(limit, str(limit)) for limit in cap.hot_limited_by)

@@ -164,6 +164,7 @@ class LlamaModel:
         self.n_swa: int = llama_cpp.llama_model_n_swa(ptr)
         self.size_bytes: int = llama_cpp.llama_model_size(ptr)
         self.rope_type: int = llama_cpp.llama_model_rope_type(ptr)
+        self.has_chat_template = bool(llama_cpp.llama_model_chat_template(ptr, None))
         self.info: dict[str, str] = _print_info(lines)
         """What llama.cpp printed about the model while loading it (``print_info: key =
         value``), e.g. ``freq_base_swa``, the RoPE base of windowed layers."""
@@ -287,7 +288,10 @@ class LlamaModel:
     ) -> str:
         template = llama_cpp.llama_model_chat_template(self._live(), None)
         if not template:
-            raise BridgeArgumentError("the model has no chat template")
+            raise BridgeArgumentError(
+                "the model has no chat template (a base model): give it text segments "
+                "(ensure_context, generate), not chat messages"
+            )
         # Keep the encoded strings alive for the duration of the call.
         encoded = [(role.encode(), content.encode()) for role, content in messages]
         chat = (llama_cpp.llama_chat_message * len(encoded))()
@@ -331,7 +335,8 @@ class LlamaContext:
         if n_threads is not None and not 1 <= n_threads <= 1024:
             raise BridgeArgumentError(f"n_threads must be in [1, 1024], got {n_threads}")
         threads = n_threads or max(1, os.cpu_count() or 1)
-        # A quantized V cache needs flash attention; otherwise follow llama_cpp.Llama's default.
+        # A quantized V cache needs flash attention; otherwise off, so logits do not depend
+        # on how a prompt is cut into batches.
         if flash_attn is None:
             flash_attn = kv_type not in ("f32", "f16", "bf16")
         params = llama_cpp.llama_context_default_params()

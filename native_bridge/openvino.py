@@ -23,6 +23,7 @@ import openvino as ov
 from ._errors import BridgeArgumentError, BridgeCallError, BridgeLoadError
 
 __all__ = [
+    "COLD_BYTES",
     "DETERMINISTIC",
     "KV_PRECISIONS",
     "OvModel",
@@ -42,6 +43,10 @@ DETERMINISTIC: Final[dict[str, str]] = {
 
 KV_PRECISIONS: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 """KV cache precisions kvrt compiles for, with the bytes each value takes in the cache."""
+COLD_BYTES: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 4, "u8": 4}
+"""Bytes each value takes once read out (:meth:`OvRequest.take`): the state reads back as
+f32; an f16 cache's values are kept as f16 (lossless), a bf16 cache reads back with full
+f32 mantissas on this plugin, and a u8 cache's dequantized values are not u8 codes."""
 _STATE = re.compile(r"^past_key_values\.(\d+)\.(key|value)")
 
 

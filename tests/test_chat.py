@@ -9,6 +9,7 @@ import llama_cpp
 import pytest
 
 import kvrt
+from kvrt.adapters.llama import same_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -71,7 +72,9 @@ async def test_chat_matches_llama_cpp_chat_completion_over_two_turns() -> None:
         {"role": "user", "content": QUESTIONS[2]},
     ]
     async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
-        llm = llama_cpp.Llama(rt.engine.facts.path, n_ctx=1024, verbose=False)
+        llm = llama_cpp.Llama(
+            rt.engine.facts.path, n_ctx=1024, verbose=False, **same_settings(rt.engine.config)
+        )
         try:
             for question in (QUESTIONS[1], None):
                 ours = await s.chat(messages, max_tokens=40)

@@ -6,7 +6,7 @@ import llama_cpp
 import pytest
 
 from kvrt import SamplingParams
-from kvrt.adapters.llama import LlamaEngine
+from kvrt.adapters.llama import LlamaEngine, same_settings
 
 PROMPTS = [
     "Write a short poem about a lighthouse in a storm.",
@@ -15,7 +15,7 @@ PROMPTS = [
 
 
 def reference_greedy(path: str, prompt: list[int], n: int) -> list[int]:
-    llm = llama_cpp.Llama(path, n_ctx=512, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=512, n_batch=512, verbose=False, **same_settings(None))
     out: list[int] = []
     for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
         out.append(token)

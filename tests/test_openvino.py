@@ -12,6 +12,7 @@ import openvino as ov
 import openvino_genai
 import pytest
 
+import kvrt
 from kvrt import (
     AdmitMode,
     ColdBlock,
@@ -22,6 +23,7 @@ from kvrt import (
     InvalidRangeError,
     ModelLoadError,
 )
+from kvrt._describe import model_info
 from kvrt.adapters.openvino import OpenVinoEngine
 from kvrt.adapters.openvino._context import OpenVinoEngineContext
 from kvrt.backend import KeySketching
@@ -130,6 +132,14 @@ def test_u8_kv_is_labelled_and_is_approximate() -> None:
     assert any("approximate" in note for note in caps.notes)
     assert not np.array_equal(restored, expected)  # the label is true: not bit-exact
     assert int(restored.argmax()) == int(expected.argmax())
+    # The cache holds a byte a value; its cold blocks hold what the state reads back (f32),
+    # and the planner counts the cold store with that.
+    facts = engine.facts
+    assert facts.cold_bytes_per_token == 4 * facts.kv_bytes_per_token
+    assert block.meta.n_bytes == 40 * facts.cold_bytes_per_token
+    cap = model_info(facts, kvrt.Config(engine=engine.config)).capacity
+    assert cap.cold_store_tokens == cap.host_cold_budget_bytes // facts.cold_bytes_per_token
+    assert any("cold blocks take 46,080 bytes a token against 11,520" in n for n in cap.notes)
 
 
 def test_bad_input(ov_engine: OpenVinoEngine, tmp_path: Path) -> None:

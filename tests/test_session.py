@@ -7,6 +7,7 @@ import pytest
 
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
+from kvrt.adapters.llama import same_settings
 
 from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy
 
@@ -75,7 +76,7 @@ async def test_greedy_output_equals_llama_cpp_python() -> None:
             ours = await greedy(s, 40)
         tokens = rt.engine.tokenize(prompt, add_special=True, parse_special=True)
         path = rt.model_info.model.path
-    llm = llama_cpp.Llama(path, n_ctx=1024, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=1024, verbose=False, **same_settings(None))
     theirs: list[int] = []
     for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
         theirs.append(token)

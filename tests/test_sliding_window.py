@@ -17,7 +17,7 @@ import pytest
 
 import kvrt
 from kvrt import AdmitMode, EngineConfig, EvictMode
-from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext
+from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext, same_settings
 from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext
 from kvrt.native_bridge.llama_keys import ROPE_NEOX, state_parts, unrotate
 
@@ -262,7 +262,9 @@ async def test_sessions_restore_exactly_and_match_llama_cpp(gemma_path: str) -> 
             assert served.restored_tokens >= first.logical_tokens - 64
             assert other.explain().cold_store.exact_hits >= 3
             assert await greedy(other, 16) == expected
-    llm = llama_cpp.Llama(gemma_path, n_ctx=4096, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(
+        gemma_path, n_ctx=4096, n_batch=512, verbose=False, **same_settings(config.engine)
+    )
     theirs: list[int] = []
     for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
         theirs.append(token)

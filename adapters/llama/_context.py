@@ -64,6 +64,7 @@ class LlamaEngineContext(KvWindow):
                 n_batch=min(n_batch, n_ctx),
                 n_threads=n_threads,
                 kv_type=facts.kv_type,
+                flash_attn=facts.flash_attention,
             )
         return cls(ctx, facts, n_ctx, keys=KeyReader.for_model(model, facts), n_threads=n_threads)
 
@@ -77,10 +78,11 @@ class LlamaEngineContext(KvWindow):
 
     @property
     def capabilities(self) -> Capabilities:
-        notes = ["tail admission re-rotates keys: argmax-equal, not bit-exact"]
+        notes = ["tail admission re-rotates keys (each layer by its own RoPE base): not bit-exact"]
         if self._facts.sliding_window_live:
             notes.append(
-                "in-place restore of ranges outside the sliding window is not yet verified"
+                "windowed layers keep every position, so in-place restores inside and beyond "
+                "the sliding window are bit-exact"
             )
         return Capabilities(
             remove_middle=True,
@@ -121,6 +123,13 @@ class LlamaEngineContext(KvWindow):
                 self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
 
     def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
+        most = self._facts.max_block_tokens
+        if most is not None and end - start > most:
+            raise InvalidRangeError(
+                f"[{start}, {end}) holds {end - start} tokens; on this model a block holds at "
+                f"most {most} (llama.cpp writes a windowed layer's KV only for the last "
+                f"{most} positions of a range)"
+            )
         # llama.cpp writes straight into the returned buffer: one copy, no more.
         with translate_errors(f"exporting [{start}, {end})"):
             self._ctx.seq_clear(SCRATCH_SEQ)
@@ -181,6 +190,7 @@ class LlamaEngineContext(KvWindow):
                     n_batch=QUERY_TOKENS,
                     n_threads=self._n_threads,
                     kv_type=self._facts.kv_type,
+                    flash_attn=self._facts.flash_attention,
                 )
             probe, held = self._probe, self._probe_tokens
             kept = len(held) if chunk[: len(held)] == held and len(chunk) > len(held) else 0

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvrt.backend import EngineConfig
 
-__all__ = ["REFERENCE_NAME", "reference_greedy_tps"]
+__all__ = ["REFERENCE_NAME", "reference_greedy_tps", "reference_trace", "same_settings"]
 
 REFERENCE_NAME = "llama_cpp.Llama"
+
+
+def same_settings(config: EngineConfig | None) -> dict[str, Any]:
+    """``llama_cpp.Llama`` arguments for the KV type and flash attention kvrt uses."""
+    from kvrt.native_bridge.llama import KV_TYPES
+
+    from ._engine import LlamaEngine
+
+    config = config or EngineConfig()
+    ggml_type = KV_TYPES[config.kv_type][0]
+    return {
+        "flash_attn": LlamaEngine.flash_attention(config),
+        "type_k": ggml_type,
+        "type_v": ggml_type,
+    }
 
 
 def reference_greedy_tps(
@@ -17,7 +33,7 @@ def reference_greedy_tps(
     """Greedy decode tokens/s of ``llama_cpp.Llama`` itself after ``prompt``."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, verbose=False, **same_settings(config))
     llm.eval(prompt)  # prefill first: generate() then finds the prompt cached and only decodes
     got = 0
     started = time.perf_counter()
@@ -52,7 +68,12 @@ def reference_trace(
     out: dict[str, list[tuple[float, float]]] = {}
     for name in TRACE_NAMES:
         llm = llama_cpp.Llama(
-            path, n_ctx=n_ctx, n_batch=config.batch, n_threads=threads, verbose=False
+            path,
+            n_ctx=n_ctx,
+            n_batch=config.batch,
+            n_threads=threads,
+            verbose=False,
+            **same_settings(config),
         )
         if name.endswith("LlamaRAMCache"):
             llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))  # type: ignore[attr-defined]

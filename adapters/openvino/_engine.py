@@ -11,7 +11,7 @@ from typing import Any
 
 from kvrt import ConfigError, EngineError, InvalidRangeError, ModelLoadError
 from kvrt.backend import EngineConfig, ModelFacts
-from kvrt.native_bridge.openvino import DETERMINISTIC, KV_PRECISIONS, OvModel
+from kvrt.native_bridge.openvino import COLD_BYTES, DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
 from .._window import check_tokens
@@ -88,6 +88,11 @@ class OpenVinoEngine:
             raise ConfigError(
                 f"engine.require_exact is set but a {kv} KV cache re-quantizes on import, so restores "
                 f"cannot be bit-exact; use one of {', '.join(EXACT_KV)}"
+            )
+        if config.flash_attention != "auto":
+            raise ConfigError(
+                f"engine.flash_attention={config.flash_attention} is a llama.cpp setting; "
+                "OpenVINO takes only auto"
             )
         profile = PROFILES.get(config.openvino_profile)
         if profile is None:
@@ -168,6 +173,13 @@ class OpenVinoEngine:
             * model.n_kv_heads
             * model.head_dim
             * KV_PRECISIONS.get(model.kv_precision, 4),
+            cold_bytes_per_token=(
+                model.n_layers
+                * 2
+                * model.n_kv_heads
+                * model.head_dim
+                * COLD_BYTES.get(model.kv_precision, 4)
+            ),
             weight_bytes=weights,
             file_bytes=weights + xml.stat().st_size,
         )

@@ -41,6 +41,7 @@ _HELP = {
     "require_exact": "refuse a KV precision whose restores cannot be bit-exact (true/false)",
     "model": "path of a GGUF model (default: the embedded SmolLM2-135M-Instruct)",
     "kv_type": "KV cache type: f32, f16, bf16, q8_0, ... (OpenVINO: f32, f16, bf16, u8)",
+    "flash_attention": "llama.cpp flash attention: auto, on or off (default auto)",
     "threads": "engine threads (default: physical cores)",
     "context": "logical context a request asks for (caps hot and planner context)",
     "hot_tokens": "cap on the hot window in tokens",
@@ -138,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the cold tiers: blocks restored from RAM, disk and Redis next to "
         "recomputing, a restarted process, decode while spilling (two minutes)",
+    )
+    bench.add_argument(
+        "--flash",
+        action="store_true",
+        help="only llama.cpp's flash attention off and on: restore bandwidth, speed and "
+        "logits next to llama_cpp.Llama with the same setting (a minute)",
     )
     bench.add_argument(
         "--fidelity",
@@ -281,8 +288,13 @@ def _print_info(info: ModelInfo) -> None:
         ("trained context", f"{m.trained_context} tokens"),
         ("sliding window", swa),
         ("RoPE base", rope),
-        ("KV type", m.kv_type),
+        ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
         ("KV bytes per token", kv_bytes),
+        *(
+            [("cold bytes per token", f"{m.cold_bytes_per_token:,} (as the state reads back)")]
+            if m.cold_bytes_per_token and m.cold_bytes_per_token != m.kv_bytes_per_token
+            else []
+        ),
         ("weights", format_size(m.weight_bytes)),
         ("fingerprint", m.fingerprint),
         ("free host memory", format_size(info.memory.host_free_bytes)),
@@ -409,6 +421,9 @@ def _bench(args: argparse.Namespace) -> None:
     if args.fidelity:
         _bench_fidelity(args, config, console)
         return
+    if args.flash:
+        _bench_flash(args, config, console)
+        return
     if args.quick:
         total = 5
     else:
@@ -516,6 +531,21 @@ def _bench_fidelity(args: argparse.Namespace, config: Config, console: Any) -> N
         lambda step: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step),
         print_fidelity,
         plot=None if args.no_plot else (path, plot_fidelity),
+    )
+
+
+def _bench_flash(args: argparse.Namespace, config: Config, console: Any) -> None:
+    from kvrt.tools.bench.flash import flash_steps, print_flash, run_flash_bench
+
+    tokens = args.tokens or 2048
+    if not 512 <= tokens <= 7680:
+        raise ConfigError("--tokens must be between 512 and 7680 with --flash")
+    _bench_section(
+        args,
+        console,
+        flash_steps(config.engine.kv_type),
+        lambda step: run_flash_bench(config, block_tokens=tokens, progress=step),
+        print_flash,
     )
 
 

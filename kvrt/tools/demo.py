@@ -17,6 +17,7 @@ from kvrt._reports import ContextStatus
 from kvrt._runtime import Runtime, open_runtime
 from kvrt._session.layout import Segment
 from kvrt._types import CacheClass
+from kvrt.tools._messages import message
 
 __all__ = ["DemoReport", "run_demo"]
 
@@ -90,10 +91,10 @@ class DemoReport(msgspec.Struct, frozen=True):
 
 def _context(rt: Runtime, file: str, question: str) -> list[Segment]:
     return [
-        rt.chat_segment("system", "system", SYSTEM, cache_class=CacheClass.TASK_PINNED),
-        rt.chat_segment("repo_map", "user", _repo_map(), cache_class=CacheClass.REPO_MAP),
-        rt.chat_segment(file, "user", FILES[file]),
-        rt.chat_segment("question", "user", question, generation_prompt=True),
+        message(rt, "system", "system", SYSTEM, cache_class=CacheClass.TASK_PINNED),
+        message(rt, "repo_map", "user", _repo_map(), cache_class=CacheClass.REPO_MAP),
+        message(rt, file, "user", FILES[file]),
+        message(rt, "question", "user", question, generation_prompt=True),
     ]
 
 

@@ -65,7 +65,9 @@ def llama_chat(turns: int) -> list[dict[str, float]]:
     import llama_cpp
 
     engine: Any = llama_cpp
-    llm = engine.Llama(str(kvrt.embedded_model_path()), n_ctx=4096, verbose=False)
+    llm = engine.Llama(
+        str(kvrt.embedded_model_path()), n_ctx=4096, verbose=False, flash_attn=True
+    )  # as kvrt by default
     llm.set_cache(engine.LlamaRAMCache())
     evaluated: list[int] = []
     original = llm.eval

@@ -28,6 +28,7 @@ from kvrt._runtime import Runtime, open_runtime
 from kvrt._session import context_tokens
 from kvrt._session.layout import Segment
 from kvrt._types import CacheClass
+from kvrt.tools._messages import message
 from kvrt.tools.bench.quick import QuickBench, run_quick_bench, text_of
 from kvrt.tools.bench.reference import reference_trace
 
@@ -119,7 +120,7 @@ class FullBench(msgspec.Struct, frozen=True, kw_only=True):
 async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> Crossover:
     async with open_runtime(config=config) as rt:
         calibrated = rt.policy("restore", "calibrated")  # learns from everything below
-        system = rt.chat_segment("system", "system", "Answer briefly.")
+        system = message(rt, "system", "system", "Answer briefly.")
         question = Segment("q", "Which crate came first?")
         hot = max(sizes) + 512
         points = []
@@ -299,7 +300,7 @@ async def _decode_at_once(rt: Runtime, n: int, decode: int) -> tuple[float, int,
         async with rt.open_session(hot_tokens=512, name=f"bench-{i}") as s:
             # Larger than the window: each session parks blocks in the shared cold store.
             text = text_of(rt.engine, 700, salt=7000 + i)
-            await s.ensure_context([rt.chat_segment("doc", "user", text, generation_prompt=True)])
+            await s.ensure_context([message(rt, "doc", "user", text, generation_prompt=True)])
             readies[i].set()
             await go.wait()
             async for _piece in s.generate(decode, stop_at_end=False):

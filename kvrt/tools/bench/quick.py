@@ -24,6 +24,7 @@ from kvrt._config import Config
 from kvrt._runtime import open_runtime
 from kvrt._session import Session, context_tokens
 from kvrt._session.layout import Segment
+from kvrt.tools._messages import message
 from kvrt.tools.bench.reference import reference_greedy_tps
 
 __all__ = ["QuickBench", "run_quick_bench", "text_of"]
@@ -85,9 +86,9 @@ async def run_quick_bench(
 
         def context(question: str) -> list[Segment]:
             return [
-                rt.chat_segment("system", "system", "Answer briefly."),
+                message(rt, "system", "system", "Answer briefly."),
                 Segment("doc", doc),
-                rt.chat_segment("question", "user", question, generation_prompt=True),
+                message(rt, "question", "user", question, generation_prompt=True),
             ]
 
         async with rt.open_session(hot_tokens=hot) as s:
@@ -128,7 +129,13 @@ async def run_quick_bench(
         path = rt.model_info.model.path
 
     step("time to first token, recomputed")
-    async with open_runtime(config=config) as rt2, rt2.open_session(hot_tokens=hot) as fresh:
+    # No disk or remote tier: the runtime above wrote its blocks through to them.
+    alone = msgspec.structs.replace(
+        config,
+        disk=msgspec.structs.replace(config.disk, budget=0),
+        remote=msgspec.structs.replace(config.remote, url=None),
+    )
+    async with open_runtime(config=alone) as rt2, rt2.open_session(hot_tokens=hot) as fresh:
         ttft_recomputed = await _ttft(fresh, question)
 
     step("decode without kvrt")
