@@ -26,6 +26,7 @@ import numpy.typing as npt
 from ._errors import BridgeArgumentError, BridgeCallError, BridgeLoadError
 
 __all__ = [
+    "FLOAT_KV_TYPES",
     "KV_TYPES",
     "MAIN_SEQ",
     "SCRATCH_SEQ",
@@ -64,6 +65,9 @@ KV_TYPES: Final[dict[str, tuple[int, int, int]]] = {
     "q4_1": (llama_cpp.GGML_TYPE_Q4_1, 32, 20),
     "q4_0": (llama_cpp.GGML_TYPE_Q4_0, 32, 18),
 }
+
+FLOAT_KV_TYPES: Final = ("f32", "f16", "bf16")
+"""KV types llama.cpp computes with or without flash attention; the quantized ones need it."""
 
 _DECODE_ERRORS: Final = {
     1: "no free KV slot for the batch",
@@ -338,7 +342,7 @@ class LlamaContext:
         # A quantized V cache needs flash attention; otherwise off, so logits do not depend
         # on how a prompt is cut into batches.
         if flash_attn is None:
-            flash_attn = kv_type not in ("f32", "f16", "bf16")
+            flash_attn = kv_type not in FLOAT_KV_TYPES
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         # llama.cpp reserves one output per sequence when it builds the context, and asserts

@@ -31,3 +31,30 @@ async def greedy(session: kvrt.Session, n: int) -> list[int]:
 
 NO_DISK = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
 """A runtime with no disk tier: it starts with an empty cold store, whatever ran before."""
+
+
+def llama_cpp_greedy(
+    path: str,
+    prompt: list[int],
+    n: int,
+    *,
+    n_ctx: int = 1024,
+    config: kvrt.EngineConfig | None = None,
+    stop_at_end: bool = False,
+) -> list[int]:
+    """``n`` greedy tokens of ``llama_cpp.Llama`` itself after ``prompt``, with the KV type
+    and flash-attention setting kvrt uses under ``config``: the independent reference."""
+    import llama_cpp
+
+    from kvrt.adapters.llama import same_settings
+
+    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, verbose=False, **same_settings(config))
+    out: list[int] = []
+    try:
+        for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+            out.append(token)
+            if len(out) >= n or (stop_at_end and llm.token_eos() == token):
+                break
+    finally:
+        llm.close()
+    return out

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import llama_cpp
 import pytest
 
 from kvrt import SamplingParams
-from kvrt.adapters.llama import LlamaEngine, same_settings
+from kvrt.adapters.llama import LlamaEngine
+
+from ._agent import llama_cpp_greedy
 
 PROMPTS = [
     "Write a short poem about a lighthouse in a storm.",
     "Explain in two sentences why the sky is blue.",
 ]
-
-
-def reference_greedy(path: str, prompt: list[int], n: int) -> list[int]:
-    llm = llama_cpp.Llama(path, n_ctx=512, n_batch=512, verbose=False, **same_settings(None))
-    out: list[int] = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        out.append(token)
-        if len(out) >= n or llm.token_eos() == token:
-            break
-    llm.close()
-    return out
 
 
 @pytest.mark.parametrize("question", PROMPTS)
@@ -33,7 +23,7 @@ def test_greedy_equals_llama_cpp_python(engine: LlamaEngine, question: str) -> N
     ctx.prefill(prompt)
     ours = ctx.generate(48)
     ctx.close()
-    theirs = reference_greedy(engine.facts.path, prompt, 48)
+    theirs = llama_cpp_greedy(engine.facts.path, prompt, 48, n_ctx=512, stop_at_end=True)
     assert len(ours) >= 16
     assert ours == theirs, (engine.detokenize(ours), engine.detokenize(theirs))
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import llama_cpp
 import pytest
 
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
-from kvrt.adapters.llama import same_settings
 
-from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy
 
 pytestmark = pytest.mark.anyio
 
@@ -76,14 +74,7 @@ async def test_greedy_output_equals_llama_cpp_python() -> None:
             ours = await greedy(s, 40)
         tokens = rt.engine.tokenize(prompt, add_special=True, parse_special=True)
         path = rt.model_info.model.path
-    llm = llama_cpp.Llama(path, n_ctx=1024, verbose=False, **same_settings(None))
-    theirs: list[int] = []
-    for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
-        theirs.append(token)
-        if len(theirs) >= 40:
-            break
-    llm.close()
-    assert ours == theirs
+    assert ours == llama_cpp_greedy(path, tokens, 40)
 
 
 async def test_generation_goes_past_the_hot_budget(backend: str) -> None:

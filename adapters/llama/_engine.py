@@ -17,6 +17,7 @@ from kvrt.backend import (
 )
 from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama import (
+    FLOAT_KV_TYPES,
     KV_TYPES,
     MAIN_SEQ,
     LlamaContext,
@@ -93,8 +94,7 @@ class LlamaEngine:
                 f"invalid engine.kv_type for llama.cpp: {config.kv_type!r} "
                 f"(expected one of: {', '.join(KV_TYPES)})"
             )
-        quantized = config.kv_type not in ("f32", "f16", "bf16")
-        if config.flash_attention == "off" and quantized:
+        if config.flash_attention == "off" and config.kv_type not in FLOAT_KV_TYPES:
             raise ConfigError(
                 f"a {config.kv_type} KV cache needs flash attention in llama.cpp: set "
                 "engine.flash_attention to auto or on, or use an f16 cache"
@@ -122,7 +122,7 @@ class LlamaEngine:
         contexts in pieces, so without flash attention its restores equal recomputing and its
         output equals ``llama_cpp.Llama``'s bit for bit however the work was cut."""
         if config.flash_attention == "auto":
-            return config.kv_type not in ("f32", "f16", "bf16")
+            return config.kv_type not in FLOAT_KV_TYPES
         return config.flash_attention == "on"
 
     @staticmethod
@@ -165,7 +165,7 @@ class LlamaEngine:
             f"|rope_base={meta.rope_freq_base}|swa={model.n_swa}"
             # Windowed layers export every cell (KEEP_SEQ): blocks from before that differ.
             + ("|swa_cells=all" if model.n_swa else "")
-            + f"|v_trans={int(not flash)}"
+            + f"|v_trans={int(parts[0].v_trans)}"  # flash attention stores V untransposed
         )
         return ModelFacts(
             backend="llama",

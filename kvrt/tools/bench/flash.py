@@ -68,7 +68,10 @@ class FlashBench(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def flash_steps(kv_type: str) -> int:
-    return 2 if kv_type in ("f32", "f16", "bf16") else 1
+    """Settings measured: off and on, or only on where the KV type needs it."""
+    from kvrt.native_bridge.llama import FLOAT_KV_TYPES
+
+    return 2 if kv_type in FLOAT_KV_TYPES else 1
 
 
 def _median_ms(fn: Callable[[], object], setup: Callable[[], object]) -> float:
