@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
-from kvrt import EngineConfig
+from kvrt import AdmitMode, EngineConfig, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 
 STORY = (
@@ -41,6 +42,33 @@ def engine_q4() -> Iterator[LlamaEngine]:
 def words(engine: LlamaEngine, text: str) -> list[int]:
     """Tokens of ``text`` without BOS, for splicing into a longer sequence."""
     return engine.tokenize(text, add_special=False)
+
+
+MIDDLE = " The keeper's daughter painted the door of the tower bright red that spring."
+TAIL = " Ships from the north saw the red door before they saw the lamp."
+
+
+def slide_then_tail_admit(
+    engine: LlamaEngine, head: list[int], probe: str, n_ctx: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill ``head`` + a middle sentence + a tail sentence, slide-evict the middle, admit it
+    at the tail (keys re-rotated) and return the probe's logits next to those of computing
+    ``head + tail + middle`` afresh."""
+    middle, tail, probe_tokens = words(engine, MIDDLE), words(engine, TAIL), words(engine, probe)
+    ctx = engine.open_context(n_ctx)
+    ctx.prefill(head + middle + tail)
+    a, b = len(head), len(head) + len(middle)
+    block = ctx.export(a, b)
+    ctx.evict(a, b, EvictMode.SLIDE)
+    assert list(ctx.positions) == list(range(len(head) + len(tail)))
+    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
+    assert list(ctx.tokens) == head + tail + middle
+    got = ctx.prefill(probe_tokens)
+    ctx.close()
+    fresh_ctx = engine.open_context(n_ctx)
+    fresh = fresh_ctx.prefill(head + tail + middle + probe_tokens)
+    fresh_ctx.close()
+    return got, fresh
 
 
 @pytest.fixture(params=["asyncio", "trio"])

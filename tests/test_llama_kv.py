@@ -8,7 +8,7 @@ import pytest
 from kvrt import AdmitMode, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 
-from .conftest import STORY, words
+from .conftest import STORY, slide_then_tail_admit, words
 
 
 def _prompt(engine: LlamaEngine) -> list[int]:
@@ -80,28 +80,13 @@ def ref_logits(engine: LlamaEngine, tokens: list[int]) -> np.ndarray:
 
 
 def test_slide_evict_then_tail_admit_matches_fresh_prefill_argmax(engine: LlamaEngine) -> None:
-    head = _prompt(engine)
-    middle = words(
-        engine, " The keeper's daughter painted the door of the tower bright red that spring."
-    )
-    tail = words(engine, " Ships from the north saw the red door before they saw the lamp.")
-    probe = words(engine, " The")
-    ctx = engine.open_context(512)
-    ctx.prefill(head + middle + tail)
-    a, b = len(head), len(head) + len(middle)
-    block = ctx.export(a, b)
-    ctx.evict(a, b, EvictMode.SLIDE)
-    assert list(ctx.positions) == list(range(len(head) + len(tail)))
-    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
-    assert list(ctx.tokens) == head + tail + middle
-    got = ctx.prefill(probe)
-    ctx.close()
-
-    fresh = ref_logits(engine, head + tail + middle + probe)
+    got, fresh = slide_then_tail_admit(engine, _prompt(engine), " The", 512)
     delta = float(np.abs(got - fresh).max())
     print(f"\nslide evict + tail admit vs fresh prefill: max |Δlogit| = {delta:.4f}")
     assert int(got.argmax()) == int(fresh.argmax())
+    ctx = engine.open_context(64)
     assert ctx.capabilities.exact_tail is False  # reported honestly: not bit-exact
+    ctx.close()
 
 
 @pytest.mark.parametrize("engine_name", ["engine", "engine_q8", "engine_q4"])

@@ -21,7 +21,7 @@ from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext
 from kvrt.native_bridge.llama_keys import ROPE_NEOX, state_parts, unrotate
 
 from ._agent import NO_DISK, greedy, llama_cpp_greedy
-from .conftest import STORY, words
+from .conftest import STORY, slide_then_tail_admit, words
 
 WINDOW = 512
 
@@ -200,27 +200,11 @@ def test_moved_blocks_are_approximate_and_labelled(gemma: LlamaEngine) -> None:
     """Slide eviction and tail admission move keys: never exact, and said so. The gap to
     computing afresh is of the order of the model's own sensitivity to absolute position
     (the same tokens computed at 0 and at 1000 differ by as much), measured, not asserted."""
-    head = _story(gemma, 600)
-    middle = words(
-        gemma, " The keeper's daughter painted the door of the tower bright red that spring."
-    )
-    tail = words(gemma, " Ships from the north saw the red door before they saw the lamp.")
-    probe = words(gemma, " The door was")
-    ctx = gemma.open_context(1024)
+    ctx = gemma.open_context(64)
     caps = ctx.capabilities
-    assert caps.position_shift and caps.exact_in_place and not caps.exact_tail
-    ctx.prefill(head + middle + tail)
-    a, b = len(head), len(head) + len(middle)
-    block = ctx.export(a, b)
-    ctx.evict(a, b, EvictMode.SLIDE)
-    assert list(ctx.positions) == list(range(len(head) + len(tail)))
-    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
-    assert list(ctx.tokens) == head + tail + middle
-    got = ctx.prefill(probe)
     ctx.close()
-    fresh_ctx = gemma.open_context(1024)
-    fresh = fresh_ctx.prefill(head + tail + middle + probe)
-    fresh_ctx.close()
+    assert caps.position_shift and caps.exact_in_place and not caps.exact_tail
+    got, fresh = slide_then_tail_admit(gemma, _story(gemma, 600), " The door was", 1024)
     delta = float(np.abs(got - fresh).max())
     print(f"\nGemma 3 slide evict + tail admit vs fresh prefill: max |Δlogit| = {delta:.4f}")
     assert 0 < delta < 20

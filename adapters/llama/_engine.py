@@ -115,7 +115,7 @@ class LlamaEngine:
         the KV type needs it (a quantized V cache). Measured with ``kvrt bench --flash`` on
         two cores, f16 KV, on vs off: faster (SmolLM2 prefill 241 vs 184 tokens/s, decode
         61.5 vs 57.5; Gemma 3 270M prefill 576 vs 540, decode 66.0 vs 61.4, export of 2048
-        tokens 4.3 vs 12.2 ms; restores 3-17 % faster), logits bit-identical to
+        tokens 4.3 vs 12.2 ms; restores 2.5-17 % faster), logits bit-identical to
         ``llama_cpp.Llama`` with the same setting; but with it the logits depend on how a
         prompt is cut into batches (a 500-token prompt in 64-token pieces vs at once: max
         |Δ| 0.79 on SmolLM2, 0.78 on Gemma; without it: bit-identical). kvrt computes
