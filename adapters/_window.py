@@ -55,6 +55,18 @@ def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
             raise InvalidTokenError(f"token id {tok} is outside the vocabulary [0, {n_vocab})")
 
 
+def _chunk_bounds(n: int, step: int) -> list[int]:
+    """Where a prefill of ``n`` tokens is cut into batches of at most ``step``: never with a
+    last batch of one token after a longer one (the last two share the tokens instead). On
+    some CPUs (x86-64 without AVX-512) llama.cpp runs one-token batches through other
+    kernels than longer ones, whose results differ in the last bits, so a prefill cut
+    that way would not equal the same tokens computed in any other cut."""
+    cuts = [*range(0, n, step), n]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1 and step > 1:
+        cuts[-2] -= 1
+    return cuts
+
+
 class KvWindow(abc.ABC):
     """A hot window of one engine context: at most ``budget`` resident tokens."""
 
@@ -200,11 +212,11 @@ class KvWindow(abc.ABC):
         if pos < 0:
             raise InvalidRangeError(f"start position must be >= 0, got {pos}")
         self._check_room(len(toks), f"prefilling {len(toks)} tokens")
-        step = self.chunk_tokens
-        for k in range(0, len(toks), step):
+        cuts = _chunk_bounds(len(toks), self.chunk_tokens)
+        for k, end in itertools.pairwise(cuts):
             if k and checkpoint is not None:
                 checkpoint()
-            chunk = toks[k : k + step]
+            chunk = toks[k:end]
             self._compute_and_record(chunk, pos + k)
             self._counters.prefill_tokens += len(chunk)
         return self.logits()

@@ -47,6 +47,7 @@ from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ColdBlockMismatchError as ColdBlockMismatchError
 from ._errors import ColdStoreFullError as ColdStoreFullError
 from ._errors import ConfigError as ConfigError
+from ._errors import ContextNotPlacedError as ContextNotPlacedError
 from ._errors import ContextTooLargeError as ContextTooLargeError
 from ._errors import ContextTypeError as ContextTypeError
 from ._errors import EngineError as EngineError
@@ -57,6 +58,7 @@ from ._errors import InvalidRangeError as InvalidRangeError
 from ._errors import InvalidTokenError as InvalidTokenError
 from ._errors import KvrtError as KvrtError
 from ._errors import ModelLoadError as ModelLoadError
+from ._errors import NotInColdStoreError as NotInColdStoreError
 from ._errors import NotVisibleError as NotVisibleError
 from ._errors import OperationCancelledError as OperationCancelledError
 from ._errors import SessionClosedError as SessionClosedError
@@ -73,6 +75,7 @@ from ._reports import SegmentReport as SegmentReport
 from ._reports import SessionCounters as SessionCounters
 from ._reports import SessionReport as SessionReport
 from ._reports import Timings as Timings
+from ._reports import TokenOrigins as TokenOrigins
 from ._reports import Usage as Usage
 from ._runtime import Runtime as Runtime
 from ._runtime import load_engine as load_engine
@@ -109,6 +112,7 @@ __all__ = [
     "Completion",
     "Config",
     "ConfigError",
+    "ContextNotPlacedError",
     "ContextStatus",
     "ContextTooLargeError",
     "ContextTypeError",
@@ -135,6 +139,7 @@ __all__ = [
     "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
+    "NotInColdStoreError",
     "NotVisibleError",
     "OperationCancelledError",
     "Piece",
@@ -158,6 +163,7 @@ __all__ = [
     "SessionCounters",
     "SessionReport",
     "Timings",
+    "TokenOrigins",
     "UnknownPolicyError",
     "UnknownSegmentError",
     "Usage",

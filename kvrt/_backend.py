@@ -164,18 +164,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 0.0
     """0 or more; 0 is greedy."""
     top_k: int = 0
-    """0 keeps every token."""
+    """0 keeps every token; at most 2**31 - 1."""
     top_p: float = 1.0
     """In (0, 1]: keep the smallest set of likeliest tokens whose mass reaches it."""
     seed: int | None = None
-    """0 or more; None draws from fresh entropy."""
+    """0 to 2**63 - 1 (a signed 64-bit integer, as OpenAI's); None draws from fresh
+    entropy."""
 
     def __post_init__(self) -> None:
         check_number("sampling.temperature", self.temperature, low=0.0)
-        check_int("sampling.top_k", self.top_k, low=0)
+        check_int("sampling.top_k", self.top_k, low=0, high=2**31 - 1)
         check_number("sampling.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         if self.seed is not None:
-            check_int("sampling.seed", self.seed, low=0)
+            check_int("sampling.seed", self.seed, low=0, high=2**63 - 1)
 
 
 class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):

@@ -128,6 +128,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Whether an exact cold hit is restored or computed again."""
     approximate: str = "never"
     """Whether same tokens after a different prefix may be restored (with a RoPE fix-up)."""
+    partial_window: str = "recompute"
+    """Whether KV computed while earlier blocks were not hot is computed again once its
+    whole prefix fits hot."""
 
 
 class DiskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -217,6 +220,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policies", "cold_admission", "KVRT_COLD_ADMISSION"),
     Setting("policies", "restore", "KVRT_RESTORE_POLICY"),
     Setting("policies", "approximate", "KVRT_APPROXIMATE_POLICY"),
+    Setting("policies", "partial_window", "KVRT_PARTIAL_WINDOW_POLICY"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -249,6 +253,13 @@ def _normalize(layer: dict[str, Any], source: Mapping[str, str]) -> None:
 
 def _validate(layer: dict[str, Any], source: Mapping[str, str], default: str) -> None:
     _normalize(layer, source)
+    for section, fields in layer.items():
+        for name, value in fields.items() if isinstance(fields, dict) else ():
+            if isinstance(value, str) and "\x00" in value:  # no path or name can hold one
+                path = f"{section}.{name}"
+                raise ConfigError(
+                    f"invalid {path} from {source.get(path, default)}: it holds a NUL character"
+                )
     try:
         msgspec.convert(layer, Config, strict=False)
     except msgspec.ValidationError as exc:

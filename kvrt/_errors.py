@@ -110,6 +110,16 @@ class UnknownSegmentError(KvrtError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class NotInColdStoreError(KvrtError, LookupError):
+    """A block asked back has no KV bytes left in any cold tier: send it again with
+    ``ensure_context`` to compute it."""
+
+
+class ContextNotPlacedError(KvrtError):
+    """The last ``ensure_context`` was cancelled or failed before its context was in
+    place: send the context again before generating."""
+
+
 class SessionClosedError(KvrtError):
     """The session (or its runtime) is closed."""
 

@@ -150,12 +150,14 @@ class Runtime(metaclass=NoPublicConstructor):
         cold_admission: str | None = None,
         restore: str | None = None,
         approximate: str | None = None,
+        partial_window: str | None = None,
         resume: str | os.PathLike[str] | SavedSession | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
         The policy names (``hot_eviction``, ``cold_admission``, ``restore``,
-        ``approximate``) override the runtime's configured ones for this session.
+        ``approximate``, ``partial_window``) override the runtime's configured ones for
+        this session.
         ``resume`` (a file :meth:`Session.save` wrote, or what it returned) lays that
         context out again before the session is yielded, restoring every block the cold
         tiers hold (``session.resumed`` says what was restored and computed);
@@ -214,6 +216,7 @@ class Runtime(metaclass=NoPublicConstructor):
             cold_admission=self.policy("cold_admission", cold_admission),
             restore=self.policy("restore", restore),
             approximate=self.policy("approximate", approximate),
+            partial_window=self.policy("partial_window", partial_window),
             runtime=self._policies.values(),
         )
         self._serial += 1

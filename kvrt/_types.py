@@ -11,6 +11,7 @@ __all__ = [
     "BlockView",
     "CacheClass",
     "ColdEntryView",
+    "PartialWindowQuery",
     "Residency",
     "RestoreQuery",
 ]
@@ -109,3 +110,20 @@ class ApproximateQuery(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def shift(self) -> int:
         return self.start - self.source_start
+
+
+class PartialWindowQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """What a partial-window policy sees: a block of the context whose KV was computed
+    while earlier tokens of the context were not hot, now that the plan keeps its whole
+    prefix hot with it, so computing it again gives exact KV.
+
+    Keeping it costs nothing but exactness: the model attends to KV that saw less of the
+    context than the tokens before it now say (``ContextStatus.exact`` stays false).
+    """
+
+    cache_class: CacheClass
+    start: int
+    """Position of the block's first token (computing it again costs more further in)."""
+    n_tokens: int
+    hot: bool
+    """The KV is in the hot window (else in this session's own cold copy)."""

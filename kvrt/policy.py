@@ -13,6 +13,7 @@ orders or accepts among what may.
 | ``cold_admission`` | :class:`ColdAdmission` | whether an evicted block keeps its KV bytes |
 | ``restore`` | :class:`Restore` | restore an exact cold hit, or compute it again |
 | ``approximate`` | :class:`Approximate` | accept the same tokens computed after another prefix |
+| ``partial_window`` | :class:`PartialWindow` | compute again KV that saw a partial window, once the whole prefix fits |
 
 Register a factory (usually the class) under a kind and a name, then pick it by that name
 in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
@@ -46,7 +47,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ._errors import ConfigError, UnknownPolicyError
-from ._types import ApproximateQuery, BlockView, CacheClass, ColdEntryView, RestoreQuery
+from ._types import (
+    ApproximateQuery,
+    BlockView,
+    CacheClass,
+    ColdEntryView,
+    PartialWindowQuery,
+    RestoreQuery,
+)
 
 __all__ = [
     "KINDS",
@@ -62,6 +70,8 @@ __all__ = [
     "Estimating",
     "HotEviction",
     "KeyScoring",
+    "PartialWindow",
+    "PartialWindowQuery",
     "Relevance",
     "Restore",
     "RestoreQuery",
@@ -108,6 +118,15 @@ class Approximate(Protocol):
     def accept(self, query: ApproximateQuery) -> bool:
         """Whether to restore a block's tokens computed after a different prefix, with
         keys re-rotated to the new position (not equal to recomputing; always labelled)."""
+        ...
+
+
+@runtime_checkable
+class PartialWindow(Protocol):
+    def recompute(self, query: PartialWindowQuery) -> bool:
+        """Whether to compute again a block whose KV was computed while earlier tokens of
+        its context were not hot, now that its whole prefix fits hot (True: the context
+        becomes exact; False: the KV is kept and the context stays labelled not exact)."""
         ...
 
 
@@ -179,6 +198,7 @@ KINDS: dict[str, type] = {
     "cold_admission": ColdAdmission,
     "restore": Restore,
     "approximate": Approximate,
+    "partial_window": PartialWindow,
 }
 """Every policy kind and the protocol its policies implement."""
 

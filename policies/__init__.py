@@ -17,6 +17,7 @@ from . import approximate as approximate
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import hot_eviction as hot_eviction
+from . import partial_window as partial_window
 from . import restore as restore
 from .approximate import AllowApproximate as AllowApproximate
 from .approximate import AllowStableApproximate as AllowStableApproximate
@@ -29,6 +30,8 @@ from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import KeyRelevance as KeyRelevance
 from .hot_eviction import LexicalRelevance as LexicalRelevance
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
+from .partial_window import KeepPartial as KeepPartial
+from .partial_window import RecomputePartial as RecomputePartial
 from .restore import AlwaysRestore as AlwaysRestore
 from .restore import CalibratedCost as CalibratedCost
 from .restore import NeverRestore as NeverRestore

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 import kvrt
 
 SYSTEM = "You are a careful code reviewer. Answer in one or two sentences."
@@ -23,6 +25,14 @@ def context(*files: tuple[str, str], question: str) -> list[kvrt.Segment]:
         *(kvrt.Segment(name, text) for name, text in files),
         kvrt.Segment("user", question),
     ]
+
+
+async def next_logits(session: kvrt.Session) -> np.ndarray:
+    """The logits the session's next generated token would be chosen from."""
+    actor = session._actor
+    if actor._override is not None:  # logits kept from when the last block was evicted
+        return actor._override
+    return await actor._engine("logits", actor.ctx.logits)
 
 
 async def greedy(session: kvrt.Session, n: int) -> list[int]:

@@ -149,6 +149,7 @@ SESSION_LAYERS = [
     "scoring",
     "paging",
     "gate",
+    "provenance",
     "layout",
 ]
 

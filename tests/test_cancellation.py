@@ -111,8 +111,10 @@ async def _sweep(
 
 
 async def test_cancel_ensure_context_at_every_await_point() -> None:
+    # The first context fits the window, so its last token's logits are exact and kept
+    # when the step evicts it (a context computed under a partial window keeps none).
     before = short(
-        ("file:a.py", FILE_A[:200]), ("file:b.py", FILE_B[:200]), question="Explain add_1."
+        ("file:a.py", FILE_A[:100]), ("file:b.py", FILE_B[:100]), question="Explain add_1."
     )
 
     async def prepare(s: kvrt.Session) -> None:
@@ -176,3 +178,46 @@ async def test_cancelled_caller_while_queued_does_not_run() -> None:
         assert s.explain().counters.ensure_calls >= 1
         status = await s.ensure_context(context(question="Third?"))
         assert status.logical_tokens > 0
+
+
+async def test_generate_after_a_cancelled_placement_says_to_send_the_context_again() -> None:
+    """A placement cancelled midway leaves the layout asked for but not the engine's
+    window: generating from it is refused with a clear error (never a confusing position
+    error), and the next context call places it."""
+    small = short(("file:a.py", FILE_A[:200]), question="Explain add_1.")
+    big = short(("file:a.py", FILE_A[:600]), ("file:b.py", FILE_B[:600]), question="Compare.")
+    async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
+        await s.ensure_context(small)
+        seen: list[str] = []
+        with anyio.CancelScope() as scope:
+
+            def hook(label: str) -> None:
+                seen.append(label)
+                if seen.count("prefill") == 2:  # midway: blocks placed, others not yet
+                    scope.cancel()
+
+            s._actor.fault = hook
+            await s.ensure_context(big)
+        s._actor.fault = None
+        assert scope.cancelled_caught
+        _check(s)
+        for _ in range(2):  # the same answer every time, never a position error
+            with pytest.raises(kvrt.ContextNotPlacedError, match="send the context again"):
+                await s.generate(max_tokens=4)
+        status = await s.ensure_context(big)
+        assert status.logical_tokens > HOT
+        assert len((await s.generate(max_tokens=4, stop_at_end=False)).tokens) == 4
+        _check(s)
+
+
+async def test_admitting_a_block_with_no_kv_left_is_its_own_error() -> None:
+    async with (
+        kvrt.open_runtime(config=fresh()) as rt,
+        rt.open_session(hot_tokens=HOT, cold_admission="skip_small_volatile") as s,
+    ):
+        await s.ensure_context(short(("note", "Keep it short."), question="Why?"))
+        await s.evict("note")  # small and volatile: kept as tokens only
+        for _ in range(2):
+            with pytest.raises(kvrt.NotInColdStoreError, match="no KV bytes left"):
+                await s.admit("note")
+        assert s.explain().consistent

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrt import Config, ConfigError, load_config, parse_size
+from kvrt import Config, ConfigError, DiskConfig, load_config, parse_size
+from kvrt._config import check_config
 
 GiB = 1024**3
 MiB = 1024**2
@@ -183,4 +184,23 @@ def test_cli_bad_value_is_one_line_not_a_traceback() -> None:
     assert proc.stderr.strip() == (
         "kvrt: error: invalid memory.cold from flag --mem-cold: expected a size such as "
         "'512MiB', '8GiB' or a byte count, got 'lots'"
+    )
+
+
+def test_a_nul_in_a_path_names_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"invalid disk\.path from flag --disk-path: .*NUL"):
+        load_config(env={}, flags={"disk.path": "blocks\x00x"})
+    with pytest.raises(ConfigError, match=r"invalid disk\.path from the Config passed in: .*NUL"):
+        check_config(Config(disk=DiskConfig(path="a\x00b")))
+    path = tmp_path / "nul.toml"
+    path.write_text('[disk]\npath = "a\\u0000b"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrt", "describe", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f"kvrt: error: invalid disk.path from config file {path}: it holds a NUL character"
     )

@@ -28,6 +28,7 @@ from kvrt import CacheClass, Segment, policies
 from kvrt._cold import BlockIO, ColdStore, DiskTier, blockfile
 from kvrt.adapters.llama import LlamaEngine
 
+from ._agent import next_logits
 from .disk_writer import SIZE, block, disk_tier, serving
 
 HERE = Path(__file__).resolve().parent
@@ -331,7 +332,8 @@ anyio.run(main)
 async def references(engine: LlamaEngine, context: list[Segment]) -> tuple[list[int], np.ndarray]:
     """With no tier below RAM: the greedy continuation of a session that never evicted,
     and the logits of one that restored the whole context from RAM (its last token then
-    computed alone, as after any restore that brings back the context's end)."""
+    computed again, as after any restore that brings back the context's end without the
+    logits kept with it: the first session's reply followed that block)."""
     off = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
     async with kvrt.open_runtime(engine=engine, config=off) as rt:
         async with rt.open_session(hot_tokens=512) as ref:
@@ -340,7 +342,7 @@ async def references(engine: LlamaEngine, context: list[Segment]) -> tuple[list[
         async with rt.open_session(hot_tokens=512) as ref:
             status = await ref.ensure_context(context)
             assert status.restored_tokens > 0
-            logits = await ref._actor._engine("logits", ref._actor.ctx.logits)
+            logits = await next_logits(ref)
     return want, logits
 
 
@@ -367,7 +369,7 @@ async def test_a_restarted_process_restores_what_an_earlier_one_computed(
             assert status.prefilled_tokens < status.restored_tokens
             choices = {b.choice for b in s.explain().blocks if b.segment == "doc"}
             assert any("restored from cold (disk)" in c for c in choices), choices
-            got_logits = await s._actor._engine("logits", s._actor.ctx.logits)
+            got_logits = await next_logits(s)
             got = (await s.generate(max_tokens=16)).tokens
             # RAM holds about one block here: the doc's evicted blocks are cold on disk
             # (demoted, or never promoted) or in RAM, and explain() says which.
@@ -482,3 +484,74 @@ async def test_a_prefetch_reads_disk_hits_into_ram_ahead_of_the_call(engine: Lla
         assert status.restored_tokens == status.logical_tokens
         assert {b.choice for b in s.explain().blocks} == {"restored from cold"}  # from RAM
         assert rt.cold_stats().disk_hits == 0
+
+
+@pytest.mark.anyio
+async def test_what_is_not_a_regular_file_never_makes_the_tier_wait(tmp_path: Path) -> None:
+    """A FIFO, a folder and a device named like block files are skipped and counted on
+    open; a block file that grew (sparse, to 1 TiB) after it was indexed is refused on read
+    before anything is allocated for it."""
+    disk = disk_tier(str(tmp_path))
+    disk.open()
+    store = store_over(disk, ram_blocks=8)
+    async with serving(store):
+        for i in range(3):
+            await store.put(block(i))
+    files = block_files(tmp_path)
+    assert len(files) == 3
+    folder = files[0].parent
+    fifo = folder / ("1" * 40 + ".kvb")
+    os.mkfifo(fifo)
+    (folder / ("2" * 40 + ".kvb")).mkdir()
+    (folder / ("3" * 40 + ".kvb")).symlink_to("/dev/zero")
+    (folder / ("4" * 40 + ".tmp")).mkdir()  # a temporary name that is a folder: left alone
+
+    reopened = disk_tier(str(tmp_path))
+    with anyio.fail_after(10):
+        await anyio.to_thread.run_sync(reopened.open)
+    stats = reopened.stats()
+    assert stats.entries == 3 and stats.foreign == 3 and stats.corrupt == 0
+    assert fifo.exists()  # not ours: left alone
+
+    os.truncate(files[1], 2**40)  # sparse: no disk space used, 1 TiB long
+    store = store_over(reopened, ram_blocks=8)
+    async with serving(store):
+        with anyio.fail_after(10):
+            grown = next(i for i in range(3) if reopened._path(block(i).key) == files[1])
+            assert await store.fetch(block(grown).key) is None  # refused, never allocated
+            other = (grown + 1) % 3
+            found = await store.fetch(block(other).key)
+            assert found is not None and np.array_equal(found.entry.data, block(other).data)
+    assert reopened.stats().corrupt == 1 and "promised" in (reopened.stats().last_error or "")
+
+
+@pytest.mark.anyio
+async def test_a_saved_session_that_is_not_a_regular_file_is_refused_at_once(
+    engine: LlamaEngine, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "agent.json"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(2**40)  # sparse
+    async with kvrt.open_runtime(
+        engine=engine, config=kvrt.Config(disk=kvrt.DiskConfig(budget=0))
+    ) as rt:
+        for path, why in [
+            (fifo, "not a regular file"),
+            ("/dev/zero", "not a regular file"),
+            (huge, "more than a saved session's"),
+        ]:
+            with anyio.fail_after(10), pytest.raises(kvrt.InvalidContextError, match=why):
+                async with rt.open_session(resume=path):
+                    pass
+        async with rt.open_session(hot_tokens=512) as s:
+            await s.ensure_context([Segment("q", "Who kept the logbook?")])
+            saved = await s.save(tmp_path / "good.json")
+        raw = json.loads((tmp_path / "good.json").read_text())
+        raw["segments"][0]["tokens"][1] = 2**63
+        (tmp_path / "bad.json").write_text(json.dumps(raw))
+        with pytest.raises(kvrt.InvalidTokenError, match=r"token id 9223372036854775808"):
+            async with rt.open_session(resume=tmp_path / "bad.json"):
+                pass
+        assert saved.blocks

@@ -27,6 +27,7 @@ from kvrt._cold import ColdStore, RemoteTier
 from kvrt._cold.remote import key_name
 from kvrt.adapters.llama import LlamaEngine
 
+from ._agent import next_logits
 from .disk_writer import SIZE, block, serving
 from .test_disk_tier import DOC, FIRST_PROCESS, OTHER, references, settled
 
@@ -134,7 +135,7 @@ async def test_two_processes_share_blocks_through_the_server(
             assert status.restored_tokens > 0 and status.exact
             choices = {b.choice for b in s.explain().blocks if b.segment == "doc"}
             assert any("restored from cold (remote)" in c for c in choices), choices
-            got_logits = await s._actor._engine("logits", s._actor.ctx.logits)
+            got_logits = await next_logits(s)
             got = (await s.generate(max_tokens=16)).tokens
         assert rt.cold_stats().remote_hits > 0
     assert np.array_equal(got_logits, want_logits)
@@ -165,3 +166,27 @@ async def test_a_server_that_stops_degrades_to_the_local_tiers(
         assert not report.remote.up
         assert report.remote.warning is not None and "local tiers" in report.remote.warning
     assert got == want
+
+
+@pytest.mark.anyio
+async def test_a_poisoned_key_is_skipped_and_the_tier_stays_up(server: Server) -> None:
+    """A value of another type under a kvrt name (someone's list) is a miss for that key
+    alone: the tier stays up and serves the others."""
+    victim = policies.get("cold_victim", "class_lru")
+    store = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    async with serving(store):
+        for i in range(2):
+            await store.put(block(i))
+        await settled(store)
+    client = redis.Redis.from_url(server.url)
+    client.delete(key_name(block(0).key))
+    client.rpush(key_name(block(0).key), b"not", b"a", b"block")
+
+    fresh = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    async with serving(fresh):
+        await fresh.discover([block(0).key, block(1).key])
+        assert await fresh.fetch(block(0).key) is None
+        good = await fresh.fetch(block(1).key)
+        assert good is not None and good.tier == "remote"
+    stats = fresh.stats().remote
+    assert stats is not None and stats.up and stats.errors == 0 and stats.refused == 1

@@ -9,12 +9,13 @@
 """
 
 from .disk import BlockIO, DiskStats, DiskTier
-from .entry import ColdEntry, ColdKey, token_digest
+from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, token_digest
 from .remote import RemoteStats, RemoteTier
 from .stats import ColdStats
 from .store import ColdStore, Fetched, Tier
 
 __all__ = [
+    "PARTIAL_PREFIX",
     "BlockIO",
     "ColdEntry",
     "ColdKey",

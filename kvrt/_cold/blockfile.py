@@ -5,8 +5,9 @@ A fixed prefix, a header, then the KV payload::
     magic "KVRTBLK\\0" | version u16 | flags u16 | header length u32 | payload length u64
     | xxh3-128 of header + payload (16 bytes) | header (msgpack) | payload
 
-The header names the model fingerprint, the key, the cache class, the KV precision and the
-block's token ids. :func:`decode` refuses anything that does not check out — a wrong magic
+The header names the model fingerprint, the key, the cache class, the KV precision, the
+block's token ids and how many float32 logits follow the KV bytes in the payload (after a
+block that ended its context; 0 for most). :func:`decode` refuses anything that does not check out — a wrong magic
 or version, lengths that disagree with the bytes, a checksum mismatch, tokens that do not
 hash to the key, a key other than the one asked for — so nothing damaged ever reaches an
 engine.
@@ -55,6 +56,8 @@ class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     cache_class: str
     kv_type: str
     tokens: list[int]
+    logits: int = 0
+    """float32 values after the KV bytes: the logits following the block's last token."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -73,9 +76,14 @@ def encode(entry: ColdEntry) -> tuple[bytes, memoryview]:
             cache_class=str(entry.cache_class),
             kv_type=meta.kv_type,
             tokens=list(meta.tokens),
+            logits=0 if entry.logits is None else int(entry.logits.size),
         )
     )
-    payload = np.ascontiguousarray(entry.data).data.cast("B")
+    kv = np.ascontiguousarray(entry.data)
+    if entry.logits is not None:
+        logits = np.ascontiguousarray(entry.logits, dtype="<f4").view(np.uint8).reshape(-1)
+        kv = np.concatenate([kv.reshape(-1), logits])
+    payload = kv.data.cast("B")
     h = xxhash.xxh3_128()
     h.update(header)
     h.update(payload)
@@ -127,12 +135,17 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
     key = ColdKey(header.fingerprint, header.prefix, header.tokens_digest, header.start)
     if expect is not None and key != expect:
         raise CorruptBlockError("the block holds another key than the one asked for")
+    kv_len = payload_len - 4 * header.logits
+    if header.logits < 0 or kv_len < 0:
+        raise CorruptBlockError(f"{header.logits} logits do not fit a {payload_len}-byte payload")
     meta = ColdBlockMeta(
         fingerprint=header.fingerprint,
         kv_type=header.kv_type,
         start=header.start,
         tokens=tuple(header.tokens),
-        n_bytes=payload_len,
+        n_bytes=kv_len,
     )
-    data = buf[PREFIX.size + header_len :]
-    return ColdEntry(key, cache_class, ColdBlock(meta, data))
+    at = PREFIX.size + header_len
+    data = buf[at : at + kv_len]
+    logits = buf[at + kv_len :].view("<f4").astype(np.float32) if header.logits else None
+    return ColdEntry(key, cache_class, ColdBlock(meta, data), logits)

@@ -9,9 +9,13 @@ never see each other's half-written files. Temporary files of processes that no 
 are removed when the tier opens.
 
 On open the index is rebuilt from the files' headers; a truncated, damaged or unreadable
-``.kvb`` file is counted and removed (other files in the folder are left alone). Every read
-checks the whole block again (checksum, lengths, key) before it is used: a block that fails
-is removed and counted, never handed to an engine.
+``.kvb`` file is counted and removed (other files in the folder are left alone, and so is
+anything named ``.kvb`` that is not a regular file — a folder, a FIFO, a device — counted
+in ``foreign``). Files are opened non-blocking and checked to be regular before a byte is
+read, so nothing in the folder can make a read wait. Every read checks the file's size
+against the index (what its header promised) before allocating, then the whole block
+(checksum, lengths, key) before it is used: a block that fails is removed and counted,
+never handed to an engine.
 
 The file work is synchronous and runs in worker threads (``anyio.to_thread``); the index
 is only touched on the event loop.
@@ -20,9 +24,11 @@ is only touched on the event loop.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +103,9 @@ class DiskStats(msgspec.Struct, frozen=True, kw_only=True):
     """Files deleted to stay within the budget (the cold-victim policy's choice)."""
     opened_with: int
     """Blocks found on disk when the tier opened (written by earlier processes)."""
+    foreign: int = 0
+    """Entries named like block files that are not regular files (folders, FIFOs,
+    devices): skipped, left alone."""
     last_error: str | None
     """The most recent failure, if any."""
 
@@ -118,6 +127,28 @@ class _Record:
     size: int
     cache_class: CacheClass
     last_used: int
+
+
+MAX_HEADER_BYTES = 16 * 2**20
+"""A block's header holds its token ids: far below this for any block kvrt writes."""
+
+
+class NotRegularError(OSError):
+    """Something named like a block file that is not a regular file."""
+
+
+def _open_regular(path: Path) -> io.FileIO:
+    """``path`` opened for reading, unbuffered, without blocking (a FIFO opens at once),
+    checked to be a regular file before anything is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularError(f"{path.name} is not a regular file")
+        os.set_blocking(fd, True)
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _pid_alive(pid: int) -> bool:
@@ -153,7 +184,7 @@ class DiskTier:
         self._next_id = 0
         self._limiter = anyio.CapacityLimiter(2)
         self.hits = self.writes = self.write_failures = self.lost = 0
-        self.corrupt = self.removed = self.opened_with = 0
+        self.corrupt = self.removed = self.opened_with = self.foreign = 0
         self.last_error: str | None = None
 
     # -- opening (synchronous: before the store serves) --
@@ -185,18 +216,24 @@ class DiskTier:
             self._unlink(path)
 
     def _scan(self, path: Path) -> tuple[float, ColdKey, _Record] | None:
-        """The key and record of one block file from its header, or None (removed)."""
+        """The key and record of one block file from its header, or None (removed, or
+        not a regular file and left alone)."""
         try:
-            with path.open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mtime = os.fstat(f.fileno()).st_mtime
+            with _open_regular(path) as f:
+                st = os.fstat(f.fileno())
+                size, mtime = st.st_size, st.st_mtime
                 head = f.read(blockfile.PREFIX.size)
                 header_len, payload_len = blockfile.read_prefix(head)
                 if size != blockfile.PREFIX.size + header_len + payload_len:
                     raise blockfile.CorruptBlockError(f"{size} bytes, truncated or padded")
+                if header_len > MAX_HEADER_BYTES:
+                    raise blockfile.CorruptBlockError(f"a {header_len}-byte header")
                 header = blockfile.read_header(f.read(header_len))
         except FileNotFoundError:
             return None  # removed by another process meanwhile
+        except NotRegularError:
+            self.foreign += 1
+            return None
         except (OSError, blockfile.CorruptBlockError) as exc:
             self._damaged(path, exc)
             return None
@@ -235,6 +272,7 @@ class DiskTier:
             corrupt=self.corrupt,
             removed=self.removed,
             opened_with=self.opened_with,
+            foreign=self.foreign,
             last_error=self.last_error,
         )
 
@@ -312,7 +350,7 @@ class DiskTier:
         record.last_used = self._clock
         try:
             entry = await anyio.to_thread.run_sync(
-                self._read_file, record.path, key, limiter=self._limiter
+                self._read_file, record.path, key, record.size, limiter=self._limiter
             )
         except FileNotFoundError:
             self._forget(key)  # removed by another process sharing the path
@@ -323,7 +361,7 @@ class DiskTier:
             self.last_error = f"{record.path.name}: {exc}"
             await anyio.to_thread.run_sync(self._unlink, record.path, limiter=self._limiter)
             return None
-        except OSError as exc:  # unreadable now: not served, left for a later process
+        except (OSError, NotRegularError) as exc:  # unreadable now: not served, left alone
             self._forget(key)
             self.last_error = f"reading {record.path.name}: {exc.strerror or exc}"
             return None
@@ -369,9 +407,13 @@ class DiskTier:
             os.close(fd)
 
     @staticmethod
-    def _read_file(path: Path, key: ColdKey) -> ColdEntry:
-        with path.open("rb", buffering=0) as f:
+    def _read_file(path: Path, key: ColdKey, expected: int) -> ColdEntry:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
+            if size != expected:  # grown or cut since it was indexed: never allocated
+                raise blockfile.CorruptBlockError(
+                    f"{size} bytes where its header promised {expected}"
+                )
             buf = np.empty(size, dtype=np.uint8)
             view = buf.data
             done = 0
@@ -386,7 +428,8 @@ class DiskTier:
 
     @staticmethod
     def _unlink(path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        # Gone already, a folder, or not ours to remove: left where it is.
+        with contextlib.suppress(OSError):
             path.unlink()
 
     @classmethod

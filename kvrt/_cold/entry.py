@@ -13,7 +13,11 @@ import numpy.typing as npt
 from .._backend import ColdBlock, ColdBlockMeta
 from .._types import CacheClass
 
-__all__ = ["ColdEntry", "ColdKey", "token_digest"]
+__all__ = ["PARTIAL_PREFIX", "ColdEntry", "ColdKey", "token_digest"]
+
+PARTIAL_PREFIX = "pw"
+"""How the prefix field of a partial-window block's key begins (an exact key's prefix is
+a hex digest, which never does): see :mod:`kvrt._session.provenance`."""
 
 
 def token_digest(tokens: Sequence[int], seed: bytes = b"") -> str:
@@ -35,6 +39,13 @@ class ColdKey(msgspec.Struct, frozen=True):
     start: int
     """Position of the block's first token."""
 
+    @property
+    def session_local(self) -> bool:
+        """A partial-window block's key: KV computed while earlier blocks of its context
+        were not hot, which only the session that computed it asks for. Such entries stay
+        in RAM: never written to the tiers below, never an exact hit for anyone else."""
+        return self.prefix.startswith(PARTIAL_PREFIX)
+
     def digest(self) -> str:
         """One name for the key (hex), the same in every process: file names and remote keys."""
         h = hashlib.blake2b(digest_size=20)
@@ -51,10 +62,17 @@ class ColdEntry:
     key: ColdKey
     cache_class: CacheClass
     block: ColdBlock
+    logits: npt.NDArray[np.float32] | None = None
+    """The logits after the block's last token, when the block ended its context and they
+    were computed with exact KV: a session whose context ends there continues from them,
+    as the session that computed them would have, instead of computing that token again
+    (in another batch cut, which on some CPUs and engines gives other bits)."""
 
     @property
     def n_bytes(self) -> int:
-        return int(self.block.data.size)
+        """The bytes it holds: KV bytes, and its logits if it has them."""
+        extra = 0 if self.logits is None else int(self.logits.nbytes)
+        return int(self.block.data.size) + extra
 
     @property
     def meta(self) -> ColdBlockMeta:

@@ -48,7 +48,9 @@ class RemoteStats(msgspec.Struct, frozen=True, kw_only=True):
     writes: int
     """Blocks written (``SET NX``)."""
     refused: int
-    """Values that failed a check (damaged or altered): never served."""
+    """Values that failed a check (damaged or altered: never served), and calls the
+    server answered with an error about the key (a value of another type under a kvrt
+    name, a write refused by a full server): skipped, the tier stays up."""
     errors: int
     """Calls that failed (connection refused, timeout)."""
     warning: str | None
@@ -99,11 +101,19 @@ class RemoteTier:
         self._client.close()
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T | None:
-        """Run one client call in a thread; None (and the tier marked down) if it fails."""
+        """Run one client call in a thread; None if it fails. A server that answered
+        with an error about the key (a value of another type under a kvrt name, a full
+        server refusing a write) leaves the tier up; one that did not answer marks it
+        down for ``retry_after`` seconds."""
         if not self.up:
             return None
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+        except redis.ResponseError as exc:
+            self.refused += 1
+            self.warning = f"the remote tier refused a {what}: {exc}"
+            log.warning("kvrt: %s", self.warning)
+            return None
         except redis.RedisError as exc:
             self.errors += 1
             self._down_until = time.monotonic() + self.retry_after

@@ -416,7 +416,10 @@ class ColdStore:
         return outcome
 
     def _needs_lower(self, key: ColdKey) -> bool:
-        """Whether a tier below RAM lacks ``key`` (so a commit writes it through)."""
+        """Whether a tier below RAM lacks ``key`` (so a commit writes it through).
+        Session-local entries (partial-window KV) never go below RAM."""
+        if key.session_local:
+            return False
         return (self.disk is not None and key not in self.disk) or (
             self.remote is not None and key not in self.remote
         )
@@ -427,5 +430,5 @@ class ColdStore:
         budget let the block go)."""
         if key in self._writing or self.lower_holds(key):
             self._demoted += 1
-        elif self.disk is not None:
+        elif self.disk is not None and not key.session_local:
             self.disk.lost += 1

@@ -18,6 +18,7 @@ from .._cold import ColdKey
 from .._errors import (
     InvalidRangeError,
     KvrtError,
+    NotInColdStoreError,
     OperationCancelledError,
     SessionClosedError,
 )
@@ -202,7 +203,7 @@ class Actor(Generation):
         self._tally = tally = Tally()
         for block in blocks:
             if self.state(block) is Residency.DROPPED:
-                raise KvrtError(
+                raise NotInColdStoreError(
                     f"block {block.index} of {block.segment!r} has no KV bytes left; "
                     "send it again with ensure_context to recompute it"
                 )
@@ -238,7 +239,12 @@ class Actor(Generation):
                 protected=b.id in protected,
                 last_used=b.last_used,
                 choice=self.choices.get(b.id),
-                approximate=b.id in self.tainted and states[b.id] is Residency.HOT,
+                approximate=states[b.id] is Residency.HOT and self.is_approximate(b, resident),
+                partial_window=(
+                    self.is_partial(b, resident)
+                    if states[b.id] is Residency.HOT
+                    else (key := self._restorable_key(b)) is not None and key.session_local
+                ),
                 relevance=window.relevance.get(b.id),
                 cold_tier=(
                     self.cold.tier(b.key(window.fingerprint))
@@ -285,6 +291,7 @@ class Actor(Generation):
             capabilities=self.ctx.capabilities,
             exact_restores=self.ctx.capabilities.exact_in_place,
             approximate_tokens=self.approximate_context_tokens(),
+            partial_window_tokens=self.partial_window_tokens(),
             consistent=not problems,
             problems=problems,
         )

@@ -8,10 +8,10 @@ The hot-window bookkeeping it consults (:mod:`.layout`) is synchronous and free 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
@@ -19,18 +19,20 @@ from .._backend import Engine, EngineContext, EvictMode, Logits
 from .._cold import ColdKey, ColdStore
 from .._config import SessionConfig
 from .._replies import ReplyMemory
-from .._reports import ContextStatus, SessionCounters
+from .._reports import ContextStatus, SessionCounters, TokenOrigins
 from .._types import Residency
 from ..policy import (
     Approximate,
     Calibrating,
     ColdAdmission,
     HotEviction,
+    PartialWindow,
     Restore,
 )
 from .layout import Block, HotWindow
+from .provenance import APPROXIMATE, Provenance, partial_key
 
-__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally"]
+__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
 
 T = TypeVar("T")
 
@@ -43,6 +45,7 @@ class SessionPolicies:
     cold_admission: ColdAdmission
     restore: Restore
     approximate: Approximate
+    partial_window: PartialWindow
     runtime: Iterable[object] = ()
     """Every policy instance of the runtime (a live view): those that calibrate themselves
     learn from every session's measured restores and prefills."""
@@ -71,16 +74,32 @@ class SessionParts:
 
 @dataclass(slots=True)
 class Tally:
+    """What one command did, in tokens (work: a block computed, pushed out and brought
+    back counts twice), and where the KV of each position it wrote came from."""
+
     reused: int = 0
     restored: int = 0
     approximate: int = 0
     prefilled: int = 0
     evicted: int = 0
+    sources: dict[int, str] = field(default_factory=dict)
+    """Position -> ``prefilled``, ``restored``, ``approximate`` or ``generated``: the last
+    engine call of the command that wrote its KV."""
+
+
+class Written(NamedTuple):
+    """Positions an engine call makes resident: the provenance mark their KV gets (see
+    :mod:`.provenance`; None: exact) and where it comes from (a :class:`Tally` source)."""
+
+    start: int
+    end: int
+    mark: str | None
+    source: str
 
 
 class EngineGate:
     """One session's engine context, hot window and cold store, and the state the layers
-    above share: policies, choices, tainted blocks, counters, tallies."""
+    above share: policies, choices, the KV's provenance, counters, tallies."""
 
     def __init__(self, parts: SessionParts) -> None:
         self.engine = parts.engine
@@ -93,17 +112,23 @@ class EngineGate:
         self.replies = parts.replies
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
-        self.tainted: set[int] = set()
-        """Blocks whose KV derives from an approximate restore: the restored blocks and
-        every block computed while one of them was resident before it. Their KV never
-        enters the cold store."""
+        self.provenance = Provenance()
+        """Which resident tokens hold approximate or partial-window KV (see
+        :mod:`.provenance`)."""
         self._recompute: set[int] = set()
+        self._refresh: set[int] = set()
+        """While a context is placed: blocks whose partial-window KV the partial-window
+        policy has computed again, now that their whole prefix fits hot."""
         self._approximate_runs: dict[int, tuple[int, int]] = {}
         """While a context is placed: block id -> (start, tokens) of its run of
         approximate-hit candidates."""
         self._held: tuple[ColdKey, int, Logits] | None = None
         self._override: Logits | None = None
         self.counters = SessionCounters()
+        self.placed = True
+        """False from the moment an ``ensure_context`` adopts its layout until the
+        context is in place: a cancelled or failed placement leaves it False, and
+        generating from such a layout is refused."""
         self.fault: Callable[[str], None] | None = None
         """Test hook, called with a label before every await point of a command."""
         self._tally = Tally()
@@ -111,9 +136,22 @@ class EngineGate:
 
     # -- engine access --
 
-    async def _engine(self, label: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _engine(
+        self,
+        label: str,
+        fn: Callable[..., T],
+        *args: Any,
+        writes: Sequence[Written] = (),
+        **kwargs: Any,
+    ) -> T:
+        """Run ``fn`` in a worker thread behind the limiter. ``writes`` are the positions
+        the call makes resident: their marks are set right before it runs (see
+        :mod:`.provenance`)."""
         if self.fault is not None:
             self.fault(label)
+        for w in writes:
+            self.provenance.set(w.start, w.end, w.mark)
+            self._tally.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
         self._resident = None
         try:
             return await anyio.to_thread.run_sync(
@@ -132,9 +170,70 @@ class EngineGate:
         found = self.window.residency(
             block, self.resident() if resident is None else resident, self.cold
         )
-        if found is Residency.COLD and block.id in self._recompute:
-            return Residency.DROPPED  # the restore policy chose to compute it again
+        if found is Residency.COLD:
+            if block.id in self._recompute:
+                return Residency.DROPPED  # the restore policy chose to compute it again
+            if block.id in self._refresh and block.key(self.window.fingerprint) not in self.cold:
+                return Residency.DROPPED  # its only copy is partial-window KV: computed again
         return found
+
+    # -- what the KV attended to --
+
+    def _missing_before(self, position: int, resident: dict[int, int]) -> int:
+        """Context tokens before ``position`` that are not hot."""
+        missing = 0
+        for b in self.window.blocks:
+            if b.start >= position:
+                break
+            for i, t in enumerate(b.tokens[: position - b.start]):
+                if resident.get(b.start + i) != t:
+                    missing += 1
+        return missing
+
+    def label_at(self, position: int) -> tuple[str | None, int]:
+        """The provenance KV computed at ``position`` gets now (None: exact), and how many
+        earlier context tokens are not hot."""
+        resident = self.resident()
+        missing = self._missing_before(position, resident)
+        labels = self.provenance.labels(0, position, resident)
+        if APPROXIMATE in labels:
+            return APPROXIMATE, missing
+        if missing or labels:
+            return self.provenance.new_label(), missing
+        return None, 0
+
+    async def _logits_after(self, block: Block) -> Logits | None:
+        """The engine's logits after ``block``'s last token, if it holds them and they were
+        computed with exact KV (as that token's mark says), else None."""
+        held = self.ctx.logits_position
+        if held is None or held != block.end - 1:
+            return None
+        if self.provenance.inexact(held, held + 1, self.resident()):
+            return None
+        return await self._engine("logits", self.ctx.logits)
+
+    def is_approximate(self, block: Block, resident: dict[int, int] | None = None) -> bool:
+        """Whether resident tokens of ``block`` hold approximate KV."""
+        resident = self.resident() if resident is None else resident
+        return self.provenance.approximate(block.start, block.end, resident)
+
+    def is_partial(self, block: Block, resident: dict[int, int] | None = None) -> bool:
+        """Whether resident tokens of ``block`` hold partial-window KV."""
+        resident = self.resident() if resident is None else resident
+        return self.provenance.partial(block.start, block.end, resident)
+
+    def stored_key(self, block: Block) -> ColdKey | None:
+        """The key ``block``'s resident KV is stored under: its exact key when the KV is
+        exact, a key of its own when it is partial-window (:func:`partial_key`), None when
+        it is approximate (never stored)."""
+        resident = self.resident()
+        labels = self.provenance.labels(block.start, block.end, resident)
+        exact = block.key(self.window.fingerprint)
+        if not labels:
+            return exact
+        if APPROXIMATE in labels:
+            return None
+        return partial_key(exact, labels)
 
     async def _tidy(self) -> None:
         """Remove resident tokens that belong to no whole block (half-done work)."""
@@ -158,6 +257,7 @@ class EngineGate:
         sizes = self.residency_tokens()
         exact_restores = self.ctx.capabilities.exact_in_place
         approximate_context = self.approximate_context_tokens()
+        partial_context = self.partial_window_tokens()
         return ContextStatus(
             reused_tokens=tally.reused,
             restored_tokens=tally.restored,
@@ -170,12 +270,34 @@ class EngineGate:
             dropped_tokens=sizes[Residency.DROPPED],
             exact_restores=exact_restores,
             exact=not approximate_context
+            and not partial_context
             and not tally.approximate
             and (exact_restores or not tally.restored),
             visible_tokens=sizes[Residency.HOT],
             invisible_segments=self.invisible_segments(),
             approximate_context_tokens=approximate_context,
+            origins=self.origins([tally]),
+            partial_window_tokens=partial_context,
         )
+
+    def origins(self, tallies: Sequence[Tally], end: int | None = None) -> TokenOrigins:
+        """Where the KV of each context token before ``end`` (all of them by default)
+        came from, by the engine calls of ``tallies`` (later ones win)."""
+        sources: dict[int, str] = {}
+        for tally in tallies:
+            sources.update(tally.sources)
+        resident = self.resident()
+        end = self.window.length if end is None else end
+        counts = dict.fromkeys(("reused", "restored", "prefilled", "approximate", "generated"), 0)
+        not_hot = 0
+        for b in self.window.blocks:
+            for i, token in enumerate(b.tokens[: max(0, end - b.start)]):
+                p = b.start + i
+                if resident.get(p) == token:
+                    counts[sources.get(p, "reused")] += 1
+                else:
+                    not_hot += 1
+        return TokenOrigins(**counts, not_hot=not_hot)
 
     def invisible_segments(self) -> tuple[str, ...]:
         """Names of segments with any block not hot, in context order."""
@@ -189,12 +311,23 @@ class EngineGate:
         )
 
     def approximate_context_tokens(self) -> int:
-        """Resident tokens whose KV derives from an approximate restore."""
+        """Tokens of hot blocks whose KV derives from an approximate restore."""
         resident = self.resident()
         return sum(
             b.n_tokens
             for b in self.window.blocks
-            if b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
+            if self.window.residency(b, resident, ()) is Residency.HOT
+            and self.is_approximate(b, resident)
+        )
+
+    def partial_window_tokens(self) -> int:
+        """Tokens of hot blocks whose KV was computed under a partial window."""
+        resident = self.resident()
+        return sum(
+            b.n_tokens
+            for b in self.window.blocks
+            if self.window.residency(b, resident, ()) is Residency.HOT
+            and self.is_partial(b, resident)
         )
 
     def residency_tokens(self) -> dict[str, int]:

@@ -18,12 +18,12 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._backend import EvictMode, Logits, SamplingParams
-from .._errors import InvalidRangeError
-from .._reports import ContextStatus, Piece
+from .._errors import ContextNotPlacedError, InvalidRangeError
+from .._reports import ContextStatus, Piece, TokenOrigins
 from .._sampling import Sampler
 from .._stops import TextTail
 from .._types import CacheClass, Residency
-from .gate import Tally
+from .gate import Tally, Written
 from .layout import Segment
 from .placement import Placement, ReplyTokens
 
@@ -54,6 +54,8 @@ class Generated:
     produced: int
     finish_reason: str
     prompt_tokens: int
+    prompt: TokenOrigins
+    """Where each prompt token's KV came from when generation began."""
     visible_tokens: int
     invisible_segments: tuple[str, ...]
     placed: ContextStatus | None
@@ -72,8 +74,10 @@ class Generation(Placement):
     async def _generate(self, cmd: Generate) -> Generated:
         began = time.perf_counter()
         placed = None
+        placing: list[Tally] = []
         if cmd.context is not None:
             placed = await self._ensure(cmd.context, replies=cmd.replies)
+            placing.append(self._tally)
         placed_at = time.perf_counter()
         self.counters.generate_calls += 1
         self._tally = tally = Tally()
@@ -84,13 +88,14 @@ class Generation(Placement):
         async with cmd.out:
             if self.window.length == 0:
                 raise InvalidRangeError("nothing to continue: call ensure_context first")
+            if not self.placed:
+                raise ContextNotPlacedError(
+                    "the last ensure_context was cancelled or failed before its context was in "
+                    "place: send the context again (ensure_context, chat or complete)"
+                )
             start = self.window.length
             await self._last_logits()
-            resident = self.resident()
-            after_approximate = any(
-                b.id in self.tainted and self.window.residency(b, resident, ()) is Residency.HOT
-                for b in self.window.blocks
-            )
+            prompt = self.origins([*placing, tally], end=start)
             visible = self.residency_tokens()[Residency.HOT]
             invisible = self.invisible_segments()
             if self._override is not None:
@@ -98,6 +103,7 @@ class Generation(Placement):
             else:
                 logits = await self._engine("logits", self.ctx.logits)
             self._override = None
+            label, evicted = self.label_at(self.window.length)[0], self._tally.evicted
             while produced < cmd.max_tokens:
                 token = sampler.choose(logits)
                 if cmd.stop_at_end and self.engine.is_end_of_generation(token):
@@ -107,10 +113,13 @@ class Generation(Placement):
                     break
                 last = self.window.blocks[-1]
                 await self._make_room(1, {last.id})
-                logits = await self._engine("step", self.ctx.step, token)
-                grown = self.window.append_token(token, cmd.segment, cmd.cache_class)
-                if after_approximate:
-                    self.tainted.add(grown.id)
+                at = self.window.length
+                if self._tally.evicted != evicted:  # the window lost earlier tokens
+                    label, evicted = self.label_at(at)[0], self._tally.evicted
+                logits = await self._engine(
+                    "step", self.ctx.step, token, writes=[Written(at, at + 1, label, "generated")]
+                )
+                self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
                 self.counters.generated_tokens += 1
                 piece = Piece(
@@ -147,6 +156,7 @@ class Generation(Placement):
             produced=produced,
             finish_reason=finish,
             prompt_tokens=start,
+            prompt=prompt,
             visible_tokens=visible,
             invisible_segments=invisible,
             placed=placed,
@@ -160,7 +170,6 @@ class Generation(Placement):
     async def _drop_from(self, position: int) -> None:
         """Remove the context from ``position`` on (a stop sequence): nothing to keep."""
         self.window.truncate(position)
-        self.tainted &= {b.id for b in self.window.blocks}
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
             await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)

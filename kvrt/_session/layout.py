@@ -131,6 +131,11 @@ class Block:
         self.tokens.append(token)
         self._key = None
 
+    def cut(self, length: int) -> None:
+        """Keep the first ``length`` tokens."""
+        del self.tokens[length:]
+        self._key = None
+
 
 class HotWindow:
     """One session's logical context as blocks, and the rules for what may leave the window."""
@@ -152,6 +157,9 @@ class HotWindow:
         self.blocks: list[Block] = []
         self.relevance: dict[int, float] = {}
         """Block id -> relevance to the query, when the hot-eviction policy scores it."""
+        self.partial_copies: dict[ColdKey, ColdKey] = {}
+        """A block's exact key -> the key of this session's own cold copy of its
+        partial-window KV (see :mod:`.provenance`), which no other session asks for."""
         self.required: frozenset[str] = frozenset()
         """Segments the last ``ensure_context`` required visible: protected like the sinks
         until the next context is placed."""
@@ -246,10 +254,16 @@ class HotWindow:
             if block.start >= length:
                 continue
             if block.end > length:
-                del block.tokens[length - block.start :]
-                block._key = None
+                block.cut(length - block.start)
             kept.append(block)
         self.blocks = kept
+
+    def token_at(self, position: int) -> int | None:
+        """The context's token at ``position`` (None past its end)."""
+        for b in self.blocks:
+            if b.start <= position < b.end:
+                return b.tokens[position - b.start]
+        return None
 
     def segment_blocks(self, name: str) -> list[Block]:
         blocks = [b for b in self.blocks if b.segment == name]
@@ -274,7 +288,11 @@ class HotWindow:
     ) -> Residency:
         if all(resident.get(block.start + i) == t for i, t in enumerate(block.tokens)):
             return Residency.HOT
-        if block.key(self.fingerprint) in cold:
+        key = block.key(self.fingerprint)
+        if key in cold:
+            return Residency.COLD
+        local = self.partial_copies.get(key)
+        if local is not None and local in cold:
             return Residency.COLD
         return Residency.DROPPED
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import anyio
 
 from .._backend import AdmitMode, EvictMode
-from .._cold import ColdEntry
+from .._cold import ColdEntry, ColdKey
 from .._errors import (
     ColdStoreFullError,
     HotWindowFullError,
@@ -26,8 +26,11 @@ from ..policy import (
     Blending,
     Estimating,
 )
-from .gate import EngineGate
+from .gate import EngineGate, Written
 from .layout import Block
+from .provenance import APPROXIMATE
+
+PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
 
 __all__ = ["WRITE_THROUGH", "Paging"]
 
@@ -44,9 +47,12 @@ class Paging(EngineGate):
         await self._evict_blocks([block], strict=strict)
 
     def _needs_export(self, block: Block) -> bool:
+        """Whether ``block`` leaving the window should export its KV: it is storable (not
+        approximate), the store lacks it, and the cold admission policy keeps it."""
+        key = self.stored_key(block)
         return (
-            block.key(self.window.fingerprint) not in self.cold
-            and block.id not in self.tainted
+            key is not None
+            and key not in self.cold
             and self.policies.cold_admission.admit(self.window.view(block))
         )
 
@@ -76,19 +82,20 @@ class Paging(EngineGate):
 
         A cold store that stays full for ``session.cold_wait`` seconds leaves a block with
         its tokens only, or, when ``strict`` (an explicit evict), raises and keeps it hot.
+        Partial-window KV goes under a key of this session's own
+        (``HotWindow.partial_copies``).
         """
         fingerprint = self.window.fingerprint
-        held = self.ctx.logits_position
+        logits = {}
         for block in run:
-            if (
-                held is not None
-                and block.start <= held < block.end
-                and block.id not in self.tainted
-            ):
-                # Keep the logits after the block's last computed token: restoring the block
-                # later then needs no recompute, and the continuation stays bit-exact.
-                logits = await self._engine("logits", self.ctx.logits)
-                self._held = (block.key(fingerprint), held, logits)
+            found = await self._logits_after(block)
+            if found is not None:
+                # Keep the logits after the block's last token: restoring the block later
+                # (here, or in any session whose context ends there) needs no recompute,
+                # and the continuation stays bit-exact.
+                logits[block.id] = found
+                self._held = (block.key(fingerprint), block.end - 1, found)
+        keys = {b.id: self.stored_key(b) for b in run}
         wanted = [b for b in run if self._needs_export(b)]
         exported = {}
         if wanted:
@@ -96,11 +103,12 @@ class Paging(EngineGate):
             cold_blocks = await self._engine("export", self.ctx.export_run, ranges)
             exported = {b.id: c for b, c in zip(wanted, cold_blocks, strict=True)}
         for block in run:
-            key = block.key(fingerprint)
-            if block.id in exported:
+            key = keys[block.id]
+            local = key is not None and key.session_local
+            if key is not None and block.id in exported:
                 if self.fault is not None:
                     self.fault("cold put")
-                entry = ColdEntry(key, block.cache_class, exported[block.id])
+                entry = ColdEntry(key, block.cache_class, exported[block.id], logits.get(block.id))
                 try:
                     committed = await self.cold.put(entry, wait=self.config.cold_wait)
                 except ColdStoreFullError:
@@ -110,13 +118,19 @@ class Paging(EngineGate):
                         f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
                     )
                 else:
-                    self.choices[block.id] = (
-                        "evicted to cold" if committed else "evicted: too large for the cold store"
-                    )
-            elif key in self.cold:
+                    if not committed:
+                        self.choices[block.id] = "evicted: too large for the cold store"
+                    elif local:
+                        self.window.partial_copies[block.key(fingerprint)] = key
+                        self.choices[block.id] = f"evicted to cold ({PARTIAL_KV})"
+                    else:
+                        self.choices[block.id] = "evicted to cold"
+            elif key is not None and key in self.cold:
                 self.cold.keep(key)
+                if local:
+                    self.window.partial_copies[block.key(fingerprint)] = key
                 self.choices[block.id] = "evicted: cold copy already held"
-            elif block.id in self.tainted:
+            elif key is None:
                 self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
             else:
                 self.choices[block.id] = "evicted, tokens only (cold admission policy)"
@@ -156,6 +170,18 @@ class Paging(EngineGate):
     async def _restore(self, block: Block, keep: set[int]) -> bool:
         return await self._restore_run([block], keep) > 0
 
+    def _restorable_key(self, block: Block) -> ColdKey | None:
+        """The cold copy ``block`` comes back from: its exact key when the store holds it,
+        else this session's own partial-window copy (unless the partial-window policy has
+        it computed again), else None."""
+        key = block.key(self.window.fingerprint)
+        if key in self.cold:
+            return key
+        local = self.window.partial_copies.get(key)
+        if local is not None and local in self.cold and block.id not in self._refresh:
+            return local
+        return None
+
     async def _restore_run(self, blocks: list[Block], keep: set[int]) -> int:
         """Restore adjacent cold blocks in place in one engine call; how many came back.
 
@@ -163,7 +189,8 @@ class Paging(EngineGate):
         """
         entries, tiers = [], []
         for block in blocks:
-            found = await self.cold.fetch(block.key(self.window.fingerprint))
+            key = self._restorable_key(block)
+            found = await self.cold.fetch(key) if key is not None else None
             if found is None:
                 break
             entries.append(found.entry)
@@ -175,6 +202,10 @@ class Paging(EngineGate):
         while len(run) > 1 and sum(b.n_tokens for b in run) > room:
             run.pop()  # the rest come back in a later run, once earlier blocks can go
         entries = entries[: len(run)]
+        marks = [
+            Written(b.start, b.end, e.key.prefix if e.key.session_local else None, "restored")
+            for b, e in zip(run, entries, strict=True)
+        ]
         with self.cold.pinned(e.key for e in entries):
             await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
@@ -183,14 +214,20 @@ class Paging(EngineGate):
                     "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                 )
             began = time.perf_counter()
-            await self._engine("admit", self.ctx.admit_run, [e.block for e in entries])
+            await self._engine(
+                "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
+            )
             self._observed_restore(began, sum(e.n_bytes for e in entries))
         self._tally.restored += sum(b.n_tokens for b in run)
+        for block, entry in zip(run, entries, strict=True):
+            if entry.logits is not None and not entry.key.session_local:
+                self._held = (entry.key, block.end - 1, entry.logits)
         for block, entry, tier in zip(run, entries, tiers, strict=False):
             why = self._estimate(block, entry.n_bytes)
             where = "restored from cold" if tier == "ram" else f"restored from cold ({tier})"
+            if entry.key.session_local:
+                why = f"{PARTIAL_KV}; {why}" if why else PARTIAL_KV
             self.choices[block.id] = f"{where} ({why})" if why else where
-            self.tainted.discard(block.id)
         return len(run)
 
     def _observed_restore(self, began: float, n_bytes: int) -> None:
@@ -290,12 +327,19 @@ class Paging(EngineGate):
                     block.tokens[:fresh],
                     start=block.start,
                     checkpoint=anyio.from_thread.check_cancelled,
+                    writes=[Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")],
                 )
                 self._observed_prefill(began, block.start, fresh)
             began = time.perf_counter()
-            await self._engine("admit", self.ctx.admit, entry.block, AdmitMode.TAIL, skip=fresh)
+            await self._engine(
+                "admit",
+                self.ctx.admit,
+                entry.block,
+                AdmitMode.TAIL,
+                skip=fresh,
+                writes=[Written(block.start + fresh, block.end, APPROXIMATE, "approximate")],
+            )
             self._observed_restore(began, entry.n_bytes)
-        self.tainted.add(block.id)
         self._tally.approximate += block.n_tokens - fresh
         self._tally.prefilled += fresh
         shift = block.start - entry.key.start
@@ -329,78 +373,113 @@ class Paging(EngineGate):
             if first.start + done != self.ctx.next_position:
                 done = 0
             tokens = [t for b in blocks for t in b.tokens][done:]
-            await self._make_room(len(tokens), keep | ids)
-            began = time.perf_counter()
-            await self._engine(
-                "prefill",
-                self.ctx.prefill,
-                tokens,
-                start=first.start + done,
-                checkpoint=anyio.from_thread.check_cancelled,
-            )
-            self._observed_prefill(began, first.start + done, len(tokens))
+            label, missing = await self._compute(tokens, first.start + done, keep | ids)
             if stable:
                 await self._write_back(stable, spare=True)
         self._tally.reused += done
         self._tally.prefilled -= done
         for block in blocks:
             self._tally.prefilled += block.n_tokens
-            self._taint_if_after_approximate(block)
             if block.id in self._recompute:
                 size = self.cold.size(block.key(self.window.fingerprint))
                 why = self._estimate(block, size) if size is not None else ""
-                self.choices[block.id] = (
+                choice = (
                     f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
                 )
+            elif block.id in self._refresh:
+                choice = (
+                    "recomputed: its whole prefix is hot again, so its partial-window KV was "
+                    "replaced (partial-window policy)"
+                )
             else:
-                self.choices[block.id] = "prefilled"
+                choice = "prefilled"
+            if label == APPROXIMATE:
+                choice += " (after approximate KV: not exact)"
+            elif label is not None:
+                choice += (
+                    f" under a partial window ({missing} earlier tokens not hot): {PARTIAL_KV}"
+                )
+            self.choices[block.id] = choice
 
-    async def _write_back(self, blocks: Sequence[Block], *, spare: bool = False) -> int:
+    async def _compute(self, tokens: list[int], at: int, keep: set[int]) -> tuple[str | None, int]:
+        """Prefill ``tokens`` from position ``at``, the window's tail, within the budget
+        (never evicting ``keep``); the provenance label the KV got and how many earlier
+        context tokens were not hot (see :meth:`label_at`).
+
+        Never as a one-token batch when it can be helped: a lone token is computed
+        together with the resident token before it (on some CPUs — x86-64 without
+        AVX-512 — llama.cpp runs one-token batches through other kernels than longer
+        ones, and their logits differ from what computing the context in any other cut
+        gives; batches of two tokens or more agree with each other bit for bit).
+        """
+        resident = self.resident()
+        if (
+            len(tokens) == 1
+            and at > 0
+            and self.ctx.next_position == at
+            and (before := self.window.token_at(at - 1)) is not None
+            and resident.get(at - 1) == before
+        ):
+            holder = next(b for b in self.window.blocks if b.start <= at - 1 < b.end)
+            keep = keep | {holder.id}
+            await self._engine("evict", self.ctx.evict, at - 1, at, EvictMode.GAP)
+            tokens, at = [before, *tokens], at - 1
+            self._tally.prefilled += 1
+        await self._make_room(len(tokens), keep)
+        label, missing = self.label_at(at)
+        began = time.perf_counter()
+        await self._engine(
+            "prefill",
+            self.ctx.prefill,
+            tokens,
+            start=at,
+            checkpoint=anyio.from_thread.check_cancelled,
+            writes=[Written(at, at + len(tokens), label, "prefilled")],
+        )
+        self._observed_prefill(began, at, len(tokens))
+        return label, missing
+
+    async def _write_back(
+        self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
+    ) -> int:
         """Copy hot blocks the cold store lacks into it (as the cold admission policy
         allows), keeping them hot; the tokens copied. Never waits for room: a store full
         of entries it may not drop, or closed, leaves the rest uncopied. ``spare`` copies
-        (blocks that stay hot) only use free room, never dropping another entry."""
+        (blocks that stay hot) only use free room, never dropping another entry.
+        Partial-window KV is copied only when ``local`` (for this session itself: it is
+        of no use to another, nor once this session has closed)."""
         resident = self.resident()
-        runs: list[list[Block]] = []
+        fingerprint = self.window.fingerprint
+        runs: list[list[tuple[Block, ColdKey]]] = []
         for block in blocks:
             if self.state(block, resident) is not Residency.HOT:
                 continue
+            key = self.stored_key(block)
+            if key is None or (key.session_local and not local):
+                continue  # approximate KV, or partial-window KV nobody else can use
             if not self._needs_export(block):
                 if not spare:
-                    self.cold.keep(block.key(self.window.fingerprint))  # the hot copy goes
+                    self.cold.keep(key)  # the hot copy goes
                 continue
-            if runs and runs[-1][-1].end == block.start:
-                runs[-1].append(block)
+            if runs and runs[-1][-1][0].end == block.start:
+                runs[-1].append((block, key))
             else:
-                runs.append([block])
+                runs.append([(block, key)])
         copied = 0
         for run in runs:
-            ranges = [(b.start, b.end) for b in run]
+            ranges = [(b.start, b.end) for b, _ in run]
             exported = await self._engine("export", self.ctx.export_run, ranges)
-            for block, cold_block in zip(run, exported, strict=True):
-                key = block.key(self.window.fingerprint)
+            for (block, key), cold_block in zip(run, exported, strict=True):
+                logits = await self._logits_after(block) if not key.session_local else None
                 try:
-                    entry = ColdEntry(key, block.cache_class, cold_block)
+                    entry = ColdEntry(key, block.cache_class, cold_block, logits)
                     if await self.cold.put(entry, wait=0, spare=spare):
                         copied += block.n_tokens
+                        if key.session_local:
+                            self.window.partial_copies[block.key(fingerprint)] = key
                 except (ColdStoreFullError, anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return copied
         return copied
-
-    def _taint_if_after_approximate(self, block: Block) -> None:
-        """``block`` was just computed: tainted iff an approximate block is resident before it."""
-        if not self.tainted:
-            return
-        resident = self.resident()
-        if any(
-            b.id in self.tainted
-            and b.end <= block.start
-            and self.window.residency(b, resident, ()) is Residency.HOT
-            for b in self.window.blocks
-        ):
-            self.tainted.add(block.id)
-        else:
-            self.tainted.discard(block.id)
 
     async def _truncate_from(self, position: int) -> None:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""

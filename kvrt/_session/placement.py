@@ -13,12 +13,13 @@ import anyio
 
 from .._backend import Engine, EvictMode
 from .._errors import (
+    ContextTooLargeError,
     HotWindowFullError,
     InvalidContextError,
     NotVisibleError,
 )
 from .._reports import ContextStatus, PrefetchReport
-from .._types import Residency
+from .._types import PartialWindowQuery, Residency
 from .gate import Tally
 from .layout import Block, Segment
 from .scoring import Scoring
@@ -58,6 +59,32 @@ def segment_tokens(
             continue
         out += engine.tokenize(text, add_special=first and not out, parse_special=special)
     return out
+
+
+LONG_TEXT = 1 << 16
+"""Characters past which a piece of text is first counted in chunks against the planner
+context, so a text far too large is refused after reading a little of it."""
+
+
+def check_fits(engine: Engine, segments: Sequence[Segment], limit: int) -> None:
+    """Refuse, cheaply, a context whose text holds more tokens than ``limit``: long
+    pieces are tokenized a chunk at a time, stopping as soon as the count passes the
+    limit (a 10 MB prompt is refused after tokenizing about the planner context's worth,
+    not all of it). Short contexts cost nothing here: placing them counts exactly."""
+    if sum(len(seg.text) for seg in segments) <= LONG_TEXT:
+        return
+    count = 0
+    for seg in segments:
+        for text, special in seg.pieces():
+            for at in range(0, len(text), LONG_TEXT):
+                piece = text[at : at + LONG_TEXT]
+                # A cut may split a token in two: one extra per chunk at most.
+                count += len(engine.tokenize(piece, add_special=False, parse_special=special)) - 1
+                if count > limit:
+                    raise ContextTooLargeError(
+                        f"the context needs more than {limit} tokens (the session's planner "
+                        f"context): segment {seg.name!r} alone holds {len(seg.text)} characters"
+                    )
 
 
 def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
@@ -133,6 +160,7 @@ class Placement(Scoring):
         tokenization made; ``replies`` names segments holding a reply to place with its
         generated tokens.
         """
+        check_fits(self.engine, segments, self.window.planner_context)
         out = []
         cache = known or {}
         replies = replies or {}
@@ -175,6 +203,8 @@ class Placement(Scoring):
     ) -> ContextStatus:
         self._check_visible(tokenized, require)
         layout, stale = self.window.plan_layout(tokenized)
+        copies = self.window.partial_copies  # forget the copies the store let go
+        self.window.partial_copies = {k: v for k, v in copies.items() if v in self.cold}
         await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
         resident = self.resident()
         tally.reused = sum(
@@ -186,14 +216,15 @@ class Placement(Scoring):
         kept = self.window.kept_positions(layout, resident)
         stale.sort(key=lambda b: b.start)
         superseded = [b for b in stale if any(p in kept for p in range(b.start, b.end))]
-        await self._write_back(superseded)
+        await self._write_back(superseded, local=True)
         await self._evict_blocks([b for b in stale if b not in superseded])
+        self.placed = False
         self.window.adopt(layout)
         self.window.required = frozenset(require)
-        self.tainted &= {b.id for b in layout}
         await self._tidy()
         await self._place(layout)
         await self._last_logits()
+        self.placed = True
         unseen = [
             b.segment for b in layout if b.segment in require and self.state(b) is not Residency.HOT
         ]
@@ -242,11 +273,48 @@ class Placement(Scoring):
                     self._recompute.add(block.id)
         self._find_approximate_runs(layout)
         try:
+            await self._refresh_partial(layout, planned)
             await self._place_blocks(layout, planned)
             await self._converge(layout, planned)
         finally:
             self._recompute = set()
+            self._refresh = set()
             self._approximate_runs = {}
+
+    async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> None:
+        """Blocks holding partial-window KV whose whole prefix the plan keeps hot (with
+        themselves) are computed again where the partial-window policy says so: the
+        session's context is exact again once it fits. A hot one leaves the window first,
+        its KV kept in this session's own cold copy until the exact KV replaces it (a
+        cancelled call loses nothing)."""
+        fingerprint = self.window.fingerprint
+        for block in layout:
+            if block.id not in planned:
+                return  # from here on, the prefix is not all hot
+            resident = self.resident()
+            hot = self.window.residency(block, resident, ()) is Residency.HOT
+            # Resident partial-window KV: the whole block, or its leading tokens at the tail.
+            resident_partial = self.is_partial(block, resident)
+            key = block.key(fingerprint)
+            local = self.window.partial_copies.get(key)
+            only_copy = not hot and local in self.cold and key not in self.cold
+            if not (resident_partial or only_copy):
+                continue
+            query = PartialWindowQuery(
+                cache_class=block.cache_class,
+                start=block.start,
+                n_tokens=block.n_tokens,
+                hot=hot,
+            )
+            if self.policies.partial_window.recompute(query):
+                if hot:
+                    await self._evict_blocks([block])
+                elif resident_partial:  # a fragment, not a block: no copy to keep of it
+                    inside = [p for p in self.ctx.positions if block.start <= p < block.end]
+                    await self._engine(
+                        "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
+                    )
+                self._refresh.add(block.id)
 
     async def _converge(self, layout: list[Block], planned: set[int]) -> None:
         """Bring back planned blocks that computing later ones pushed out, in exchange for
@@ -340,9 +408,10 @@ class Placement(Scoring):
     async def _last_logits(self) -> None:
         """Make sure logits follow the context's last token.
 
-        They are the engine's own when it computed that token last; the ones kept when its
-        block was evicted, if that exact block came back; otherwise the token is computed
-        again.
+        They are the engine's own when it computed that token last; the ones kept with
+        its block when the block left a window with exact KV (in this session, or with the
+        cold copy any session restores); otherwise the token is computed again, with the
+        one before it (see :meth:`_compute`).
         """
         self._override = None
         last = self.window.length - 1
@@ -351,16 +420,17 @@ class Placement(Scoring):
         token = self.window.blocks[-1].tokens[-1]
         held = self._held
         tail = self.window.blocks[-1]
+        resident = self.resident()
         if (
             held is not None
             and held[0] == tail.key(self.window.fingerprint)
             and held[1] == last
-            and self.resident().get(last) == token
+            and resident.get(last) == token
+            and not self.provenance.inexact(tail.start, tail.end, resident)
         ):
-            self._override = held[2]
+            self._override = held[2]  # kept only while the whole context was exact
             return
-        if self.resident().get(last) == token:
+        if resident.get(last) == token:
             await self._engine("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
-        await self._make_room(1, {self.window.blocks[-1].id})
-        await self._engine("prefill", self.ctx.prefill, [token], start=last)
+        await self._compute([token], last, {tail.id})
         self._tally.prefilled += 1

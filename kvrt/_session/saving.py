@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from .._errors import InvalidArgumentError, InvalidContextError
+from .._errors import InvalidArgumentError, InvalidContextError, InvalidTokenError
 from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
@@ -116,17 +117,44 @@ def _write(path: Path, data: bytes) -> None:
             temp.unlink()
 
 
+MAX_SAVED_BYTES = 256 * 2**20
+"""The largest saved session read: token ids and text of a context far larger than any
+planner context (a file past it is refused unread)."""
+
+
 def read_saved(path: str | os.PathLike[str]) -> SavedSession:
-    """The saved session in ``path``, or an :class:`InvalidContextError` saying why not."""
+    """The saved session in ``path``, or an :class:`InvalidContextError` saying why not.
+
+    Only a regular file of at most :data:`MAX_SAVED_BYTES` is read: the file is opened
+    without blocking (a FIFO opens at once) and checked before a byte is read, so a
+    FIFO, a device such as ``/dev/zero`` or a huge file is refused at once."""
     try:
-        raw = Path(path).read_bytes()
-    except (OSError, ValueError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         raise InvalidContextError(
             f"cannot read the saved session {path}: {getattr(exc, 'strerror', None) or exc}"
         ) from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidContextError(f"{path} is not a regular file, so not a saved session")
+        if st.st_size > MAX_SAVED_BYTES:
+            raise InvalidContextError(
+                f"{path} holds {st.st_size} bytes, more than a saved session's "
+                f"{MAX_SAVED_BYTES}: not a saved kvrt session"
+            )
+        os.set_blocking(fd, True)
+        try:
+            raw = f.read(MAX_SAVED_BYTES + 1)
+        except OSError as exc:
+            raise InvalidContextError(
+                f"cannot read the saved session {path}: {exc.strerror or exc}"
+            ) from None
+    if len(raw) > MAX_SAVED_BYTES:
+        raise InvalidContextError(f"{path} grew past {MAX_SAVED_BYTES} bytes while read")
     try:
         return msgspec.json.decode(raw, type=SavedSession)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidContextError(f"{path} is not a saved kvrt session: {exc}") from None
 
 
@@ -137,6 +165,14 @@ async def resume_session(actor: Actor, request: Request, saved: SavedSession) ->
             "the saved session was made with another model or KV layout "
             f"(fingerprint {saved.fingerprint}, this runtime's is {actor.window.fingerprint})"
         )
+    n_vocab = actor.engine.facts.n_vocab
+    for seg in saved.segments:
+        bad = next((t for t in seg.tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidTokenError(
+                f"the saved segment {seg.name!r} holds token id {bad}, outside the model's "
+                f"vocabulary of {n_vocab}"
+            )
     segments = tuple(
         Segment(s.name, s.text, cache_class=s.cache_class, score=s.score) for s in saved.segments
     )

@@ -22,9 +22,9 @@ from hypercorn.config import Config as HypercornConfig
 
 import kvrt
 
-from .app import ServeConfig, Server, create_app
+from .app import ServeConfig, Server, create_app, model_id
 
-__all__ = ["ServeConfig", "Server", "create_app", "serve"]
+__all__ = ["ServeConfig", "Server", "create_app", "listen", "model_id", "serve"]
 
 
 async def serve(
@@ -36,18 +36,16 @@ async def serve(
 ) -> None:
     """Serve ``runtime`` until cancelled; ``task_status.started`` gets the base URL.
 
-    ``sock``, a bound and listening socket, is served instead of ``config.host``/``port``
-    (tests bind port 0 and read the port from it).
+    ``sock``, a bound and listening socket (:func:`listen`), is served instead of
+    ``config.host``/``port`` (tests bind port 0 and read the port from it).
     """
     config = config or ServeConfig()
     app = create_app(runtime, config)
     hc = HypercornConfig()
-    if sock is not None:
-        host, port = sock.getsockname()[:2]
-        hc.bind = [f"fd://{sock.detach()}"]  # the server owns the socket from here
-    else:
-        hc.bind = [f"{config.host}:{config.port}"]
-        host, port = config.host, config.port
+    if sock is None:
+        sock = listen(config.host, config.port, send_buffer=config.send_buffer)
+    host, port = sock.getsockname()[:2]
+    hc.bind = [f"fd://{sock.detach()}"]  # the server owns the socket from here
     hc.accesslog = None
     hc.graceful_timeout = 2.0
     server: Server = app.state.server
@@ -68,6 +66,30 @@ async def serve(
                 stop.set()  # the server stops on its own, gracefully (graceful_timeout)
     finally:
         await server.pool.aclose()
+
+
+def listen(host: str, port: int, *, send_buffer: int = 65536) -> socket.socket:
+    """A socket bound to ``host``:``port`` and listening, whose connections write through
+    a send buffer of ``send_buffer`` bytes (so a client that stops reading is noticed
+    after about that much unread: see ``ServeConfig.stall_timeout``); a
+    :class:`kvrt.ConfigError` naming the address when it cannot be had (in use, no such
+    host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise kvrt.ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise kvrt.ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another port or host)"
+        ) from None
+    return sock
 
 
 # The server runs shielded and stops when ``stop`` is set: cancelling Hypercorn from

@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Send
 
 import kvrt
 
@@ -21,7 +24,7 @@ from . import openai
 from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
 
-__all__ = ["ServeConfig", "Server", "create_app"]
+__all__ = ["ServeConfig", "Server", "create_app", "model_id"]
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,6 +46,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens generated when a request gives no ``max_tokens``."""
     retry_after: int = 1
     """Seconds a refused (429) request is told to wait."""
+    stall_timeout: float = 30.0
+    """Seconds a streamed response may wait for its client to take the next chunk; past
+    it the stream is closed and the session goes back to the pool. A client that stops
+    reading holds a session until the send buffer (``send_buffer``) and its own receive
+    buffer are full, then at most this long."""
+    send_buffer: int = 65536
+    """Bytes of each connection's socket send buffer (``SO_SNDBUF``; the kernel may
+    double it)."""
 
 
 PIN_HEADER = "x-session-id"
@@ -54,7 +65,7 @@ class Server:
     def __init__(self, runtime: kvrt.Runtime, config: ServeConfig) -> None:
         self.runtime = runtime
         self.config = config
-        self.model = config.model_name or Path(runtime.model_info.model.path).stem
+        self.model = model_id(runtime, config)
         self.pool = Pool(
             runtime,
             max_sessions=config.max_sessions,
@@ -63,6 +74,10 @@ class Server:
         )
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
+        self.gone: Counter[str] = Counter()
+        """Requests whose client left before the answer: ``body`` (while sending it),
+        ``queued`` (waiting for a session), ``answer`` (while it was computed), ``stalled``
+        (a stream its client stopped reading, closed after ``stall_timeout``)."""
 
     # -- routes --
 
@@ -118,12 +133,19 @@ class Server:
             "# HELP kvrt_queue_depth Requests waiting for a session.",
             "# TYPE kvrt_queue_depth gauge",
             f"kvrt_queue_depth {self.pool.waiting}",
+            "# HELP kvrt_clients_gone_total Requests whose client left before the answer, by "
+            "when (stalled: a stream closed after its client stopped reading).",
+            "# TYPE kvrt_clients_gone_total counter",
+            *(
+                f'kvrt_clients_gone_total{{when="{when}"}} {self.gone[when]}'
+                for when in ("body", "queued", "answer", "stalled")
+            ),
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            req = openai.read(await request.body(), ChatRequest)
+            req = openai.read(await _body(request), ChatRequest)
             self._check_model(req.model)
             try:
                 messages = tuple(kvrt.read_messages(req.messages))
@@ -140,7 +162,7 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            req = openai.read(await request.body(), CompletionRequest)
+            req = openai.read(await _body(request), CompletionRequest)
             self._check_model(req.model)
             prompt = req.prompt
             if isinstance(prompt, list):
@@ -171,36 +193,56 @@ class Server:
         stack = AsyncExitStack()
         try:
             req, wanted, reply = await start()
-            pin = request.headers.get(PIN_HEADER)
-            if pin is not None and not (0 < len(pin) <= 100 and pin.isprintable()):
-                raise RequestError(
-                    f"{PIN_HEADER} must be 1 to 100 printable characters", param=PIN_HEADER
-                )
-            slot = await stack.enter_async_context(self.pool.lend(wanted, pin))
         except RequestError as exc:
-            await stack.aclose()
             return self._error(route, exc)
-        except PoolFull as exc:
-            await stack.aclose()
+        except ClientDisconnect:
+            self.gone["body"] += 1
+            return Response(status_code=400)  # nobody reads it
+        pin = request.headers.get(PIN_HEADER)
+        if pin is not None and not (0 < len(pin) <= 100 and pin.isprintable()):
             return self._error(
                 route,
-                RequestError(str(exc), status=429, code="busy", kind="rate_limit_exceeded"),
-                headers={"Retry-After": str(self.config.retry_after)},
+                RequestError(
+                    f"{PIN_HEADER} must be 1 to 100 printable characters", param=PIN_HEADER
+                ),
             )
+        # From here on a client that leaves stops the work: its place in the queue, or
+        # the generation (a stream's own response notices, see _Stream).
+        async with _until_gone(request) as left:
+            try:
+                slot = await stack.enter_async_context(self.pool.lend(wanted, pin))
+            except PoolFull as exc:
+                await stack.aclose()
+                return self._error(
+                    route,
+                    RequestError(str(exc), status=429, code="busy", kind="rate_limit_exceeded"),
+                    headers={"Retry-After": str(self.config.retry_after)},
+                )
+        if left.gone:
+            await stack.aclose()
+            self.gone["queued"] += 1
+            return Response(status_code=400)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             body = self._stream(route, rid, stack, slot, wanted, reply, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream")
-        async with stack:
+            return _Stream(body, self.config.stall_timeout, self._stalled)
+        done = None
+        async with stack, _until_gone(request) as left:
             try:
                 done = await reply(_session(slot))
             except kvrt.KvrtError as exc:
                 return self._error(route, _refusal(exc))
             self._count(done)
             slot.history = _held(wanted, done)
+        if left.gone:  # the generation stopped where it was, the session is free
+            self.gone["answer"] += 1
+            return Response(status_code=400)
         self.requests[(route, 200)] += 1
         made = openai.chat_response if chat else openai.completion_response
         return JSONResponse(made(rid, self.model, done))
+
+    def _stalled(self) -> None:
+        self.gone["stalled"] += 1
 
     async def _stream(
         self,
@@ -213,16 +255,22 @@ class Server:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         chat = route == "chat"
+        closing = False  # the client has gone: nothing more may be sent
         async with stack:  # a client that goes away cancels this: generation stops
-            if chat:
-                yield openai.chunk(rid, self.model, chat=True, role=True, text="")
             try:
+                if chat:
+                    yield openai.chunk(rid, self.model, chat=True, role=True, text="")
                 answer = reply(_session(slot))
                 async for piece in answer:
                     if piece.text:
                         yield openai.chunk(rid, self.model, chat=chat, text=piece.text)
                 done = await answer
+            except GeneratorExit:
+                closing = True
+                raise
             except kvrt.KvrtError as exc:
+                if closing or isinstance(exc, kvrt.OperationCancelledError):
+                    return
                 refusal = _refusal(exc)
                 self.requests[(route, refusal.status)] += 1
                 body = openai.error_body(
@@ -285,6 +333,111 @@ class Server:
         self.requests[(route, exc.status)] += 1
         body = openai.error_body(str(exc), kind=exc.kind, param=exc.param, code=exc.code)
         return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def model_id(runtime: kvrt.Runtime, config: ServeConfig) -> str:
+    """The model id the server serves (``/v1/models``) and clients send."""
+    return config.model_name or Path(runtime.model_info.model.path).stem
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) as soon as it is known to pass the limit: from its
+    ``Content-Length`` before a byte is read, else while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RequestError("Content-Length is not a byte count")
+        if int(declared) > openai.MAX_BODY:
+            raise RequestError(f"the body is larger than {openai.MAX_BODY} bytes", status=413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > openai.MAX_BODY:
+            raise RequestError(f"the body is larger than {openai.MAX_BODY} bytes", status=413)
+        parts.append(part)
+    return b"".join(parts)
+
+
+class _Left:
+    """Whether the client went away (set by :func:`_until_gone`)."""
+
+    gone = False
+
+
+@asynccontextmanager
+async def _until_gone(request: Request) -> AsyncIterator[_Left]:
+    """Run the body until it is done or the client disconnects (its request body already
+    read): then the body is cancelled and ``gone`` is set."""
+    left = _Left()
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            left.gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            yield left
+        finally:
+            tg.cancel_scope.cancel()
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events whose client must take each chunk within ``stall_timeout``
+    seconds. A client that stops reading gets its stream ended (``on_stall`` counts it)
+    and the session it held is freed at once, instead of being held as long as the
+    client waits. Chunks go to the client through a writer task, so the stream notices
+    a stall even where the server's socket write cannot be interrupted (Hypercorn on
+    trio shields it: that write then ends when the client reads or leaves)."""
+
+    def __init__(
+        self, body: AsyncIterator[bytes], stall_timeout: float, on_stall: Callable[[], None]
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.stall_timeout = stall_timeout
+        self.on_stall = on_stall
+
+    async def stream_response(self, send: Send) -> None:
+        to_client, from_body = anyio.create_memory_object_stream[Message](1)
+
+        async def writer() -> None:
+            async with from_body:
+                async for message in from_body:
+                    await send(message)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer)
+            try:
+                async with to_client:
+                    start = {"type": "http.response.start", "status": self.status_code}
+                    await self._put(to_client, {**start, "headers": self.raw_headers})
+                    async for chunk in self.body_iterator:
+                        body = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+                        await self._put(
+                            to_client,
+                            {"type": "http.response.body", "body": body, "more_body": True},
+                        )
+                    await self._put(
+                        to_client, {"type": "http.response.body", "body": b"", "more_body": False}
+                    )
+            except _Stalled:
+                self.on_stall()
+                tg.cancel_scope.cancel()  # unfinished: the server closes the connection
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+    async def _put(self, to_client: MemoryObjectSendStream[Message], message: Message) -> None:
+        with anyio.move_on_after(self.stall_timeout) as waited:
+            await to_client.send(message)
+        if waited.cancelled_caught:
+            raise _Stalled
+
+
+class _Stalled(Exception):
+    """A streamed chunk's client did not take it within the stall timeout."""
 
 
 def _session(slot: Slot) -> kvrt.Session:

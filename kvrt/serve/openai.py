@@ -92,6 +92,8 @@ def read(body: bytes, kind: type[_Common]) -> Any:
         raise RequestError(f"the body is larger than {MAX_BODY} bytes", status=413)
     try:
         request = msgspec.json.decode(body, type=kind)
+    except RecursionError:
+        raise RequestError("the body's JSON is nested too deeply") from None
     except msgspec.ValidationError as exc:
         where = re.search(r"at `\$\.([^`]+)`|required field `([^`]+)`", str(exc))
         param = (where.group(1) or where.group(2)) if where else None
@@ -112,31 +114,44 @@ def read(body: bytes, kind: type[_Common]) -> Any:
 
 
 def max_tokens(request: Any, *, default: int, limit: int) -> int:
-    given = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    given = getattr(request, "max_completion_tokens", None)
+    name = "max_completion_tokens"
+    if given is None:
+        given, name = request.max_tokens, "max_tokens"
     if given is None:
         return min(default, limit)
     if not 1 <= given <= limit:
         raise RequestError(
-            f"max_tokens must be between 1 and {limit} (the session's planner context), got "
-            f"{given}",
-            param="max_tokens",
+            f"{name} must be between 1 and {limit} (the session's planner context), got {given}",
+            param=name,
         )
     return int(given)
 
 
 def usage(done: kvrt.Completion) -> dict[str, Any]:
-    """OpenAI's usage object, with kvrt's breakdown under ``kvrt``."""
-    u, t = done.usage, done.timings
+    """OpenAI's usage object, with kvrt's breakdown under ``kvrt``: where each prompt
+    token's KV came from (``reused``, ``restored``, ``prefilled``, ``approximate`` and
+    ``not_hot`` add up to ``prompt_tokens``), and the work done (``work``: a block
+    computed, pushed out and brought back counts twice there)."""
+    u, t, p = done.usage, done.timings, done.usage.prompt
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "kvrt": {
-            "reused_tokens": u.reused_tokens,
-            "restored_tokens": u.restored_tokens,
-            "prefilled_tokens": u.prefilled_tokens,
-            "approximate_tokens": u.approximate_tokens,
+            "reused_tokens": p.reused,
+            "restored_tokens": p.restored,
+            "prefilled_tokens": p.prefilled,
+            "approximate_tokens": p.approximate,
+            "not_hot_tokens": p.not_hot,
+            "work": {
+                "reused_tokens": u.reused_tokens,
+                "restored_tokens": u.restored_tokens,
+                "prefilled_tokens": u.prefilled_tokens,
+                "approximate_tokens": u.approximate_tokens,
+            },
+            "exact": done.context.exact,
             "visible_tokens": u.visible_tokens,
             "invisible_segments": list(done.invisible_segments),
             "finish_reason": done.finish_reason,

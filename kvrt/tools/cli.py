@@ -54,7 +54,8 @@ _HELP = {
     "cold_victim": "cold victim policy by name (class_lru)",
     "cold_admission": "which evicted blocks keep KV bytes (all, skip_small_volatile)",
     "restore": "restore-vs-recompute policy (always, never, size_threshold, calibrated)",
-    "approximate": "approximate-hit policy (never, allow, stable_only)",
+    "approximate": "approximate-hit policy (never, allow, stable_only, blend:R)",
+    "partial_window": "partial-window KV once its prefix fits hot (recompute, keep)",
     "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
 
@@ -238,6 +239,22 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ID",
         help="model id clients send (default: file name)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a streaming client may leave a chunk unread before its stream is "
+        "closed and its session freed (default 30)",
+    )
+    serve.add_argument(
+        "--send-buffer",
+        type=_count(4096, 2**26),
+        default=65536,
+        metavar="BYTES",
+        help="each connection's socket send buffer (default 65536): a client that stops "
+        "reading is noticed once it and the client's receive buffer are full",
     )
     serve.add_argument(
         "--loop",
@@ -694,7 +711,7 @@ def _serve(args: argparse.Namespace) -> None:
     import anyio
 
     from kvrt import open_runtime
-    from kvrt.serve import ServeConfig, serve
+    from kvrt.serve import ServeConfig, listen, model_id, serve
 
     config = _config_from(args)
     check_policies(config)
@@ -705,13 +722,17 @@ def _serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         hot_tokens=args.session_tokens,
         model_name=args.model_name,
+        stall_timeout=args.stall_timeout,
+        send_buffer=args.send_buffer,
     )
+    # Bound before the model loads: a port in use is one line and exit status 2, at once.
+    sock = listen(args.host, args.port, send_buffer=args.send_buffer)
 
     async def main() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_runtime(config=config) as rt, anyio.create_task_group() as tg:
-                url = await tg.start(partial(serve, rt, settings))
-                print(f"kvrt serve: {url}/v1 (model {rt.model_info.model.name})", flush=True)
+                url = await tg.start(partial(serve, rt, settings, sock=sock))
+                print(f"kvrt serve: {url}/v1 (model {model_id(rt, settings)})", flush=True)
                 async for signum in signals:
                     print(f"kvrt serve: stopping ({signal.Signals(signum).name})", flush=True)
                     tg.cancel_scope.cancel()
@@ -730,6 +751,17 @@ def _kvrt_error(exc: BaseException) -> KvrtError | None:
         if found and all(e is not None for e in found):
             return found[0]
     return None
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0 (at most a day)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, at most 86400, got {text}")
+    return value
 
 
 def _count(low: int, high: int | None = None) -> Callable[[str], int]:

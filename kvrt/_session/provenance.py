@@ -1,0 +1,94 @@
+"""What each resident token's KV attended to, where that is not what computing the whole
+context from its first token gives.
+
+A token's KV depends on everything it attended to. It is *exact* when every earlier token
+of the context was hot, with exact KV, when it was computed (or it is a restore of such a
+token's bytes). Otherwise it is one of:
+
+- *approximate* (:data:`APPROXIMATE`): restored from a copy computed after another prefix,
+  or computed while such a token was hot before it. Never stored.
+- *partial-window*: computed while some earlier token of the context was out of the hot
+  window (or itself partial-window). It is what that window gives, not what the key of an
+  exact block promises, so it is stored only under a key of its own that no other session
+  asks for (:func:`partial_key`), in RAM, and recomputed by policy once its whole prefix
+  fits hot again.
+
+Positions with exact KV carry no mark. A mark is set *before* the engine call that makes
+its position resident (compute or restore), never after, so a call cancelled once the
+engine had finished can only leave a mark that under-promises. Marks of positions no
+longer resident are stale and never read: every query looks at resident positions only,
+and every way back into the window sets the mark again.
+
+Everything here is synchronous and free of ``await``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+
+from .._cold import PARTIAL_PREFIX, ColdKey
+
+__all__ = ["APPROXIMATE", "Provenance", "partial_key"]
+
+APPROXIMATE = "~"
+"""The mark of approximate KV."""
+
+
+def partial_key(exact: ColdKey, labels: frozenset[str]) -> ColdKey:
+    """The key a block with partial-window KV is stored under: its exact key with the
+    prefix replaced by a digest of the computations its tokens came from (``labels``).
+
+    A block restored from such a copy carries that copy's prefix as its one label, so
+    storing it again finds the same key instead of a second copy.
+    """
+    if len(labels) == 1:
+        (only,) = labels
+        if only.startswith(PARTIAL_PREFIX):
+            return ColdKey(exact.fingerprint, only, exact.tokens, exact.start)
+    h = hashlib.blake2b(exact.prefix.encode(), digest_size=16)
+    for label in sorted(labels):
+        h.update(b"\0" + label.encode())
+    return ColdKey(exact.fingerprint, PARTIAL_PREFIX + h.hexdigest(), exact.tokens, exact.start)
+
+
+class Provenance:
+    """One session's marks: resident position -> how its KV is not exact."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, str] = {}
+        self._salt = os.urandom(8).hex()
+        self._serial = 0
+
+    def new_label(self) -> str:
+        """A label for one partial-window computation, unique to it."""
+        self._serial += 1
+        return f"c{self._salt}.{self._serial}"
+
+    def set(self, start: int, end: int, label: str | None) -> None:
+        """Positions ``[start, end)`` are about to hold KV of ``label`` (None: exact)."""
+        if label is None:
+            for p in range(start, end):
+                self._marks.pop(p, None)
+        else:
+            self._marks.update(dict.fromkeys(range(start, end), label))
+
+    def labels(self, start: int, end: int, resident: Mapping[int, int]) -> frozenset[str]:
+        """The marks of the resident positions in ``[start, end)``."""
+        marks = self._marks
+        if not marks:
+            return frozenset()
+        return frozenset(marks[p] for p in range(start, end) if p in marks and p in resident)
+
+    def approximate(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
+        """Whether any resident position in ``[start, end)`` holds approximate KV."""
+        return APPROXIMATE in self.labels(start, end, resident)
+
+    def partial(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
+        """Whether any resident position in ``[start, end)`` holds partial-window KV."""
+        return any(label != APPROXIMATE for label in self.labels(start, end, resident))
+
+    def inexact(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
+        """Whether any resident position in ``[start, end)`` holds KV that is not exact."""
+        return bool(self.labels(start, end, resident))

@@ -1,0 +1,312 @@
+"""``kvrt serve`` as a process, against clients that misbehave on purpose.
+
+Every probe gets a bounded answer and leaves the server serving: bodies past the limit are
+refused before they are read, clients that leave (mid-body, while queued, while their
+answer is computed) or stop reading their stream give their session back, bad values are
+400s naming the field, and the server's log holds no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
+STALL = 2.0
+
+
+@dataclass
+class Server:
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def rss(self) -> int:
+        return int(psutil.Process(self.process.pid).memory_info().rss)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [
+        sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--loop", "trio",
+        "--max-sessions", "2", "--max-queue", "4", "--stall-timeout", str(STALL),
+        "--send-buffer", "4096", "--disk-budget", "0",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    found = Server(port, process, log)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            status, _ = request(found, "GET", "/health")
+            if status == 200:
+                break
+        except OSError:
+            pass
+        assert process.poll() is None, found.output()
+        assert time.monotonic() < deadline, found.output()
+        time.sleep(0.2)
+    yield found
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+        raise
+
+
+def connect(server: Server, *, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def head(method: str, path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+def request(server: Server, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    with connect(server) as sock:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if body is not None:
+            headers["Content-Length"] = str(len(body))
+        sock.sendall(head(method, path, headers) + (body or b""))
+        return read_response(sock)
+
+
+def chat_body(model: str, content: str, **extra: object) -> bytes:
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+    ).encode()
+
+
+def model_of(server: Server) -> str:
+    _, body = request(server, "GET", "/v1/models")
+    return str(json.loads(body)["data"][0]["id"])
+
+
+def metric(server: Server, name: str) -> float:
+    _, body = request(server, "GET", "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def gone(server: Server, when: str) -> float:
+    return metric(server, f'kvrt_clients_gone_total{{when="{when}"}}')
+
+
+def wait_for(check: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_bodies_past_the_limit_are_refused_before_they_are_read(server: Server) -> None:
+    before = server.rss
+    began = time.monotonic()
+    with connect(server) as sock:  # a length far past the limit, and no body at all
+        sock.sendall(head("POST", "/v1/chat/completions", {"Content-Length": "629145600"}))
+        status, body = read_response(sock)
+    assert status == 413 and b"larger than" in body
+    assert time.monotonic() - began < 10
+
+    def chunked(sock: socket.socket) -> None:
+        part = b"x" * 2**20
+        try:
+            sock.sendall(head("POST", "/v1/chat/completions", {"Transfer-Encoding": "chunked"}))
+            for _ in range(100):  # 100 MiB offered, the server stops at 64
+                sock.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+        except OSError:
+            pass  # the server answered and closed: the rest is never read
+
+    with connect(server) as sock:
+        sender = threading.Thread(target=chunked, args=(sock,))
+        sender.start()
+        status, _ = read_response(sock)
+        sender.join(timeout=60)
+    assert status == 413
+    assert server.rss - before < 300 * 2**20
+
+    nested = b'{"model": "m", "messages": ' + b"[" * 100_000
+    status, body = request(server, "POST", "/v1/chat/completions", nested)
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+    began, before = time.monotonic(), server.rss
+    prompt = "lorem ipsum dolor sit amet " * 400_000  # 10.8 MB, millions of tokens
+    body = json.dumps({"model": model_of(server), "prompt": prompt, "max_tokens": 4}).encode()
+    status, answer = request(server, "POST", "/v1/completions", body)
+    assert status == 400, answer
+    assert json.loads(answer)["error"]["code"] == "context_length_exceeded"
+    assert time.monotonic() - began < 20  # refused after reading a little of it
+    assert server.rss - before < 400 * 2**20
+
+
+def test_bad_values_are_refused_naming_the_field(server: Server) -> None:
+    model = model_of(server)
+    for field, value in [
+        ("seed", 2**64),
+        ("top_k", 2**64),
+        ("seed", 2**63),
+        ("max_completion_tokens", 0),
+        ("max_tokens", 0),
+    ]:
+        status, body = request(
+            server, "POST", "/v1/chat/completions", chat_body(model, "Hi", **{field: value})
+        )
+        assert status == 400, (field, value, body)
+        assert json.loads(body)["error"]["param"] == field, body
+
+
+def test_clients_that_leave_give_their_session_back(server: Server) -> None:
+    model = model_of(server)
+    for _ in range(3):  # gone in the middle of sending the body
+        with connect(server) as sock:
+            sock.sendall(head("POST", "/v1/chat/completions", {"Content-Length": "1000"}) + b"{")
+    wait_for(lambda: gone(server, "body") >= 3, 10)
+
+    # Two long answers hold both sessions; a third request waits in the queue, and its
+    # client leaves: it is dropped from the queue, never generated for.
+    long = chat_body(model, "Write a long story about the sea.", max_tokens=1500)
+    holders = [connect(server) for _ in range(2)]
+    for sock in holders:
+        sock.sendall(
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(long))}) + long
+        )
+    wait_for(lambda: metric(server, "kvrt_sessions_busy") == 2, 30)
+    queued = connect(server)
+    queued.sendall(head("POST", "/v1/chat/completions", {"Content-Length": str(len(long))}) + long)
+    wait_for(lambda: metric(server, "kvrt_queue_depth") == 1, 10)
+    queued.close()
+    wait_for(lambda: gone(server, "queued") == 1 and metric(server, "kvrt_queue_depth") == 0, 10)
+
+    # The holders leave while their answers are computed: generation stops.
+    generated = metric(server, 'kvrt_tokens_total{kind="generated"}')
+    for sock in holders:
+        sock.close()
+    wait_for(lambda: gone(server, "answer") == 2 and metric(server, "kvrt_sessions_busy") == 0, 30)
+    assert metric(server, 'kvrt_tokens_total{kind="generated"}') == generated  # none finished
+
+    # A stream whose client leaves after its first chunk: generation stops, session free.
+    story = chat_body(model, "Tell a very long story.", max_tokens=3000, stream=True)
+    with connect(server) as sock:
+        sock.sendall(
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(story))}) + story
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    wait_for(lambda: metric(server, "kvrt_sessions_busy") == 0, 30)
+
+    # Two streams whose clients never read: closed after the stall timeout, sessions free.
+    stalled = [connect(server, rcvbuf=4096) for _ in range(2)]
+    for sock in stalled:
+        sock.sendall(
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(story))}) + story
+        )
+    wait_for(lambda: gone(server, "stalled") == 2, 120)
+    began = time.monotonic()
+    status, body = request(
+        server, "POST", "/v1/chat/completions", chat_body(model, "Hi", max_tokens=4)
+    )
+    assert status == 200, body
+    assert time.monotonic() - began < 30
+    for sock in stalled:
+        sock.close()
+
+
+def test_usage_adds_up_and_the_banner_names_the_served_model(server: Server) -> None:
+    model = model_of(server)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for _ in range(3):
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": 8}).encode()
+        status, answer = request(server, "POST", "/v1/chat/completions", body)
+        assert status == 200, answer
+        usage = json.loads(answer)["usage"]
+        parts = usage["kvrt"]
+        total = sum(
+            parts[k]
+            for k in (
+                "reused_tokens",
+                "restored_tokens",
+                "prefilled_tokens",
+                "approximate_tokens",
+                "not_hot_tokens",
+            )
+        )
+        assert total == usage["prompt_tokens"], usage
+        assert usage["prompt_tokens_details"]["cached_tokens"] == total - parts["prefilled_tokens"]
+        messages += [
+            {
+                "role": "assistant",
+                "content": json.loads(answer)["choices"][0]["message"]["content"],
+            },
+            {"role": "user", "content": "Another."},
+        ]
+    assert f"(model {model})" in server.output()
+
+
+def test_a_port_in_use_is_one_line(server: Server) -> None:
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrt", "serve", "--port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "in use" in lines[0], done.stderr
+    assert time.monotonic() - began < 30  # refused before the model loads
+
+
+def test_the_log_holds_no_traceback(server: Server) -> None:
+    """Runs last in the module: everything above went through without one."""
+    out = server.output()
+    assert "Traceback" not in out and "athrow" not in out, out[-3000:]
