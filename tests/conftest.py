@@ -10,12 +10,20 @@ import pytest
 from kvrt import AdmitMode, EngineConfig, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 
+from ._agent import close_loaded
+
 STORY = (
     "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "
     "colour of the sky, the height of the waves and the names of the ships that passed. "
     "In the winter of the great storm, the lamp failed twice, and twice she climbed the "
     "tower with a lantern in her hand. "
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_loaded_engines() -> Iterator[None]:
+    yield
+    close_loaded()
 
 
 @pytest.fixture(scope="session")

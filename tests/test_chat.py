@@ -11,6 +11,8 @@ import pytest
 import kvrt
 from kvrt.adapters.llama import same_settings
 
+from ._agent import loaded
+
 pytestmark = pytest.mark.anyio
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -36,7 +38,10 @@ def context_tokens(session: kvrt.Session) -> list[int]:
 async def test_chat_streams_a_reply_with_finish_reason_usage_and_timings(
     anyio_backend: str,
 ) -> None:
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]},
@@ -71,7 +76,10 @@ async def test_chat_matches_llama_cpp_chat_completion_over_two_turns() -> None:
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": QUESTIONS[2]},
     ]
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         llm = llama_cpp.Llama(
             rt.engine.facts.path, n_ctx=1024, verbose=False, **same_settings(rt.engine.config)
         )
@@ -99,7 +107,10 @@ async def test_ten_turn_chat_prefills_only_each_new_message(
     included, and computes only the new user message with the template's framing."""
     turns = 10 if backend == "llama" else 4
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=2048) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=2048) as s,
+    ):
         before: kvrt.Completion | None = None
         for question in QUESTIONS[:turns]:
             messages.append({"role": "user", "content": question})
@@ -125,7 +136,10 @@ async def test_ten_turn_chat_prefills_only_each_new_message(
 async def test_stop_sequences_end_generation_and_stay_out_of_the_context(
     anyio_backend: str,
 ) -> None:
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         messages = [{"role": "user", "content": QUESTIONS[1]}]
         free = await s.chat(messages, max_tokens=40)
         assert len(free.text) > 30
@@ -154,7 +168,10 @@ async def test_stop_sequences_end_generation_and_stay_out_of_the_context(
 async def test_end_of_generation_token_stays_out_and_break_is_not_a_cancellation(
     anyio_backend: str,
 ) -> None:
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         done = await s.chat([{"role": "user", "content": QUESTIONS[2]}], max_tokens=200)
         assert done.finish_reason == "eos" and len(done.tokens) == done.usage.completion_tokens
         context = context_tokens(s)
@@ -177,7 +194,10 @@ async def test_end_of_generation_token_stays_out_and_break_is_not_a_cancellation
 
 
 async def test_sampling_keywords(anyio_backend: str) -> None:
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         messages = [{"role": "user", "content": QUESTIONS[3]}]
         a = await s.chat(messages, max_tokens=16, temperature=1.3, seed=5)
         b = await s.chat(messages, max_tokens=16, temperature=1.3, seed=5)
@@ -222,7 +242,10 @@ async def test_sampling_keywords(anyio_backend: str) -> None:
 async def test_bad_messages_are_refused_at_the_call(
     messages: Any, error: type[Exception], match: str
 ) -> None:
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=512) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=512) as s,
+    ):
         with pytest.raises(error, match=match):
             s.chat(messages)
         await s.chat([{"role": "user", "content": "Hi"}], max_tokens=1)  # still usable
@@ -242,7 +265,10 @@ async def test_tool_messages_names_classes_and_no_forged_turns() -> None:
         },
         {"role": "tool", "tool_call_id": "1", "content": "42"},
     ]
-    async with kvrt.open_runtime("llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         done = await s.chat(messages, max_tokens=4)
         report = s.explain()
         names = list(dict.fromkeys(b.segment for b in report.blocks))
@@ -265,7 +291,7 @@ async def test_a_runtime_remembers_replies_across_sessions(anyio_backend: str) -
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": QUESTIONS[7]},
     ]
-    async with kvrt.open_runtime("llama") as rt:
+    async with kvrt.open_runtime(engine=loaded("llama")) as rt:
         async with rt.open_session(hot_tokens=1024) as s:
             first = await s.chat(messages, max_tokens=100)
         messages += [{"role": "assistant", "content": first.text}]
@@ -309,7 +335,7 @@ async def test_concurrent_sessions_share_a_stable_prefix_computed_once(
             out[i] = (status, (await s.generate(12)).text)
 
     shared: dict[int, Any] = {}
-    async with kvrt.open_runtime("llama") as rt:
+    async with kvrt.open_runtime(engine=loaded("llama")) as rt:
         prefix = sum(len(rt.engine.tokenize(t, add_special=False)) for t in (SYSTEM, REPO))
         assert prefix >= 550
         with anyio.fail_after(120):
@@ -317,7 +343,7 @@ async def test_concurrent_sessions_share_a_stable_prefix_computed_once(
                 for i in range(4):
                     tg.start_soon(ask, rt, i, shared)
     alone: dict[int, Any] = {}
-    async with kvrt.open_runtime("llama") as rt:
+    async with kvrt.open_runtime(engine=loaded("llama")) as rt:
         for i in range(4):
             await ask(rt, i, alone, restore="never")
     statuses = [shared[i][0] for i in range(4)]

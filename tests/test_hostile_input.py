@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 import kvrt
 import kvrt._config
 
+from ._agent import loaded
+
 DEADLINE = 60.0
 
 junk = st.one_of(
@@ -99,7 +101,7 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     event_loop, backend = request.param
     with (
         start_blocking_portal(event_loop) as portal,
-        portal.wrap_async_context_manager(kvrt.open_runtime(backend)) as rt,
+        portal.wrap_async_context_manager(kvrt.open_runtime(engine=loaded(backend))) as rt,
         portal.wrap_async_context_manager(rt.open_session(hot_tokens=512)) as s,
     ):
         yield Harness(portal, rt, s)

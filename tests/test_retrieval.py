@@ -13,7 +13,7 @@ from kvrt import Residency
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import AdmitMode, EvictMode
 
-from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy, next_logits
+from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy, loaded, next_logits
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +41,7 @@ MOVED = ctx(("file:b.py", FILE_B), ("file:a.py", FILE_A), question="What does ad
 
 
 async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(backend: str) -> None:
-    async with kvrt.open_runtime(backend) as rt:
+    async with kvrt.open_runtime(engine=loaded(backend)) as rt:
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
         async with rt.open_session(hot_tokens=1024) as never:
             await never.ensure_context(ORIGINAL)
@@ -63,7 +63,7 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
     # runtime with no disk tier: the sessions above left exact copies of MOVED in their
     # cold store (RAM and disk) when they closed.
     async with (
-        kvrt.open_runtime(backend, config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024, approximate="allow") as s,
     ):
         await s.ensure_context(ORIGINAL)
@@ -108,7 +108,10 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
 async def test_approximate_restore_is_close_to_recompute(backend: str) -> None:
     """The label is honest: an approximate restore is near, not equal to, recomputing
     (the next token's argmax may differ)."""
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as exact:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=1024) as exact,
+    ):
         # Kept open: a session that closes offers its blocks to the cold store, and MOVED's
         # would then be exact hits for the session below.
         await exact.ensure_context(MOVED)
@@ -131,7 +134,7 @@ async def test_approximate_restore_is_close_to_recompute(backend: str) -> None:
 async def test_resent_earlier_turn_restores_every_cold_block_with_the_choice_shown() -> None:
     turn1 = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
     turn2 = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(engine=loaded("llama")) as rt:
         async with rt.open_session(hot_tokens=512) as never:
             await never.ensure_context(turn1)
             expected = await greedy(never, 16)
@@ -176,7 +179,7 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
 ) -> None:
     a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
     b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
-    async with kvrt.open_runtime(config=small_cold(8_000_000, 0.2)) as rt:
+    async with kvrt.open_runtime(engine=loaded("llama"), config=small_cold(8_000_000, 0.2)) as rt:
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
         async with rt.open_session(hot_tokens=1024) as s, rt.open_session(hot_tokens=1024) as t:
             await s.ensure_context(a_ctx)
@@ -225,7 +228,10 @@ async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
     is cancelled (its call tokenizes for itself)."""
     a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
     b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
-    async with kvrt.open_runtime(backend="llama") as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         calls: list[str] = []
         tokenize = rt.engine.tokenize
 
@@ -273,7 +279,10 @@ async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
 
 async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> None:
     edited = FILE_A.replace("return a + b + 13", "return a - b - 13")  # its last function
-    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=1024) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
         block = rt.config.session.block_tokens
         old = rt.engine.tokenize(FILE_A, add_special=False)
         new = rt.engine.tokenize(edited, add_special=False)
@@ -334,7 +343,10 @@ async def test_blend_computes_the_first_tokens_after_the_changed_prefix_afresh(
     (a.py and the question, after b.py), the first ceil(R * n) tokens are computed and the
     rest restored; labelled and counted so. R = 1 computes everything."""
     got: dict[str, np.ndarray] = {}
-    async with kvrt.open_runtime(config=NO_DISK) as rt, rt.open_session(hot_tokens=1024) as exact:
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024) as exact,
+    ):
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
         n_after = len(rt.engine.tokenize("What does add_3 return?", add_special=False))
         await exact.ensure_context(MOVED)
@@ -342,7 +354,7 @@ async def test_blend_computes_the_first_tokens_after_the_changed_prefix_afresh(
     for policy, ratio in (("allow", 0.0), ("blend:0.5", 0.5), ("blend:1", 1.0)):
         # A runtime each: what one ratio computed exactly would be an exact hit for the next.
         async with (
-            kvrt.open_runtime(config=NO_DISK) as rt,
+            kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
             rt.open_session(hot_tokens=1024, approximate=policy) as s,
         ):
             await s.ensure_context(ORIGINAL)

@@ -43,12 +43,15 @@ def test_top_p_keeps_the_nucleus() -> None:
         ({"temperature": float("inf")}, "sampling.temperature must be a finite number"),
         ({"top_p": 0.0}, r"sampling\.top_p must be a finite number in \(0\.0, 1\.0\], got 0\.0"),
         ({"top_p": float("nan")}, "sampling.top_p must be a finite number"),
-        ({"top_k": -2}, "sampling.top_k must be in [0, 2147483647], got -2"),
-        ({"seed": -1}, "sampling.seed must be in [0, 9223372036854775807], got -1"),
-        ({"top_k": 2**64}, "sampling.top_k must be in [0, 2147483647], got 18446744073709551616"),
+        ({"top_k": -2}, r"sampling\.top_k must be in \[0, 2147483647\], got -2"),
+        ({"seed": -1}, r"sampling\.seed must be in \[0, 9223372036854775807\], got -1"),
+        (
+            {"top_k": 2**64},
+            r"sampling\.top_k must be in \[0, 2147483647\], got 18446744073709551616",
+        ),
         (
             {"seed": 2**63},
-            "sampling.seed must be in [0, 9223372036854775807], got 9223372036854775808",
+            r"sampling\.seed must be in \[0, 9223372036854775807\], got 9223372036854775808",
         ),
     ],
 )

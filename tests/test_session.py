@@ -7,7 +7,7 @@ import pytest
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
 
-from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded
 
 pytestmark = pytest.mark.anyio
 
@@ -20,13 +20,16 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_3 return?")
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=1024) as never:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=1024) as never,
+    ):
         await never.ensure_context(ctx)
         expected = await greedy(never, 24)
     # A fresh runtime with no disk tier: the session above left its blocks in the cold
     # store (RAM and disk) when it closed.
     async with (
-        kvrt.open_runtime(backend, config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
         first = await s.ensure_context(ctx)
@@ -44,7 +47,10 @@ async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
 
 
 async def test_file_pushed_out_by_another_comes_back_from_cold(backend: str) -> None:
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=512) as s,
+    ):
         await s.ensure_context(context(("file:a.py", FILE_A), question="Explain add_1."))
         await greedy(s, 8)
         second = await s.ensure_context(context(("file:b.py", FILE_B), question="Explain mul_2."))
@@ -59,13 +65,16 @@ async def test_file_pushed_out_by_another_comes_back_from_cold(backend: str) -> 
         assert report.consistent, report.problems
         assert report.cold_store.exact_hits >= 1
         got = await greedy(s, 16)
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as fresh:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=512) as fresh,
+    ):
         await fresh.ensure_context(context(("file:a.py", FILE_A), question=question))
         assert await greedy(fresh, 16) == got
 
 
 async def test_greedy_output_equals_llama_cpp_python() -> None:
-    async with kvrt.open_runtime("llama") as rt:
+    async with kvrt.open_runtime(engine=loaded("llama")) as rt:
         prompt = rt.engine.apply_chat_template(
             [("system", SYSTEM), ("user", "Why is the sky blue?")]
         )
@@ -78,7 +87,10 @@ async def test_greedy_output_equals_llama_cpp_python() -> None:
 
 
 async def test_generation_goes_past_the_hot_budget(backend: str) -> None:
-    async with kvrt.open_runtime(backend) as rt, rt.open_session(hot_tokens=512) as s:
+    async with (
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        rt.open_session(hot_tokens=512) as s,
+    ):
         status = await s.ensure_context(
             context(question="Write a long list of numbered review notes.")
         )
@@ -101,7 +113,7 @@ async def test_generation_goes_past_the_hot_budget(backend: str) -> None:
 async def test_two_sessions_share_one_model_and_cold_store(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_5 return?")
     async with (
-        kvrt.open_runtime(backend) as rt,
+        kvrt.open_runtime(engine=loaded(backend)) as rt,
         rt.open_session(hot_tokens=1024, name="one") as one,
         rt.open_session(hot_tokens=1024, name="two") as two,
     ):
@@ -129,7 +141,7 @@ async def test_bad_input() -> None:
     """The session's own validation (llama.cpp alone: it does not depend on the engine)."""
     backend = "llama"
     small = Config(memory=MemoryConfig(cold=23040 * 512), disk=kvrt.DiskConfig(budget=0))
-    async with kvrt.open_runtime(backend, config=small) as rt:
+    async with kvrt.open_runtime(engine=loaded(backend), config=small) as rt:
         async with rt.open_session(hot_tokens=512) as s:
             assert s.explain().planner_context == 1024
             with pytest.raises(
@@ -154,7 +166,9 @@ async def test_bad_input() -> None:
             async with rt.open_session(hot_tokens=100):
                 pass
     with pytest.raises(kvrt.ConfigError, match="the host cold budget is 0 bytes"):
-        async with kvrt.open_runtime(backend, config=Config(memory=MemoryConfig(cold=0))):
+        async with kvrt.open_runtime(
+            engine=loaded(backend), config=Config(memory=MemoryConfig(cold=0))
+        ):
             pass
     with pytest.raises(
         kvrt.ConfigError,
