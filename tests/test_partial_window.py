@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from kvrt import Residency, Segment
 from kvrt._session.placement import context_tokens
 from kvrt.adapters.llama import LlamaEngine
 
-from ._agent import NO_DISK, next_logits
-from .test_remote_tier import Server, remote_only, server
+from ._agent import NO_DISK, loaded, next_logits
+from .test_remote_tier import Server, server
 
 __all__ = ["server"]
 
@@ -79,13 +78,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="module")
-def engines(engine: LlamaEngine) -> Iterator[dict[str, kvrt.backend.Engine]]:
-    ov = kvrt.load_engine("openvino")
-    yield {"llama": engine, "openvino": ov}
-    ov.close()
-
-
 async def reference(
     engine: kvrt.backend.Engine, segments: list[Segment], n: int = 8
 ) -> tuple[np.ndarray, list[int]]:
@@ -129,12 +121,12 @@ def partial_blocks(report: kvrt.SessionReport) -> list[kvrt.BlockReport]:
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_another_session_gets_exact_kv_not_the_partial_window(
-    engines: dict[str, kvrt.backend.Engine], backend: str, anyio_backend: str
+    backend: str, anyio_backend: str
 ) -> None:
     """The issue's case: a 512-token window computes an 800-token context, a 2048-token
     one gets the same context. What the first computed with its whole prefix hot (its
     first batch, before anything was evicted) comes back; the rest is computed again."""
-    engine = engines[backend]
+    engine = loaded(backend)
     context = files_context()
     fresh = await reference(engine, context)
     async with kvrt.open_runtime(engine=engine, config=NO_DISK) as rt:
@@ -169,14 +161,17 @@ async def test_another_session_gets_exact_kv_not_the_partial_window(
         assert rt.cold_stats().exact_hits > stats.exact_hits
 
 
+SMALL_BLOCKS = {"KVRT_BLOCK_TOKENS": "64", "KVRT_RECENT_TOKENS": "64"}
+"""Blocks of 64 tokens: a 256-token window under a 420-token context, half the work."""
+
 CHILD = """
 import anyio, json, sys, kvrt
 from tests.test_partial_window import files_context
 
 async def main():
     async with kvrt.open_runtime(sys.argv[1]) as rt:
-        async with rt.open_session(hot_tokens=512) as s:
-            status = await s.ensure_context(files_context())
+        async with rt.open_session(hot_tokens=256) as s:
+            status = await s.ensure_context(files_context(words=130))
             saved = await s.save(sys.argv[2])
         print(json.dumps({"exact": status.exact, "partial": status.partial_window_tokens,
                           "on_disk": saved.on_disk, "blocks": len(saved.blocks),
@@ -189,7 +184,6 @@ anyio.run(main)
 @pytest.mark.subprocess
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_disk_redis_and_resume_hold_only_exact_kv(
-    engines: dict[str, kvrt.backend.Engine],
     backend: str,
     server: Server,
     tmp_path: Path,
@@ -200,13 +194,13 @@ async def test_disk_redis_and_resume_hold_only_exact_kv(
     from Redis and by ``resume=``: exact, or labelled not exact where the window is small."""
     import anyio
 
-    engine = engines[backend]
-    context = files_context()
-    fresh = await reference(engine, context)
+    engine = loaded(backend)
+    context = files_context(words=130)
     disk = tmp_path / "blocks"
     saved = tmp_path / "agent.json"
     env = {k: v for k, v in os.environ.items() if k != "KVRT_CACHE_DIR"}  # the built IR
     env.update(KVRT_DISK_PATH=str(disk), KVRT_DISK_BUDGET="1GiB", KVRT_REMOTE_URL=server.url)
+    env.update(SMALL_BLOCKS)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     done = await anyio.run_process(
         [sys.executable, "-c", CHILD, backend, str(saved)], check=False, env=env
@@ -221,36 +215,39 @@ async def test_disk_redis_and_resume_hold_only_exact_kv(
         """A runtime on a copy of the folder the child left (each check starts from it)."""
         folder = tmp_path / copy
         shutil.copytree(disk, folder)
-        return kvrt.load_config(flags={"disk.path": str(folder), "disk.budget": "1GiB"})
+        flags = {"disk.path": str(folder), "disk.budget": "1GiB"}
+        return kvrt.load_config(env=SMALL_BLOCKS, flags=flags)
 
     async with (
         kvrt.open_runtime(engine=engine, config=on_disk("small")) as rt,
-        rt.open_session(resume=saved) as s,  # the saved window: 512 tokens
+        rt.open_session(resume=saved) as s,  # the saved window: 256 tokens
     ):
         assert s.resumed is not None and not s.resumed.exact
         assert s.resumed.partial_window_tokens > 0
     async with (
         kvrt.open_runtime(engine=engine, config=on_disk("resumed")) as rt,
-        rt.open_session(resume=saved, hot_tokens=2048) as s,
+        rt.open_session(resume=saved, hot_tokens=1024) as s,
     ):
         resumed = s.resumed
         assert resumed is not None and resumed.exact
         assert 0 < resumed.restored_tokens < resumed.logical_tokens
         assert any("(disk)" in (b.choice or "") for b in s.explain().blocks)
         want = in_pieces(engine, context, [resumed.restored_tokens])
-        assert want[1] == fresh[1]
         await check_exact(s, want)
     async with (
         kvrt.open_runtime(engine=engine, config=on_disk("restarted")) as rt,
-        rt.open_session(hot_tokens=2048) as s,
+        rt.open_session(hot_tokens=1024) as s,
     ):
         status = await s.ensure_context(context)
         assert status.restored_tokens == resumed.restored_tokens and status.exact
         await check_exact(s, want)
 
+    remote = kvrt.load_config(
+        env=SMALL_BLOCKS, flags={"remote.url": server.url, "disk.budget": "0"}
+    )
     async with (
-        kvrt.open_runtime(engine=engine, config=remote_only(server.url)) as rt,
-        rt.open_session(hot_tokens=2048) as s,
+        kvrt.open_runtime(engine=engine, config=remote) as rt,
+        rt.open_session(hot_tokens=1024) as s,
     ):
         status = await s.ensure_context(context)
         assert status.restored_tokens == resumed.restored_tokens and status.exact
@@ -260,11 +257,11 @@ async def test_disk_redis_and_resume_hold_only_exact_kv(
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_session_whose_context_later_fits_is_exact_again(
-    engines: dict[str, kvrt.backend.Engine], backend: str, anyio_backend: str
+    backend: str, anyio_backend: str
 ) -> None:
     """A reply generated while a file was evicted saw a partial window; once the context
     fits again, the default policy computes it again (exact), ``keep`` keeps it (labelled)."""
-    engine = engines[backend]
+    engine = loaded(backend)
     head = files_context(seed=3, n_files=1, words=120)
     for policy in ("recompute", "keep"):
         async with (
