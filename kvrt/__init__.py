@@ -64,6 +64,8 @@ from ._errors import OperationCancelledError as OperationCancelledError
 from ._errors import SessionClosedError as SessionClosedError
 from ._errors import UnknownPolicyError as UnknownPolicyError
 from ._errors import UnknownSegmentError as UnknownSegmentError
+from ._grammar import Grammar as Grammar
+from ._grammar import read_response_format as read_response_format
 from ._memory import read_memory as read_memory
 from ._model import embedded_model_path as embedded_model_path
 from ._reports import BlockReport as BlockReport
@@ -75,6 +77,7 @@ from ._reports import SegmentReport as SegmentReport
 from ._reports import SessionCounters as SessionCounters
 from ._reports import SessionReport as SessionReport
 from ._reports import Timings as Timings
+from ._reports import TokenLogprob as TokenLogprob
 from ._reports import TokenOrigins as TokenOrigins
 from ._reports import Usage as Usage
 from ._runtime import Runtime as Runtime
@@ -89,6 +92,11 @@ from ._session import Session as Session
 from ._session.chat import Message as Message
 from ._session.chat import messages_of as read_messages
 from ._session.layout import Segment as Segment
+from ._tools import Tool as Tool
+from ._tools import ToolCall as ToolCall
+from ._tools import ToolCallDelta as ToolCallDelta
+from ._tools import read_tool_choice as read_tool_choice
+from ._tools import read_tools as read_tools
 from ._types import CacheClass as CacheClass
 from ._types import Residency as Residency
 from ._units import parse_size as parse_size
@@ -124,6 +132,7 @@ __all__ = [
     "EngineContext",
     "EngineError",
     "EvictMode",
+    "Grammar",
     "HotWindowFullError",
     "InvalidArgumentError",
     "InvalidContextError",
@@ -163,7 +172,11 @@ __all__ = [
     "SessionCounters",
     "SessionReport",
     "Timings",
+    "TokenLogprob",
     "TokenOrigins",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "UnknownPolicyError",
     "UnknownSegmentError",
     "Usage",
@@ -179,6 +192,9 @@ __all__ = [
     "policy",
     "read_memory",
     "read_messages",
+    "read_response_format",
+    "read_tool_choice",
+    "read_tools",
     "resolve_capacity",
 ]
 

@@ -26,18 +26,39 @@ class ReplyMemory:
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
+        self._shown: OrderedDict[str, str] = OrderedDict()
+        """What a caller saw of a reply (its content, or its tool calls' ids) -> the text
+        generated (a tool-call envelope)."""
         self._lock = threading.Lock()
 
-    def remember(self, text: str, tokens: list[int], tokens_text: str) -> None:
+    def remember(
+        self,
+        text: str,
+        tokens: list[int],
+        tokens_text: str,
+        *,
+        content: str | None = None,
+        calls: list[str] | tuple[str, ...] = (),
+    ) -> None:
         """``text`` was generated as ``tokens`` (whose own text is ``tokens_text``, a
-        prefix of ``text`` when a stop sequence cut the last token short)."""
+        prefix of ``text`` when a stop sequence cut the last token short). ``content`` and
+        ``calls`` (the ids of its tool calls) are what the caller got of it, when that is
+        not ``text`` itself (a tool-call envelope)."""
         if not text or not tokens or not text.startswith(tokens_text):
             return
         with self._lock:
             self._entries[text] = (list(tokens), text[len(tokens_text) :])
             self._entries.move_to_end(text)
+            shown = [_calls_key(calls)] if calls else []
+            if content and content != text:
+                shown.append(content)
+            for key in shown:
+                self._shown[key] = text
+                self._shown.move_to_end(key)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
+            while len(self._shown) > self.capacity:
+                self._shown.popitem(last=False)
 
     def lookup(self, text: str) -> tuple[list[int], str] | None:
         """The generated tokens of a reply whose text is exactly ``text``, and the text
@@ -47,3 +68,13 @@ class ReplyMemory:
             if found is not None:
                 self._entries.move_to_end(text)
         return None if found is None else (list(found[0]), found[1])
+
+    def generated(self, *, content: str = "", calls: tuple[str, ...] = ()) -> str | None:
+        """The text generated for a reply the caller saw as ``content``, or as the tool
+        calls with ids ``calls``; None when not remembered."""
+        with self._lock:
+            return self._shown.get(_calls_key(calls) if calls else content)
+
+
+def _calls_key(ids: list[str] | tuple[str, ...]) -> str:
+    return "\0calls\0" + "\0".join(ids)

@@ -8,6 +8,7 @@ import msgspec
 
 from ._backend import Capabilities, Counters
 from ._cold import ColdStats
+from ._tools import ToolCall, ToolCallDelta
 from ._types import CacheClass, Residency
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "SessionCounters",
     "SessionReport",
     "Timings",
+    "TokenLogprob",
     "TokenOrigins",
     "Usage",
     "segment_reports",
@@ -118,15 +120,39 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     ``approximate_context_tokens``, 0 means the hot context equals a fresh prefill."""
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """A token and its log-probability: the real model's, after any grammar mask
+    (tokens the grammar forbids have none)."""
+
+    token: int
+    """The token id."""
+    text: str
+    """Its bytes as text (a byte that does not complete a character shows as U+FFFD)."""
+    raw: bytes
+    """Its bytes."""
+    logprob: float
+    """Natural log of its probability."""
+    top: tuple[TokenLogprob, ...] = ()
+    """For a generated token, the likeliest tokens at that step (``logprobs=N``), the
+    likeliest first; empty for the alternatives themselves."""
+
+
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
     """One generated token and the text it completes (may be empty mid-character)."""
 
     text: str
-    """The text this token completes; empty while a character's bytes are incomplete."""
+    """The text this token completes; empty while a character's bytes are incomplete. With
+    tools, the reply's content only (a call's JSON comes as ``tool_calls``)."""
     token: int
     """The token id."""
     index: int
     """Position of the token in this ``generate()`` call, from 0."""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    """Pieces of tool calls this token completes: the first of a call names it (``id``,
+    ``name``), the next ones carry fragments of its arguments' JSON."""
+    logprob: TokenLogprob | None = None
+    """The token's log-probability and the likeliest alternatives, when asked for
+    (``logprobs=N``)."""
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,11 +208,13 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of one ``chat`` or ``generate`` call."""
 
     text: str
-    """The generated text (without the stop sequence that ended it)."""
+    """The generated text (without the stop sequence that ended it); with tools, the
+    reply's content (empty when it made calls)."""
     finish_reason: str
-    """``stop`` (a stop sequence), ``eos`` (the model's end-of-generation token),
-    ``length`` (``max_tokens``, or the planner context full) or ``closed`` (the reader
-    stopped reading)."""
+    """``stop`` (a stop sequence, or the grammar complete), ``eos`` (the model's
+    end-of-generation token), ``tool_calls`` (it called tools), ``length``
+    (``max_tokens``, or the planner context full) or ``closed`` (the reader stopped
+    reading)."""
     usage: Usage
     """Tokens read, computed and generated."""
     timings: Timings
@@ -197,6 +225,14 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     """Segments the model did not see whole when it generated (blocks not hot)."""
     context: ContextStatus
     """The context after the call."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The tools it called, in order (``chat(tools=...)``)."""
+    raw_text: str = ""
+    """The text exactly as generated: with tools, the JSON the grammar enforced; else
+    ``text``."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """Per generated token, its log-probability and the likeliest alternatives, when
+    asked for (``logprobs=N``)."""
 
 
 class SessionCounters(msgspec.Struct, kw_only=True):

@@ -7,7 +7,14 @@ import numpy.typing as npt
 
 from ._backend import SamplingParams
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "log_softmax"]
+
+
+def log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    """Log-probabilities of ``logits`` (``-inf`` stays ``-inf``: a masked token)."""
+    x = logits.astype(np.float64)
+    top = float(np.max(x))
+    return x - (top + float(np.log(np.sum(np.exp(x - top)))))
 
 
 class Sampler:

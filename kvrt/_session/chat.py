@@ -10,7 +10,6 @@ segment starts with the same tokens and everything up to the new message is reus
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,10 +18,12 @@ import msgspec
 from .._backend import Engine
 from .._checks import check_choice, check_text
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
+from .._replies import ReplyMemory
+from .._tools import Tool, ToolChoice, render_envelope, tools_prompt
 from .._types import CacheClass
 from .layout import Segment
 
-__all__ = ["ChatTemplate", "Conversation", "Message", "messages_of"]
+__all__ = ["ChatTemplate", "Conversation", "Message", "messages_of", "with_tools"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 ROLES |= {"tool": "tool", "function": "tool"}
@@ -40,8 +41,11 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     """``system``, ``user``, ``assistant`` or ``tool`` (``developer`` is read as
     ``system``, ``function`` as ``tool``)."""
     content: str
-    """The text; tool calls of an assistant message are appended as ``<tool_call>``
-    blocks of JSON."""
+    """The text (for an assistant message that called tools, often empty)."""
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    """An assistant message's tool calls: ``(id, name, arguments JSON)``."""
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer to this call id."""
     name: str | None = None
     """The segment's name; ``"{index}:{role}"`` when not given."""
     cache_class: CacheClass | None = None
@@ -95,16 +99,26 @@ def _message(i: int, message: Any) -> Message:
             f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300]
         )
     content = _content(where, _field(message, "content"))
-    calls = _field(message, "tool_calls")
-    if calls:
-        content += _tool_calls(where, calls)
+    calls = (
+        _tool_calls(where, _field(message, "tool_calls")) if _field(message, "tool_calls") else ()
+    )
+    answers = _field(message, "tool_call_id")
+    if answers is not None:
+        answers = check_text(f"{where}.tool_call_id", answers, empty=False)
     name = _field(message, "segment")
     if name is not None:
         name = check_text(f"{where}.segment", name, empty=False)
     cache_class = _field(message, "cache_class")
     if cache_class is not None:
         cache_class = check_choice(f"{where}.cache_class", cache_class, CacheClass)
-    return Message(role=ROLES[role], content=content, name=name, cache_class=cache_class)
+    return Message(
+        role=ROLES[role],
+        content=content,
+        tool_calls=calls,
+        tool_call_id=answers,
+        name=name,
+        cache_class=cache_class,
+    )
 
 
 def _content(where: str, content: Any) -> str:
@@ -130,7 +144,7 @@ def _content(where: str, content: Any) -> str:
     )
 
 
-def _tool_calls(where: str, calls: Any) -> str:
+def _tool_calls(where: str, calls: Any) -> tuple[tuple[str, str, str], ...]:
     if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
         raise ArgumentTypeError(f"{where}.tool_calls must be a list of tool calls")
     out = []
@@ -142,9 +156,9 @@ def _tool_calls(where: str, calls: Any) -> str:
             raise InvalidArgumentError(
                 f"{where}.tool_calls[{j}] must have a function with a name and arguments"
             )
-        body = json.dumps({"name": name, "arguments": arguments or ""}, ensure_ascii=False)
-        out.append(f"\n<tool_call>\n{body}\n</tool_call>")
-    return "".join(out)
+        call_id = _field(call, "id")
+        out.append((call_id if isinstance(call_id, str) else "", name, arguments or ""))
+    return tuple(out)
 
 
 class ChatTemplate:
@@ -153,6 +167,11 @@ class ChatTemplate:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._frames: dict[tuple[str, bool], tuple[str, str]] = {}
+
+    @property
+    def has_template(self) -> bool:
+        """Whether the model has a chat template (a base model has none)."""
+        return bool(self._engine.facts.chat_template)
 
     # -- a whole conversation --
 
@@ -255,3 +274,65 @@ class ChatTemplate:
 
 def _joined(frames: Sequence[str], contents: Sequence[str]) -> str:
     return "".join(f + c for f, c in zip(frames, contents, strict=False)) + frames[-1]
+
+
+def with_tools(
+    messages: Sequence[Message],
+    tools: Sequence[Tool],
+    choice: ToolChoice,
+    replies: ReplyMemory,
+    *,
+    envelope: bool | None,
+) -> list[Message]:
+    """``messages`` as the model sees them when it answers in a tool-call envelope, or
+    continues a conversation that had one (:mod:`kvrt._tools`): the tools' system section
+    after the conversation's own system message, assistant messages as the text that was
+    generated for them (remembered by their content or their calls' ids; else rendered as
+    the grammar would have written them), and tool results as the user's, named by their
+    tool."""
+    out: list[Message] = []
+    names: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        # Segments keep the names the messages' own places and roles give them.
+        message = msgspec.structs.replace(message, name=message.name or f"{i}:{message.role}")
+        if message.role == "assistant":
+            content = _assistant_text(message, replies, wrapped=envelope is True)
+            for call_id, name, _ in message.tool_calls:
+                names[call_id] = name
+            message = msgspec.structs.replace(message, content=content, tool_calls=())
+        elif message.role == "tool":
+            # A template that knows no tools knows no tool role: the result comes back in
+            # the user's turn, named by its tool (measured: SmolLM2 then answers with it,
+            # where after a "tool" turn it called the tool again and again).
+            tool = names.get(message.tool_call_id or "")
+            head = f"Result of {tool}" if tool else "Tool result"
+            message = msgspec.structs.replace(
+                message, role="user", content=f"{head}: {message.content}"
+            )
+        out.append(message)
+    if tools and choice != "none":
+        section = Message(
+            role="system",
+            content=tools_prompt(tools),
+            name="tools",
+            cache_class=CacheClass.TASK_PINNED,
+        )
+        at = 1 if out and out[0].role == "system" else 0
+        out.insert(at, section)
+    return out
+
+
+def _assistant_text(message: Message, replies: ReplyMemory, *, wrapped: bool) -> str:
+    calls = tuple(call_id for call_id, _, _ in message.tool_calls)
+    if calls and all(calls):
+        found = replies.generated(calls=calls)
+        if found is not None:
+            return found
+    if not calls and message.content:
+        found = replies.generated(content=message.content)
+        if found is not None:
+            return found
+    if calls:
+        pairs = [(name, arguments) for _, name, arguments in message.tool_calls]
+        return render_envelope(message.content, pairs, wrapped=True)
+    return render_envelope(message.content, (), wrapped=wrapped)

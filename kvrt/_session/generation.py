@@ -12,16 +12,20 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import anyio
 import msgspec
+import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._backend import EvictMode, Logits, SamplingParams
 from .._errors import ContextNotPlacedError, InvalidRangeError
-from .._reports import ContextStatus, Piece, TokenOrigins
-from .._sampling import Sampler
+from .._grammar import Constraint, Grammar
+from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
+from .._sampling import Sampler, log_softmax
 from .._stops import TextTail
+from .._tools import EnvelopeStream, ToolCall, ToolCallDelta, parse_envelope
 from .._types import CacheClass, Residency
 from .gate import Tally, Written
 from .layout import Segment
@@ -42,6 +46,13 @@ class Generate:
     context: tuple[Segment, ...] | None = None
     """A context to place first, in the same call (``chat``, ``complete``)."""
     replies: Mapping[str, ReplyTokens] | None = None
+    grammar: Grammar | None = None
+    """What the generated text must match (enforced by a token mask)."""
+    logprobs: int | None = None
+    """Report each token's log-probability and this many likeliest alternatives."""
+    envelope: bool | None = None
+    """The reply is a tool-call envelope (:mod:`kvrt._tools`): True when a plain answer
+    is wrapped as ``{"response": ...}``, False when it is a response schema's JSON."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,11 @@ class Generated:
     """What one generation did; the session handle makes a ``Completion`` of it."""
 
     text: str
+    """The reply's content (with tools, without the envelope)."""
+    raw_text: str
+    """The text as generated."""
+    tool_calls: tuple[ToolCall, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
     tokens: tuple[int, ...]
     """The generated tokens that stayed in the context."""
     produced: int
@@ -82,7 +98,12 @@ class Generation(Placement):
         self.counters.generate_calls += 1
         self._tally = tally = Tally()
         sampler = Sampler(cmd.sampling)
-        tail = TextTail(cmd.stop)
+        tail = TextTail(cmd.stop if cmd.envelope is None else ())
+        stream = EnvelopeStream(wrapped=cmd.envelope) if cmd.envelope is not None else None
+        constraint = None
+        if cmd.grammar is not None:  # the first one on an engine reads its vocabulary
+            constraint = await anyio.to_thread.run_sync(Constraint, self.engine, cmd.grammar)
+        chosen: list[TokenLogprob] = []
         produced, first_at, finish = 0, None, "length"
         pending: Piece | None = None
         async with cmd.out:
@@ -105,12 +126,19 @@ class Generation(Placement):
             self._override = None
             label, evicted = self.label_at(self.window.length)[0], self._tally.evicted
             while produced < cmd.max_tokens:
+                if constraint is not None:
+                    logits = constraint.mask(logits)
                 token = sampler.choose(logits)
+                logprob = None
+                if cmd.logprobs is not None:
+                    logprob = self._logprob(logits, token, cmd.logprobs)
                 if cmd.stop_at_end and self.engine.is_end_of_generation(token):
                     finish = "eos"
                     break
                 if self.window.length >= self.window.planner_context:
                     break
+                if constraint is not None:
+                    constraint.consume(token)
                 last = self.window.blocks[-1]
                 await self._make_room(1, {last.id})
                 at = self.window.length
@@ -122,8 +150,11 @@ class Generation(Placement):
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
                 self.counters.generated_tokens += 1
+                if logprob is not None:
+                    chosen.append(logprob)
+                text, calls = _split(stream, tail.feed(self.engine.token_bytes(token)))
                 piece = Piece(
-                    text=tail.feed(self.engine.token_bytes(token)), token=token, index=produced - 1
+                    text=text, token=token, index=produced - 1, tool_calls=calls, logprob=logprob
                 )
                 first_at = first_at or time.perf_counter()
                 if self.fault is not None:
@@ -142,16 +173,39 @@ class Generation(Placement):
                 elif not await _send(cmd.out, piece):
                     finish = "closed"
                     break
-            rest = tail.finish()
+                if constraint is not None and constraint.done:
+                    finish = "stop"  # the grammar admits nothing more
+                    break
+            text, calls = _split(stream, tail.finish())
             if pending is not None:
-                await _send(cmd.out, msgspec.structs.replace(pending, text=pending.text + rest))
+                pending = msgspec.structs.replace(
+                    pending, text=pending.text + text, tool_calls=pending.tool_calls + calls
+                )
+                await _send(cmd.out, pending)
         kept = tail.kept_tokens
         tokens = tuple(t for b in self.window.blocks for t in b.tokens)[start : start + kept]
         if tail.stopped:
             await self._drop_from(start + kept)
-        self.replies.remember(tail.text, list(tokens), tail.kept_text)
+        content, tool_calls = tail.text, cast(tuple[ToolCall, ...], ())
+        if stream is not None:
+            # The calls as they were streamed (each distinct complete one, even when
+            # max_tokens cut the envelope short); the content from the whole text.
+            tool_calls = tuple(stream.calls)
+            content = "" if tool_calls else parse_envelope(tail.text, wrapped=stream.wrapped)[0]
+            if tool_calls and finish != "closed":
+                finish = "tool_calls"
+        self.replies.remember(
+            tail.text,
+            list(tokens),
+            tail.kept_text,
+            content=content if cmd.envelope else None,
+            calls=[call.id for call in tool_calls],
+        )
         return Generated(
-            text=tail.text,
+            text=content,
+            raw_text=tail.text,
+            tool_calls=tool_calls,
+            logprobs=tuple(chosen) if cmd.logprobs is not None else None,
             tokens=tokens,
             produced=produced,
             finish_reason=finish,
@@ -167,12 +221,41 @@ class Generation(Placement):
             ended=time.perf_counter(),
         )
 
+    def _logprob(self, logits: Logits, token: int, top: int) -> TokenLogprob:
+        """``token``'s log-probability under ``logits`` (masked, if a grammar applies),
+        with the ``top`` likeliest tokens."""
+        lp = log_softmax(logits)
+        best: list[TokenLogprob] = []
+        if top:
+            ids = np.argpartition(-lp, min(top, len(lp) - 1))[:top]
+            ids = ids[np.argsort(-lp[ids], kind="stable")]
+            best = [self._token_logprob(int(t), float(lp[t])) for t in ids if lp[t] > -np.inf]
+        return msgspec.structs.replace(
+            self._token_logprob(token, float(lp[token])), top=tuple(best)
+        )
+
+    def _token_logprob(self, token: int, logprob: float) -> TokenLogprob:
+        raw = self.engine.token_bytes(token)
+        return TokenLogprob(
+            token=token, text=raw.decode("utf-8", errors="replace"), raw=raw, logprob=logprob
+        )
+
     async def _drop_from(self, position: int) -> None:
         """Remove the context from ``position`` on (a stop sequence): nothing to keep."""
         self.window.truncate(position)
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
             await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+
+
+def _split(stream: EnvelopeStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
+    """Released text as a piece's content and tool-call deltas (all content without an
+    envelope)."""
+    if stream is None:
+        return released, ()
+    deltas = list(stream.feed(released)) if released else []
+    text = "".join(d for d in deltas if isinstance(d, str))
+    return text, tuple(d for d in deltas if not isinstance(d, str))
 
 
 async def _send(out: MemoryObjectSendStream[Piece], piece: Piece) -> bool:

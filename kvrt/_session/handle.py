@@ -20,11 +20,13 @@ from .._errors import (
     InvalidContextError,
     SessionClosedError,
 )
+from .._grammar import Grammar, read_response_format
 from .._reports import ContextStatus, Piece, PrefetchReport, SessionReport
+from .._tools import Tool, envelope_grammar, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
 from .actor import Actor, Admit, Call, Command, Ensure, Evict
-from .chat import ChatTemplate, Message, messages_of
+from .chat import ChatTemplate, Message, messages_of, with_tools
 from .generation import Generate
 from .layout import Segment
 from .placement import Prefetch, ReplyTokens, TokenKey
@@ -220,6 +222,8 @@ class Session(metaclass=NoPublicConstructor):
         segment: str = "assistant",
         cache_class: CacheClass | str = CacheClass.VOLATILE,
         stop_at_end: bool = True,
+        grammar: Grammar | None = None,
+        logprobs: int | None = None,
         buffer: int | None = None,
     ) -> Reply:
         """Continue the context: ``async for piece in reply`` streams one :class:`Piece`
@@ -236,6 +240,12 @@ class Session(metaclass=NoPublicConstructor):
         anything starts. Stopping early (``break``, ``aclose()``, cancellation) keeps
         what was generated so far.
 
+        ``grammar`` (a :class:`kvrt.Grammar`: JSON Schema, regex, Lark or GBNF) makes the
+        text match it: a token mask in kvrt's own sampler, so the same on every engine;
+        generation ends when the grammar is complete. ``logprobs=N`` gives each piece
+        (and the completion) the token's log-probability after the mask and the ``N``
+        likeliest alternatives.
+
         The reply belongs to the task reading it. If that task calls the session again
         while the reply is open (inside the ``async for``, or after leaving it half-read),
         the reply is closed first: generation stops where it is, keeping what it
@@ -250,6 +260,8 @@ class Session(metaclass=NoPublicConstructor):
             segment=check_text("segment", segment, empty=False),
             cache_class=check_choice("cache_class", cache_class, CacheClass),
             stop_at_end=check_bool("stop_at_end", stop_at_end),
+            grammar=_grammar(grammar),
+            logprobs=_logprobs(logprobs),
         )
 
     def chat(
@@ -263,6 +275,11 @@ class Session(metaclass=NoPublicConstructor):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any] | Tool] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | Grammar | None = None,
+        logprobs: int | None = None,
         buffer: int | None = None,
     ) -> Reply:
         """Answer a conversation: OpenAI-style ``messages`` become the context, then the
@@ -271,20 +288,49 @@ class Session(metaclass=NoPublicConstructor):
 
         Each message is ``{"role": ..., "content": ...}`` (``system``, ``developer``,
         ``user``, ``assistant``, ``tool``; content a string, ``None`` or a list of text
-        parts; an assistant's ``tool_calls`` are kept as text). The model's chat template
-        renders them, one segment per message, named ``"{index}:{role}"`` and classed
-        ``task_pinned`` for system messages, ``volatile`` otherwise; the extension keys
-        ``segment`` and ``cache_class`` set a message's own. Send the whole conversation
-        each turn: what is already in place is reused, what the cold store holds is
-        restored, and a reply this runtime generated, sent back as an assistant message
-        with the same text, is placed with the tokens that were generated — so only the
-        new messages are computed.
+        parts; an assistant's ``tool_calls`` and a tool's ``tool_call_id`` as OpenAI sends
+        them). The model's chat template renders them, one segment per message, named
+        ``"{index}:{role}"`` and classed ``task_pinned`` for system messages, ``volatile``
+        otherwise; the extension keys ``segment`` and ``cache_class`` set a message's own.
+        Send the whole conversation each turn: what is already in place is reused, what
+        the cold store holds is restored, and a reply this runtime generated, sent back as
+        an assistant message (with the same text, or with the tool calls it made), is
+        placed with the tokens that were generated — so only the new messages are
+        computed.
+
+        ``tools`` (OpenAI function definitions) with ``tool_choice`` (``auto``, ``none``,
+        ``required`` or ``{"type": "function", "function": {"name": ...}}``) and
+        ``parallel_tool_calls`` let the model call them: the completion's ``tool_calls``
+        (``finish_reason`` ``tool_calls``), their arguments valid against each tool's
+        schema, enforced by a grammar. ``response_format`` (``json_object``, ``json_schema``,
+        or kvrt's ``regex`` and ``grammar``; or a :class:`kvrt.Grammar`) makes the answer
+        match it. ``logprobs=N`` reports each token's log-probability and the ``N``
+        likeliest alternatives.
         """
         read = messages_of(messages)
         params = _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        conversation = self._chat.conversation(read)
+        tool_list = read_tools(tools)
+        choice = read_tool_choice(tool_choice, tool_list)
+        grammar, schema = read_response_format(response_format)
+        parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
+        envelope: bool | None = None
+        if tool_list and choice != "none":
+            envelope = schema is None and (grammar is None)
+            if grammar is not None and schema is None:
+                raise InvalidArgumentError(
+                    "response_format with tools must be json_object or json_schema (a regex or "
+                    "grammar cannot be combined with tool calls)"
+                )
+            grammar = envelope_grammar(tool_list, choice, parallel=parallel, response_schema=schema)
+        if tool_list and not self._chat.has_template:
+            raise InvalidArgumentError(
+                "this model has no chat template (a base model), so it cannot be given tools: "
+                "use a chat model"
+            )
+        shown = with_tools(read, tool_list, choice, self._actor.replies, envelope=envelope)
+        conversation = self._chat.conversation(shown)
         replies: dict[str, ReplyTokens] = {}
-        for message, seg in zip(read, conversation.segments, strict=False):
+        for message, seg in zip(shown, conversation.segments, strict=False):
             content = [text for text, special in seg.pieces() if not special]
             if message.role == "assistant" and content and content[-1]:
                 found = self._actor.replies.lookup(content[-1])
@@ -298,6 +344,9 @@ class Session(metaclass=NoPublicConstructor):
             segment=conversation.reply,
             context=conversation.segments,
             replies=replies,
+            grammar=grammar,
+            logprobs=_logprobs(logprobs),
+            envelope=envelope,
         )
 
     def complete(
@@ -311,6 +360,8 @@ class Session(metaclass=NoPublicConstructor):
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
+        grammar: Grammar | None = None,
+        logprobs: int | None = None,
         buffer: int | None = None,
     ) -> Reply:
         """Continue a plain-text ``prompt`` (no chat template): it becomes the context, as
@@ -324,6 +375,8 @@ class Session(metaclass=NoPublicConstructor):
             buffer,
             segment="completion",
             context=(segment,),
+            grammar=_grammar(grammar),
+            logprobs=_logprobs(logprobs),
         )
 
     def _reply(
@@ -338,6 +391,9 @@ class Session(metaclass=NoPublicConstructor):
         stop_at_end: bool = True,
         context: tuple[Segment, ...] | None = None,
         replies: dict[str, ReplyTokens] | None = None,
+        grammar: Grammar | None = None,
+        logprobs: int | None = None,
+        envelope: bool | None = None,
     ) -> Reply:
         """The reply of a generation (with a context to place first), arguments checked."""
         max_tokens = check_int("max_tokens", max_tokens, low=0)
@@ -358,6 +414,9 @@ class Session(metaclass=NoPublicConstructor):
             send,
             context=context,
             replies=replies,
+            grammar=grammar,
+            logprobs=logprobs,
+            envelope=envelope,
         )
         return Reply(command, receive, self)
 
@@ -467,6 +526,22 @@ def _sampling(
     if not changes:
         return params
     return check_struct("sampling", {**msgspec.structs.asdict(params), **changes}, SamplingParams)
+
+
+def _grammar(grammar: Any) -> Grammar | None:
+    if grammar is not None and not isinstance(grammar, Grammar):
+        raise ArgumentTypeError(
+            f"grammar must be a kvrt.Grammar (Grammar.json_schema, .regex, .lark, .gbnf), got "
+            f"{type(grammar).__name__}"
+        )
+    return grammar
+
+
+def _logprobs(logprobs: Any) -> int | None:
+    """``logprobs``: how many alternatives to report per token (0 to 20), or None."""
+    if logprobs is None:
+        return None
+    return check_int("logprobs", logprobs, low=0, high=20)
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

@@ -188,4 +188,7 @@ def _completion(g: Generated, sent: float, done: float) -> Completion:
         tokens=g.tokens,
         invisible_segments=g.invisible_segments,
         context=g.status,
+        tool_calls=g.tool_calls,
+        raw_text=g.raw_text,
+        logprobs=g.logprobs,
     )

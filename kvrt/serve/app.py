@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from starlette.types import Message, Send
 
 import kvrt
 
-from . import openai
+from . import openai, responses
 from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
 
@@ -74,6 +76,8 @@ class Server:
         )
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
+        self.answers = responses.ResponseStore()
+        """Recent responses' conversations, for ``previous_response_id``."""
         self.gone: Counter[str] = Counter()
         """Requests whose client left before the answer: ``body`` (while sending it),
         ``queued`` (waiting for a session), ``answer`` (while it was computed), ``stalled``
@@ -152,6 +156,7 @@ class Server:
             except kvrt.KvrtError as exc:
                 raise RequestError(str(exc), param="messages") from None
             options = self._options(req)
+            options.update(_chat_options(req))
 
             def reply(session: kvrt.Session) -> kvrt.Reply:
                 return session.chat(messages, **options)
@@ -180,6 +185,69 @@ class Server:
 
         return await self._answer(request, "completions", start)
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
+        created = time.time()
+        kept: list[dict[str, Any]] = []
+
+        async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+            req = responses.read(await _body(request))
+            self._check_model(req.model)
+            before = self.answers.get(req.previous_response_id) if req.previous_response_id else []
+            kept.extend(before + responses.to_messages(req.input))
+            head = [{"role": "system", "content": req.instructions}] if req.instructions else []
+            try:
+                messages = tuple(kvrt.read_messages(head + kept))
+            except kvrt.KvrtError as exc:
+                raise RequestError(str(exc), param="input") from None
+            options = self._options(_AsChat(req))
+            options.update(_chat_options(_AsChat(req)))
+
+            def reply(session: kvrt.Session) -> kvrt.Reply:
+                return session.chat(messages, **options)
+
+            return req, messages, reply
+
+        def store(rid: str, req: Any, done: kvrt.Completion) -> None:
+            if req.store is not False:
+                self.answers.put(rid, kept + responses.output_messages(done))
+
+        def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
+            req = request.state.responses_request
+            store(rid, req, done)
+            output = responses.output_items(done, {})
+            return responses.response_body(
+                rid, self.model, req, created=created, status="completed", output=output, done=done
+            )
+
+        async def stream(
+            rid: str,
+            reply: Callable[[kvrt.Session], kvrt.Reply],
+            session: kvrt.Session,
+            finished: Callable[[kvrt.Completion], None],
+        ) -> AsyncIterator[bytes]:
+            req = request.state.responses_request
+
+            def done(completion: kvrt.Completion) -> None:
+                finished(completion)
+                store(rid, req, completion)
+
+            async for ev in responses.events(reply(session), rid, self.model, req, created, done):
+                yield (
+                    b"event: "
+                    + ev["type"].encode()
+                    + b"\ndata: "
+                    + msgspec.json.encode(ev)
+                    + b"\n\n"
+                )
+
+        async def reading() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+            req, wanted, reply = await start()
+            request.state.responses_request = req
+            return req, wanted, reply
+
+        return await self._answer(request, "responses", reading, finish=finish, stream=stream)
+
     # -- plumbing --
 
     async def _answer(
@@ -187,9 +255,16 @@ class Server:
         request: Request,
         route: str,
         start: Callable[[], Awaitable[tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]]],
+        *,
+        finish: Callable[[str, kvrt.Completion], dict[str, Any]] | None = None,
+        stream: StreamBody | None = None,
     ) -> Response:
+        """Answer one request: read it (``start``), lend it a session, then reply with the
+        JSON ``finish`` makes of the completion, or with ``stream``'s events (chat and
+        completions by default)."""
         chat = route == "chat"
-        rid = openai.new_id("chatcmpl" if chat else "cmpl")
+        prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[route]
+        rid = openai.new_id(prefix) if route != "responses" else responses.new_id(prefix)
         stack = AsyncExitStack()
         try:
             req, wanted, reply = await start()
@@ -223,8 +298,11 @@ class Server:
             self.gone["queued"] += 1
             return Response(status_code=400)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            body = self._stream(route, rid, stack, slot, wanted, reply, include_usage)
+            if stream is None:
+                include_usage = req.stream_options is not None and req.stream_options.include_usage
+                body = self._stream(route, rid, stack, slot, wanted, reply, include_usage)
+            else:
+                body = self._streamed(route, stack, slot, wanted, partial(stream, rid, reply))
             return _Stream(body, self.config.stall_timeout, self._stalled)
         done = None
         async with stack, _until_gone(request) as left:
@@ -238,8 +316,46 @@ class Server:
             self.gone["answer"] += 1
             return Response(status_code=400)
         self.requests[(route, 200)] += 1
+        if finish is not None:
+            return JSONResponse(finish(rid, done))
         made = openai.chat_response if chat else openai.completion_response
         return JSONResponse(made(rid, self.model, done))
+
+    async def _streamed(
+        self,
+        route: str,
+        stack: AsyncExitStack,
+        slot: Slot,
+        wanted: History,
+        events: Callable[[kvrt.Session, Callable[[kvrt.Completion], None]], AsyncIterator[bytes]],
+    ) -> AsyncIterator[bytes]:
+        """A stream of ``events`` (given the session and what to call with the completion),
+        holding the session until it ends."""
+        closing = False
+
+        def finished(done: kvrt.Completion) -> None:
+            self._count(done)
+            slot.history = _held(wanted, done)
+
+        async with stack:
+            try:
+                async for chunk in events(_session(slot), finished):
+                    try:
+                        yield chunk
+                    except GeneratorExit:
+                        closing = True
+                        raise
+            except kvrt.KvrtError as exc:
+                if closing or isinstance(exc, kvrt.OperationCancelledError):
+                    return
+                refusal = _refusal(exc)
+                self.requests[(route, refusal.status)] += 1
+                body = openai.error_body(
+                    str(refusal), kind=refusal.kind, param=refusal.param, code=refusal.code
+                )
+                yield b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+                return
+        self.requests[(route, 200)] += 1
 
     def _stalled(self) -> None:
         self.gone["stalled"] += 1
@@ -262,8 +378,10 @@ class Server:
                     yield openai.chunk(rid, self.model, chat=True, role=True, text="")
                 answer = reply(_session(slot))
                 async for piece in answer:
-                    if piece.text:
-                        yield openai.chunk(rid, self.model, chat=chat, text=piece.text)
+                    if piece.text or piece.tool_calls or piece.logprob is not None:
+                        yield openai.chunk(
+                            rid, self.model, chat=chat, text=piece.text or None, piece=piece
+                        )
                 done = await answer
             except GeneratorExit:
                 closing = True
@@ -317,6 +435,7 @@ class Server:
         except kvrt.KvrtError as exc:
             param = next((k for k in sampling if k in str(exc)), None)
             raise RequestError(str(exc), param=param) from None
+        options["logprobs"] = openai.logprobs(req)
         return options
 
     def _count(self, done: kvrt.Completion) -> None:
@@ -333,6 +452,30 @@ class Server:
         self.requests[(route, exc.status)] += 1
         body = openai.error_body(str(exc), kind=exc.kind, param=exc.param, code=exc.code)
         return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+StreamBody = Callable[..., AsyncIterator[bytes]]
+"""A route's own stream: given the response id, the reply maker, the session and the
+callback for the completion, the bytes of its events."""
+
+
+class _AsChat:
+    """A Responses request seen as the chat options it asks for."""
+
+    def __init__(self, req: responses.ResponsesRequest) -> None:
+        self.max_tokens = req.max_output_tokens
+        self.max_completion_tokens = None
+        self.temperature = req.temperature
+        self.top_p = req.top_p
+        self.top_k = None
+        self.seed = None
+        self.stop = None
+        self.tools = responses.tools_of(req)
+        self.tool_choice = responses.tool_choice_of(req)
+        self.parallel_tool_calls = req.parallel_tool_calls
+        self.response_format = responses.response_format(req)
+        self.logprobs = req.top_logprobs is not None
+        self.top_logprobs = req.top_logprobs
 
 
 def model_id(runtime: kvrt.Runtime, config: ServeConfig) -> str:
@@ -446,15 +589,43 @@ def _session(slot: Slot) -> kvrt.Session:
 
 
 def _held(wanted: History, done: kvrt.Completion) -> History:
-    """What the session holds after answering ``wanted`` with ``done``."""
+    """What the session holds after answering ``wanted`` with ``done``: the reply as the
+    client will send it back (its content, or its tool calls)."""
     if isinstance(wanted, str):
         return wanted + done.text
-    return (*wanted, kvrt.Message(role="assistant", content=done.text))
+    calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
+    return (*wanted, kvrt.Message(role="assistant", content=done.text, tool_calls=calls))
+
+
+def _chat_options(req: Any) -> dict[str, Any]:
+    """Tools and structured output, checked now: a bad one is a 400 naming it."""
+    options: dict[str, Any] = {}
+    try:
+        tools = kvrt.read_tools(req.tools)
+    except kvrt.KvrtError as exc:
+        raise RequestError(str(exc), param="tools") from None
+    try:
+        kvrt.read_tool_choice(req.tool_choice, tools)
+    except kvrt.KvrtError as exc:
+        raise RequestError(str(exc), param="tool_choice") from None
+    if tools:
+        options["tools"] = tools
+        options["tool_choice"] = req.tool_choice
+        options["parallel_tool_calls"] = req.parallel_tool_calls is not False
+    if req.response_format is not None:
+        try:
+            kvrt.read_response_format(req.response_format)
+        except kvrt.KvrtError as exc:
+            raise RequestError(str(exc), param="response_format") from None
+        options["response_format"] = req.response_format
+    return options
 
 
 def _refusal(exc: kvrt.KvrtError) -> RequestError:
     if isinstance(exc, kvrt.ContextTooLargeError):
         return RequestError(str(exc), code="context_length_exceeded")
+    if isinstance(exc, kvrt.ArgumentTypeError | kvrt.InvalidArgumentError):
+        return RequestError(str(exc))
     if isinstance(exc, kvrt.InvalidArgumentError):
         return RequestError(str(exc))
     return RequestError(str(exc), status=500, kind="server_error")
@@ -468,6 +639,7 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/responses", server.responses, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),

@@ -1,9 +1,9 @@
 """The OpenAI wire format: requests read and checked, responses and stream chunks built.
 
-Fields kvrt does not use are accepted and ignored (``user``, ``metadata``, ``store``, and
-also ``tools``, ``tool_choice``, ``response_format``: the model's text comes back as the
-message content, never as structured tool calls); ``n`` above 1, penalties, ``logprobs``
-and ``echo`` are refused with a 400 naming them.
+Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``), structured output
+(``response_format``) and ``logprobs``/``top_logprobs`` are served as OpenAI documents
+them. Fields kvrt does not use are accepted and ignored (``user``, ``metadata``,
+``store``); ``n`` above 1, penalties and ``echo`` are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ class _Common(msgspec.Struct, kw_only=True):
 class ChatRequest(_Common, kw_only=True):
     messages: list[Any]
     max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -104,13 +109,99 @@ def read(body: bytes, kind: type[_Common]) -> Any:
         ("n", request.n, 1),
         ("presence_penalty", request.presence_penalty, 0),
         ("frequency_penalty", request.frequency_penalty, 0),
-        ("logprobs", request.logprobs, False),
     ):
         if value not in (None, default):
             raise RequestError(f"{name}={value!r} is not supported by kvrt", param=name)
     if isinstance(request, CompletionRequest) and request.echo:
         raise RequestError("echo is not supported by kvrt", param="echo")
     return request
+
+
+def logprobs(request: Any) -> int | None:
+    """How many alternatives per token the request asks for, or None (no logprobs):
+    chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions' integer
+    ``logprobs``."""
+    if hasattr(request, "top_logprobs"):  # chat, or a Responses request read as chat
+        top = request.top_logprobs
+        if top is not None and not 0 <= top <= 20:
+            raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
+        if request.logprobs is None or request.logprobs is False:
+            if top:
+                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        if request.logprobs is not True:
+            raise RequestError("logprobs must be true or false", param="logprobs")
+        return top or 0
+    value = request.logprobs
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not 0 <= value <= 5:
+        raise RequestError("logprobs must be an integer from 0 to 5", param="logprobs")
+    return int(value)
+
+
+def logprobs_body(done: kvrt.Completion, *, chat: bool) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` object of a choice (chat: ``content``; completions:
+    ``tokens``/``token_logprobs``/``top_logprobs``)."""
+    if done.logprobs is None:
+        return None
+    if chat:
+        return {"content": [_chat_logprob(t) for t in done.logprobs], "refusal": None}
+    return {
+        "tokens": [t.text for t in done.logprobs],
+        "token_logprobs": [t.logprob for t in done.logprobs],
+        "top_logprobs": [{a.text: a.logprob for a in t.top} for t in done.logprobs],
+        "text_offset": _offsets(done.logprobs),
+    }
+
+
+def _chat_logprob(t: kvrt.TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": t.text,
+        "logprob": t.logprob,
+        "bytes": list(t.raw),
+        "top_logprobs": [
+            {"token": a.text, "logprob": a.logprob, "bytes": list(a.raw)} for a in t.top
+        ],
+    }
+
+
+def _offsets(tokens: tuple[kvrt.TokenLogprob, ...]) -> list[int]:
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t.text)
+    return out
+
+
+def tool_calls_body(calls: tuple[kvrt.ToolCall, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+    ]
+
+
+def tool_call_deltas(deltas: tuple[kvrt.ToolCallDelta, ...]) -> list[dict[str, Any]]:
+    """Stream deltas as OpenAI sends them: the first of a call with its index, id, type and
+    name (arguments empty), the next ones with the index and an arguments fragment."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.id is not None:
+            out.append(
+                {
+                    "index": d.index,
+                    "id": d.id,
+                    "type": "function",
+                    "function": {"name": d.name, "arguments": ""},
+                }
+            )
+        if d.arguments:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
 
 
 def max_tokens(request: Any, *, default: int, limit: int) -> int:
@@ -162,7 +253,13 @@ def usage(done: kvrt.Completion) -> dict[str, Any]:
     }
 
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "closed": "length"}
+FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "closed": "length",
+    "tool_calls": "tool_calls",
+}
 
 
 def new_id(prefix: str) -> str:
@@ -178,13 +275,21 @@ def chat_response(rid: str, model: str, done: kvrt.Completion) -> dict[str, Any]
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": done.text},
-                "logprobs": None,
+                "message": _message(done),
+                "logprobs": logprobs_body(done, chat=True),
                 "finish_reason": FINISH[done.finish_reason],
             }
         ],
         "usage": usage(done),
     }
+
+
+def _message(done: kvrt.Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": done.text, "refusal": None}
+    if done.tool_calls:
+        message["content"] = done.text or None
+        message["tool_calls"] = tool_calls_body(done.tool_calls)
+    return message
 
 
 def completion_response(rid: str, model: str, done: kvrt.Completion) -> dict[str, Any]:
@@ -197,7 +302,7 @@ def completion_response(rid: str, model: str, done: kvrt.Completion) -> dict[str
             {
                 "index": 0,
                 "text": done.text,
-                "logprobs": None,
+                "logprobs": logprobs_body(done, chat=False),
                 "finish_reason": FINISH[done.finish_reason],
             }
         ],
@@ -214,6 +319,7 @@ def chunk(
     role: bool = False,
     finish: str | None = None,
     done: kvrt.Completion | None = None,
+    piece: kvrt.Piece | None = None,
 ) -> bytes:
     """One server-sent event of a streamed response."""
     body: dict[str, Any] = {
@@ -222,6 +328,17 @@ def chunk(
         "created": int(time.time()),
         "model": model,
     }
+    logprobs: dict[str, Any] | None = None
+    if piece is not None and piece.logprob is not None:
+        if chat:
+            logprobs = {"content": [_chat_logprob(piece.logprob)], "refusal": None}
+        else:
+            t = piece.logprob
+            logprobs = {
+                "tokens": [t.text],
+                "token_logprobs": [t.logprob],
+                "top_logprobs": [{a.text: a.logprob for a in t.top}],
+            }
     if done is not None:
         body["choices"] = []
         body["usage"] = usage(done)
@@ -229,9 +346,13 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        if piece is not None and piece.tool_calls:
+            delta["tool_calls"] = tool_call_deltas(piece.tool_calls)
+        body["choices"] = [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        ]
     else:
         body["choices"] = [
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         ]
     return b"data: " + msgspec.json.encode(body) + b"\n\n"

@@ -1,0 +1,448 @@
+"""The Responses API (``POST /v1/responses``): requests read into chat messages, answers
+built as response objects and as the event stream the OpenAI Agents SDK consumes.
+
+Input is a string or items: messages (``input_text``/``output_text`` parts),
+``function_call`` and ``function_call_output``. ``instructions`` come first as a system
+message; ``previous_response_id`` continues a stored response's conversation (the server
+keeps recent ones, bounded by count and age; ``store: false`` keeps none), and the pool
+finds the session that holds its KV. Function ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
+``max_output_tokens``, ``temperature``, ``top_p`` and ``top_logprobs`` are served; any other
+field that asks for something kvrt does not do is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+import kvrt
+
+from .openai import RequestError
+
+__all__ = ["ResponseStore", "ResponsesRequest", "events", "read", "response_body", "to_messages"]
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    background: bool | None = None
+
+
+def read(body: bytes) -> ResponsesRequest:
+    """The request, or a :class:`RequestError` naming the field that is wrong or that asks
+    for what kvrt does not do."""
+    from .openai import MAX_BODY
+
+    if len(body) > MAX_BODY:
+        raise RequestError(f"the body is larger than {MAX_BODY} bytes", status=413)
+    try:
+        req = msgspec.json.decode(body, type=ResponsesRequest)
+    except RecursionError:
+        raise RequestError("the body's JSON is nested too deeply") from None
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        param = None
+        if "unknown field" in message:
+            param = message.split("`")[1] if "`" in message else None
+            raise RequestError(f"{param} is not supported by kvrt", param=param) from None
+        if " - at `$." in message:
+            param = message.rsplit(" - at `$.", 1)[1].rstrip("`")
+        raise RequestError(f"invalid request: {message}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from None
+    if req.background:
+        raise RequestError("background responses are not supported by kvrt", param="background")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise RequestError("reasoning is not supported by this model", param="reasoning")
+    for name in req.include or ():
+        raise RequestError(f"include {name!r} is not supported by kvrt", param="include")
+    if req.truncation not in (None, "disabled", "auto"):
+        raise RequestError("truncation must be 'disabled' or 'auto'", param="truncation")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise RequestError("max_output_tokens must be at least 1", param="max_output_tokens")
+    return req
+
+
+def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """``text.format`` as a chat ``response_format``."""
+    if req.text is None:
+        return None
+    fmt = req.text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise RequestError("text.format must be an object", param="text.format")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},
+        }
+    raise RequestError(f"text.format type {kind!r} is not supported", param="text.format")
+
+
+def tools_of(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """Function tools in the chat shape; any other kind of tool is refused."""
+    if req.tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(req.tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise RequestError(
+                f"tools[{i}] of type {kind!r} is not supported: only function tools", param="tools"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_choice_of(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):
+        raise RequestError(
+            f"tool_choice of type {choice.get('type')!r} is not supported", param="tool_choice"
+        )
+    return choice
+
+
+def to_messages(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls make one assistant
+    message, a function call's output a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role, content = item.get("role"), item.get("content")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestError(f"{where}.role {role!r} is not a message role", param="input")
+            out.append({"role": role, "content": content})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):  # text parts
+                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        else:
+            raise RequestError(f"{where} of type {kind!r} is not supported by kvrt", param="input")
+    return out
+
+
+def output_messages(done: kvrt.Completion) -> list[dict[str, Any]]:
+    """The answer as chat messages, for the conversation a stored response continues."""
+    if done.tool_calls:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in done.tool_calls
+        ]
+        return [{"role": "assistant", "content": None, "tool_calls": calls}]
+    return [{"role": "assistant", "content": done.text}]
+
+
+class ResponseStore:
+    """Recent responses' conversations (without their instructions), bounded by count
+    and age, for ``previous_response_id``."""
+
+    def __init__(self, *, capacity: int = 256, max_age: float = 3600.0) -> None:
+        self.capacity = capacity
+        self.max_age = max_age
+        self._kept: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
+        self._kept[rid] = (time.monotonic(), messages)
+        self._kept.move_to_end(rid)
+        self._trim()
+
+    def get(self, rid: str) -> list[dict[str, Any]]:
+        self._trim()
+        found = self._kept.get(rid)
+        if found is None:
+            raise RequestError(
+                f"previous response {rid!r} is not kept (unknown, expired, or stored with "
+                "store: false)",
+                status=404,
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return list(found[1])
+
+    def _trim(self) -> None:
+        now = time.monotonic()
+        while self._kept and (
+            len(self._kept) > self.capacity
+            or now - next(iter(self._kept.values()))[0] > self.max_age
+        ):
+            self._kept.popitem(last=False)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _usage(done: kvrt.Completion) -> dict[str, Any]:
+    u = done.usage
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _logprobs(done: kvrt.Completion | None, pieces: list[kvrt.TokenLogprob]) -> list[Any]:
+    tokens = list(done.logprobs or ()) if done is not None else pieces
+    return [_logprob(t) for t in tokens]
+
+
+def _logprob(t: kvrt.TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": t.text,
+        "logprob": t.logprob,
+        "bytes": list(t.raw),
+        "top_logprobs": [
+            {"token": a.text, "logprob": a.logprob, "bytes": list(a.raw)} for a in t.top
+        ],
+    }
+
+
+def output_items(done: kvrt.Completion, ids: dict[str, str]) -> list[dict[str, Any]]:
+    """The response's output items (``ids``: the item ids already announced when
+    streaming, by call id or ``message``)."""
+    if done.tool_calls:
+        return [
+            {
+                "type": "function_call",
+                "id": ids.get(c.id) or new_id("fc"),
+                "call_id": c.id,
+                "name": c.name,
+                "arguments": c.arguments,
+                "status": "completed",
+            }
+            for c in done.tool_calls
+        ]
+    return [_message_item(ids.get("message") or new_id("msg"), done.text, "completed", done)]
+
+
+def _message_item(mid: str, text: str, status: str, done: kvrt.Completion | None) -> dict[str, Any]:
+    content = []
+    if status == "completed":
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if done is not None and done.logprobs is not None:
+            part["logprobs"] = _logprobs(done, [])
+        content.append(part)
+    return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
+
+
+def response_body(
+    rid: str,
+    model: str,
+    req: ResponsesRequest,
+    *,
+    created: float,
+    status: str,
+    output: list[dict[str, Any]],
+    done: kvrt.Completion | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "instructions": req.instructions,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "text": req.text or {"format": {"type": "text"}},
+        "store": req.store is not False,
+        "metadata": req.metadata or {},
+        "truncation": req.truncation or "disabled",
+        "error": None,
+        "incomplete_details": None,
+        "usage": _usage(done) if done is not None else None,
+    }
+    if done is not None and done.finish_reason in ("length", "closed"):
+        body["status"] = "incomplete"
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    return body
+
+
+async def events(
+    reply: kvrt.Reply,
+    rid: str,
+    model: str,
+    req: ResponsesRequest,
+    created: float,
+    finished: Callable[[kvrt.Completion], None],
+) -> AsyncIterator[dict[str, Any]]:
+    """The event stream of one response, as the Agents SDK reads it: created, in
+    progress, then per output item added / deltas / done, then completed."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        nonlocal seq
+        seq += 1
+        return {"type": kind, "sequence_number": seq - 1, **fields}
+
+    head = response_body(
+        rid, model, req, created=created, status="in_progress", output=[], done=None
+    )
+    yield event("response.created", response=head)
+    yield event("response.in_progress", response=head)
+    ids: dict[str, str] = {}
+    index: dict[str, int] = {}
+    text = ""
+    arguments: dict[str, str] = {}
+    chosen: list[kvrt.TokenLogprob] = []
+    async for piece in reply:
+        if piece.text:
+            if "message" not in ids:
+                ids["message"] = new_id("msg")
+                index["message"] = len(index)
+                item = _message_item(ids["message"], "", "in_progress", None)
+                yield event("response.output_item.added", output_index=index["message"], item=item)
+                part = {"type": "output_text", "text": "", "annotations": []}
+                yield event(
+                    "response.content_part.added",
+                    item_id=ids["message"],
+                    output_index=index["message"],
+                    content_index=0,
+                    part=part,
+                )
+            text += piece.text
+            logprobs = [_logprob(piece.logprob)] if piece.logprob is not None else []
+            if piece.logprob is not None:
+                chosen.append(piece.logprob)
+            yield event(
+                "response.output_text.delta",
+                item_id=ids["message"],
+                output_index=index["message"],
+                content_index=0,
+                delta=piece.text,
+                logprobs=logprobs,
+            )
+        for delta in piece.tool_calls:
+            key = f"call:{delta.index}"
+            if delta.id is not None:
+                ids[key] = new_id("fc")
+                ids[delta.id] = ids[key]
+                index[key] = len(index)
+                arguments[key] = ""
+                item = {
+                    "type": "function_call",
+                    "id": ids[key],
+                    "call_id": delta.id,
+                    "name": delta.name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                yield event("response.output_item.added", output_index=index[key], item=item)
+            if delta.arguments:
+                arguments[key] += delta.arguments
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=ids[key],
+                    output_index=index[key],
+                    delta=delta.arguments,
+                )
+    done = await reply
+    finished(done)
+    output = output_items(done, ids)
+    for item in output:
+        if item["type"] == "message":
+            if "message" not in ids:  # no text at all: announce the empty message now
+                index["message"] = len(index)
+                yield event(
+                    "response.output_item.added",
+                    output_index=index["message"],
+                    item=_message_item(item["id"], "", "in_progress", None),
+                )
+            at = index["message"]
+            part = item["content"][0]
+            yield event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=at,
+                content_index=0,
+                text=part["text"],
+                logprobs=_logprobs(done, chosen),
+            )
+            yield event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=at,
+                content_index=0,
+                part=part,
+            )
+            yield event("response.output_item.done", output_index=at, item=item)
+        else:
+            found = [k for k, v in ids.items() if v == item["id"] and k.startswith("call:")]
+            at = index[found[0]] if found else len(index)
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=at,
+                arguments=item["arguments"],
+            )
+            yield event("response.output_item.done", output_index=at, item=item)
+    body = response_body(
+        rid, model, req, created=created, status="completed", output=output, done=done
+    )
+    yield event(
+        "response.completed" if body["status"] == "completed" else "response.incomplete",
+        response=body,
+    )
