@@ -34,6 +34,14 @@ def engine() -> Iterator[LlamaEngine]:
 
 
 @pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Gemma 3 270M assembled once from its package (``kvrt[gemma]``) for the whole run."""
+    import kvrt.models
+
+    return str(kvrt.models.gemma3_270m(tmp_path_factory.mktemp("gemma")))
+
+
+@pytest.fixture(scope="session")
 def engine_q8() -> Iterator[LlamaEngine]:
     eng = LlamaEngine.open(EngineConfig(kv_type="q8_0"))
     yield eng

@@ -27,12 +27,6 @@ WINDOW = 512
 
 
 @pytest.fixture(scope="session")
-def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The model assembled once from its package (``kvrt[gemma]``) for the whole run."""
-    return str(kvrt.models.gemma3_270m(tmp_path_factory.mktemp("gemma")))
-
-
-@pytest.fixture(scope="session")
 def gemma(gemma_path: str) -> Iterator[LlamaEngine]:
     engine = LlamaEngine.open(EngineConfig(model=gemma_path))
     yield engine

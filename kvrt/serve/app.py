@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import math
 import time
 from collections import Counter
@@ -18,7 +19,8 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Message, Send
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvrt
 
@@ -56,6 +58,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     send_buffer: int = 65536
     """Bytes of each connection's socket send buffer (``SO_SNDBUF``; the kernel may
     double it)."""
+    api_key: str | None = None
+    """When set, every route but ``/health`` requires ``Authorization: Bearer <key>``
+    (compared in constant time); others get a 401."""
 
 
 PIN_HEADER = "x-session-id"
@@ -634,7 +639,8 @@ def _refusal(exc: kvrt.KvrtError) -> RequestError:
 def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Starlette:
     """The OpenAI-compatible ASGI app for ``runtime`` (mount it in your own server, or
     run it with :func:`kvrt.serve.serve`)."""
-    server = Server(runtime, config or ServeConfig())
+    config = config or ServeConfig()
+    server = Server(runtime, config)
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
@@ -643,7 +649,41 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
-        ]
+        ],
+        middleware=[Middleware(_KeyRequired, key=config.api_key, server=server)]
+        if config.api_key
+        else [],
     )
     app.state.server = server
     return app
+
+
+class _KeyRequired:
+    """Refuses (401, OpenAI-style) a request without ``Authorization: Bearer <key>``,
+    but for ``/health``; the key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, *, key: str, server: Server) -> None:
+        self.app = app
+        self.key = key.encode()
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        self.server.requests[("auth", 401)] += 1
+        body = openai.error_body(
+            "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+            kind="invalid_request_error",
+            param=None,
+            code="invalid_api_key",
+        )
+        await JSONResponse(body, status_code=401)(scope, receive, send)

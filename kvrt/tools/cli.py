@@ -249,6 +249,13 @@ def _parser() -> argparse.ArgumentParser:
         "closed and its session freed (default 30)",
     )
     serve.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $KVRT_API_KEY; '@PATH' reads it from a file)",
+    )
+    serve.add_argument(
         "--send-buffer",
         type=_count(4096, 2**26),
         default=65536,
@@ -724,6 +731,7 @@ def _serve(args: argparse.Namespace) -> None:
         model_name=args.model_name,
         stall_timeout=args.stall_timeout,
         send_buffer=args.send_buffer,
+        api_key=_api_key(args),
     )
     # Bound before the model loads: a port in use is one line and exit status 2, at once.
     sock = listen(args.host, args.port, send_buffer=args.send_buffer)
@@ -751,6 +759,23 @@ def _kvrt_error(exc: BaseException) -> KvrtError | None:
         if found and all(e is not None for e in found):
             return found[0]
     return None
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key ``kvrt serve`` requires: ``--api-key``, else ``$KVRT_API_KEY``; ``@PATH``
+    reads it from a file (its first line)."""
+    given = args.api_key if args.api_key is not None else os.environ.get("KVRT_API_KEY")
+    if not given:
+        return None
+    if given.startswith("@"):
+        try:
+            given = Path(given[1:]).read_text().strip().splitlines()[0]
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the API key from {given[1:]}: {exc}") from None
+    key = given.strip()
+    if not key or not key.isprintable() or " " in key:
+        raise ConfigError("the API key must be printable text without spaces")
+    return key
 
 
 def _seconds(text: str) -> float:
