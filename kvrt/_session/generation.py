@@ -25,7 +25,7 @@ from .._grammar import Constraint, Grammar
 from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
 from .._sampling import Sampler, log_softmax
 from .._stops import TextTail
-from .._tools import EnvelopeStream, ToolCall, ToolCallDelta, parse_envelope
+from .._tools import EnvelopeStream, ToolCall, ToolCallDelta
 from .._types import CacheClass, Residency
 from .gate import Tally, Written
 from .layout import Segment
@@ -191,7 +191,12 @@ class Generation(Placement):
             # The calls as they were streamed (each distinct complete one, even when
             # max_tokens cut the envelope short); the content from the whole text.
             tool_calls = tuple(stream.calls)
-            content = "" if tool_calls else parse_envelope(tail.text, wrapped=stream.wrapped)[0]
+            if tool_calls:
+                content = ""
+            elif stream.decided:
+                content = stream.content  # complete, or cut short by max_tokens
+            else:
+                content = "" if stream.wrapped else tail.text
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
         self.replies.remember(

@@ -411,6 +411,13 @@ async def events(
                     output_index=index["message"],
                     item=_message_item(item["id"], "", "in_progress", None),
                 )
+                yield event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index["message"],
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
             at = index["message"]
             part = item["content"][0]
             yield event(
