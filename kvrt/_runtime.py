@@ -248,7 +248,7 @@ class Runtime(metaclass=NoPublicConstructor):
         self._sessions.add(session)
         try:
             if saved is not None:
-                session.resumed = await resume_session(actor, session._request, saved)
+                session.resumed = await resume_session(actor, session._mail.request, saved)
             yield session
         finally:
             with anyio.CancelScope(shield=True):

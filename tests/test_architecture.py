@@ -6,7 +6,7 @@
 - ``native_bridge/`` imports nothing of kvrt;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
 - inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
-  actor -> generation -> placement -> scoring -> paging -> gate -> layout.
+  mailbox -> prefetch -> actor -> generation -> placement -> scoring -> paging -> gate -> layout.
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ SESSION_LAYERS = [
     "saving",
     "chat",
     "reply",
+    "mailbox",
+    "prefetch",
     "actor",
     "generation",
     "placement",

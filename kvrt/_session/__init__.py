@@ -3,9 +3,11 @@
 Dependencies run one way: ``handle`` (the public :class:`Session`) -> ``saving`` (a
 context saved to a file and resumed in a later process) -> ``chat`` (messages to segments
 in the model's template) -> ``reply`` (a generation as its caller holds it: pieces, the
-completion) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generation``
+completion) -> ``mailbox`` (the one way commands reach the actor, shared by the handle
+and its replies) -> ``prefetch`` (the background job a handle starts for its next
+context) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generation``
 (the continuation, stop sequences, remembered replies) -> ``placement`` (plan -> place ->
-converge; the :class:`Prefetch` a handle starts) -> ``paging`` (evict and export runs,
+converge) -> ``paging`` (evict and export runs,
 restore runs from any cold tier, approximate hits, prefill, room) -> ``gate`` (engine
 calls in threads, derived residency, tallies) -> ``layout`` (segments and blocks:
 synchronous bookkeeping, no ``await``).
@@ -17,9 +19,9 @@ from .gate import SessionPolicies as SessionPolicies
 from .handle import Session as Session
 from .layout import HotWindow as HotWindow
 from .layout import Segment as Segment
-from .placement import Prefetch as Prefetch
 from .placement import context_tokens as context_tokens
 from .placement import segment_tokens as segment_tokens
+from .prefetch import Prefetch as Prefetch
 from .reply import Reply as Reply
 from .saving import SavedSegment as SavedSegment
 from .saving import SavedSession as SavedSession

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import anyio
@@ -21,16 +20,18 @@ from .._errors import (
     SessionClosedError,
 )
 from .._grammar import Grammar, read_response_format
-from .._reports import ContextStatus, Piece, PrefetchReport, SessionReport
+from .._reports import ContextStatus, Piece, SessionReport
 from .._tools import Tool, envelope_grammar, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
-from .actor import Actor, Admit, Call, Command, Ensure, Evict
+from .actor import Actor, Admit, Ensure, Evict
 from .chat import ChatTemplate, Message, messages_of, with_tools
 from .generation import Generate
 from .layout import Segment
-from .placement import Prefetch, ReplyTokens, TokenKey
-from .reply import Reply, Stream
+from .mailbox import Mailbox
+from .placement import ReplyTokens
+from .prefetch import Prefetch
+from .reply import Reply
 from .saving import SavedSession, save_session
 
 __all__ = ["Prefetch", "Session"]
@@ -55,73 +56,19 @@ class Session(metaclass=NoPublicConstructor):
 
     def __init__(self, actor: Actor, name: str, tg: TaskGroup, chat: ChatTemplate) -> None:
         self._actor = actor
+        self._mail = Mailbox(actor, name)
         self._chat = chat
         self.name = name
         self.resumed: ContextStatus | None = None
         """What ``open_session(resume=...)`` restored and computed (None otherwise)."""
         self._tg = tg
-        self._closed = False
-        self._pending: set[Call] = set()
         self._prefetches: set[Prefetch] = set()
         self._next: Prefetch | None = None
         """The newest prefetch, handed to the next ``ensure_context`` with its command."""
-        self._streams: set[Stream] = set()
 
     @property
     def closed(self) -> bool:
-        return self._closed
-
-    # -- plumbing --
-
-    async def _submit(self, command: Command) -> Call:
-        if self._closed:
-            raise SessionClosedError(f"session {self.name!r} is closed")
-        # A stream this task left open (a loop that called the session, a generator kept
-        # half-read) would wait for this task to read it while this call waits behind it:
-        # close it first. Its generation stops where it is, keeping what it generated.
-        me = anyio.get_current_task().id
-        for stream in list(self._streams):
-            if stream.reader == me:
-                stream.close()
-                self._streams.discard(stream)
-        for settled in [c for c in self._pending if c.done.is_set()]:
-            self._pending.discard(settled)  # replies dropped unread leave theirs behind
-        call = Call(command)
-        self._pending.add(call)
-        try:
-            await self._actor.send.send(call)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._pending.discard(call)
-            raise SessionClosedError(f"session {self.name!r} is closed") from None
-        except BaseException:
-            self._pending.discard(call)
-            raise
-        return call
-
-    async def _abandon(self, call: Call) -> None:
-        """Give up on ``call``; if it is running, wait (shielded) until the actor has
-        settled it, so the caller sees the session consistent again. A queued call is
-        skipped by the actor without touching anything, so there is nothing to wait for."""
-        call.abandon()
-        if self._actor.current is call:
-            with anyio.CancelScope(shield=True):
-                await call.done.wait()
-
-    async def _outcome(self, call: Call) -> Any:
-        try:
-            await call.done.wait()
-        except BaseException:
-            await self._abandon(call)
-            raise
-        finally:
-            if call.done.is_set():
-                self._pending.discard(call)
-        if call.error is not None:
-            raise call.error
-        return call.result
-
-    async def _request(self, command: Command) -> Any:
-        return await self._outcome(await self._submit(command))
+        return self._mail.closed
 
     # -- the API --
 
@@ -141,11 +88,11 @@ class Session(metaclass=NoPublicConstructor):
         segments = _segments(segments)
         require = _required(require_visible, segments)
         job, self._next = self._next, None
-        if job is None or job._scope.cancel_called:
-            result: ContextStatus = await self._request(Ensure(segments, require=require))
+        if job is None or job.cancelled:
+            result: ContextStatus = await self._mail.request(Ensure(segments, require=require))
             return result
         try:
-            result = await self._request(Ensure(segments, job._prepared, require))
+            result = await self._mail.request(Ensure(segments, job.prepared(), require))
         finally:
             job.release()  # the call placed the context, failed or was dropped: unpin
         return result
@@ -159,55 +106,20 @@ class Session(metaclass=NoPublicConstructor):
         """
         segments = _segments(segments)
         hold = check_number("hold", hold, low=0.0)
-        if self._closed:
+        if self._mail.closed:
             raise SessionClosedError(f"session {self.name!r} is closed")
         job = Prefetch()
         for older in self._prefetches:
             older.cancel()  # the newest prefetch describes the next call
         self._prefetches.add(job)
         self._next = job
-        self._tg.start_soon(self._prefetch, segments, job, hold)
+        self._tg.start_soon(job.run, self._actor, segments, hold, self._prefetched)
         return job
 
-    async def _prefetch(self, segments: tuple[Segment, ...], job: Prefetch, hold: float) -> None:
-        """Tokenize and pin in the background; the tokenizations reach the actor only inside
-        the next ``Ensure`` command (through ``job._prepared``), never by writing its state."""
-        a = self._actor
-        try:
-            with job._scope:
-                tokens: dict[TokenKey, list[int]] = {}
-                try:
-                    tokenized = await anyio.to_thread.run_sync(
-                        partial(a.tokenize, segments, remember=tokens)
-                    )
-                    keys = a.window.keys_for(tokenized)
-                except Exception as exc:  # the caller's problem, never the runtime's
-                    job._error = exc
-                    return
-                hits = []  # disk and remote hits are read back into RAM ahead of the call
-                await a.cold.discover(keys)
-                for key in keys:
-                    entry = await a.cold.promote(key) if a.cold.tier(key) else None
-                    if entry is not None:
-                        hits.append(entry)
-                job._pins.enter_context(a.cold.pinned(e.key for e in hits))
-                job._report = PrefetchReport(
-                    blocks=len(keys),
-                    tokens=sum(len(t) for _, t in tokenized),
-                    cold_blocks=len(hits),
-                    cold_tokens=sum(e.meta.n_tokens for e in hits),
-                    cold_bytes=sum(e.n_bytes for e in hits),
-                )
-                job._prepared.tokens = tokens
-                job._ready.set()
-                with anyio.move_on_after(hold):
-                    await job._released.wait()
-        finally:
-            job._pins.close()
-            self._prefetches.discard(job)
-            if self._next is job and job._scope.cancel_called:
-                self._next = None
-            job._ready.set()
+    def _prefetched(self, job: Prefetch) -> None:
+        self._prefetches.discard(job)
+        if self._next is job and job.cancelled:
+            self._next = None
 
     def generate(
         self,
@@ -418,7 +330,7 @@ class Session(metaclass=NoPublicConstructor):
             logprobs=logprobs,
             envelope=envelope,
         )
-        return Reply(command, receive, self)
+        return Reply(command, receive, self._mail)
 
     async def generate_text(self, max_tokens: int = 256, **kwargs: Any) -> str:
         """The whole continuation as one string (see :meth:`generate`)."""
@@ -430,12 +342,12 @@ class Session(metaclass=NoPublicConstructor):
 
         Returns the number of tokens that left the hot window.
         """
-        result: int = await self._request(Evict(_target(target)))
+        result: int = await self._mail.request(Evict(_target(target)))
         return result
 
     async def admit(self, target: str | tuple[int, int]) -> int:
         """Restore a segment's (or range's) cold blocks into the hot window, in place."""
-        result: int = await self._request(Admit(_target(target)))
+        result: int = await self._mail.request(Admit(_target(target)))
         return result
 
     async def save(self, path: str | os.PathLike[str]) -> SavedSession:
@@ -444,26 +356,21 @@ class Session(metaclass=NoPublicConstructor):
         process; see :mod:`kvrt._session.saving` for what is and is not saved."""
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
-        return await save_session(self._actor, self._request, path)
+        return await save_session(self._actor, self._mail.request, path)
 
     def explain(self) -> SessionReport:
         """Sizes, every block with its class and residency, cold-store and mailbox figures."""
-        return self._actor.report(self.name, closed=self._closed)
+        return self._actor.report(self.name, closed=self._mail.closed)
 
     async def aclose(self) -> None:
         """Stop the session: pending calls fail, the hot blocks are offered to the cold
         store (as the cold admission policy allows), then the engine context is freed."""
-        if self._closed:
+        if self._mail.closed:
             await self._actor.finished.wait()
             return
-        self._closed = True
         for job in list(self._prefetches):
             job.cancel()
-        for call in list(self._pending):
-            call.abandon(
-                SessionClosedError(f"session {self.name!r} closed before the call finished")
-            )
-        self._actor.send.close()  # the actor drains what is queued, then stops
+        self._mail.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()
 
 

@@ -6,7 +6,6 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from functools import partial
 
 import anyio
@@ -18,7 +17,7 @@ from .._errors import (
     InvalidContextError,
     NotVisibleError,
 )
-from .._reports import ContextStatus, PrefetchReport
+from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency
 from .gate import Tally
 from .layout import Block, Segment
@@ -26,7 +25,6 @@ from .scoring import Scoring
 
 __all__ = [
     "Placement",
-    "Prefetch",
     "Prepared",
     "ReplyTokens",
     "TokenKey",
@@ -103,42 +101,6 @@ class Prepared:
         self.tokens: dict[TokenKey, list[int]] | None = None
         """Set by the prefetch when its tokenizations are done; ``None`` until then."""
         self.cancel = cancel
-
-
-class Prefetch:
-    """A prefetch running in the background for a session's next ``ensure_context``.
-
-    It tokenizes the segments, reads their exact cold hits on disk or in the remote tier
-    back into RAM, and pins them, so they are still in RAM (and need no tokenizing) when
-    the call comes. The pins go when that call has
-    placed the context, when :meth:`cancel` is called, when a newer prefetch replaces this
-    one, when the session closes, or after ``hold`` seconds.
-    """
-
-    def __init__(self) -> None:
-        self._scope = anyio.CancelScope()
-        self._ready = anyio.Event()
-        self._released = anyio.Event()
-        self._pins = ExitStack()
-        self._report: PrefetchReport | None = None
-        self._error: BaseException | None = None
-        self._prepared = Prepared(self.cancel)
-
-    def cancel(self) -> None:
-        """Stop the prefetch and release what it holds at once (harmless once finished)."""
-        self._scope.cancel()
-        self.release()
-
-    def release(self) -> None:
-        self._pins.close()
-        self._released.set()
-
-    async def wait(self) -> PrefetchReport | None:
-        """Wait until the blocks are pinned; what was found (None if cancelled first)."""
-        await self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self._report
 
 
 class Placement(Scoring):

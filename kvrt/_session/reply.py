@@ -4,41 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._errors import KvrtError
 from .._reports import Completion, Piece, Timings, Usage
-from .actor import Actor, Call, Command
+from .actor import Call, Command
 from .generation import Generated
+from .mailbox import Mailbox, Stream
 
-__all__ = ["Caller", "Reply", "Stream"]
-
-
-class Stream:
-    """An open reply's stream and the task that last read from it."""
-
-    def __init__(self, receive: MemoryObjectReceiveStream[Piece]) -> None:
-        self.receive = receive
-        self.reader = anyio.get_current_task().id
-
-    def close(self) -> None:
-        self.receive.close()
-
-
-class Caller(Protocol):
-    """The session handle's side of a call (implemented by :class:`~kvrt.Session`)."""
-
-    _actor: Actor
-    _streams: set[Stream]
-
-    async def _submit(self, command: Command) -> Call: ...
-
-    async def _outcome(self, call: Call) -> Any: ...
-
-    async def _abandon(self, call: Call) -> None: ...
+__all__ = ["Reply"]
 
 
 class Reply:
@@ -56,11 +33,11 @@ class Reply:
         self,
         command: Command,
         receive: MemoryObjectReceiveStream[Piece],
-        session: Caller,
+        mail: Mailbox,
     ) -> None:
         self._command = command
         self._receive = receive
-        self._session = session
+        self._mail = mail
         self._call: Call | None = None
         self._dropped = False
         self._stream: Stream | None = None
@@ -84,7 +61,7 @@ class Reply:
         except BaseException:  # the reader was cancelled: so is the generation
             self._drop()
             if not call.done.is_set():
-                await self._session._abandon(call)
+                await self._mail.abandon(call)
             raise
         assert self._stream is not None
         self._stream.reader = anyio.get_current_task().id
@@ -116,7 +93,7 @@ class Reply:
         call = self._call
         if call is None or self._result is not None or self._error is not None:
             return
-        if self._session._actor.current is not call and not call.done.is_set():
+        if not self._mail.running(call) and not call.done.is_set():
             call.abandon()  # still queued: it never runs
             return
         with anyio.CancelScope(shield=True):
@@ -133,23 +110,23 @@ class Reply:
             if self._dropped:
                 return None
             self._sent = time.perf_counter()
-            self._call = await self._session._submit(self._command)
+            self._call = await self._mail.submit(self._command)
             self._stream = Stream(self._receive)
-            self._session._streams.add(self._stream)
+            self._mail.streams.add(self._stream)
         return self._call
 
     def _drop(self) -> None:
         self._dropped = True
         self._receive.close()
         if self._stream is not None:
-            self._session._streams.discard(self._stream)
+            self._mail.streams.discard(self._stream)
 
     async def _finish(self, call: Call) -> None:
         self._drop()
         if self._result is not None or self._error is not None:
             return
         try:
-            generated: Generated = await self._session._outcome(call)
+            generated: Generated = await self._mail.outcome(call)
         except KvrtError as exc:
             self._error = exc
             raise
