@@ -116,6 +116,17 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     10,000 there, 1,000,000 in global layers); shifts re-rotate each layer by its own."""
 
 
+class TemplateSource(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's chat template as its Jinja source, with the token texts it names."""
+
+    text: str
+    """The Jinja source (as transformers and ``llama-server --jinja`` render it)."""
+    bos_token: str = ""
+    """The text of the beginning-of-sequence token (``bos_token`` in the template)."""
+    eos_token: str = ""
+    """The text of the end-of-sequence token (``eos_token`` in the template)."""
+
+
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine context can do with its KV cache, stated honestly."""
 
@@ -291,5 +302,10 @@ class Engine(Protocol):
     def apply_chat_template(
         self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
     ) -> str: ...
+    def chat_template_source(self) -> TemplateSource | None:
+        """The chat template's Jinja source (None for a base model), which kvrt renders
+        itself where the engine's own rendering cannot (tools, tool calls)."""
+        ...
+
     def open_context(self, n_ctx: int) -> EngineContext: ...
     def close(self) -> None: ...

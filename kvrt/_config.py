@@ -88,6 +88,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     the CPU plugin's ``default`` (faster, bf16 on some CPUs)."""
     parallel: Positive | None = None
     """Engine calls that may run at once across sessions (default: cores / threads)."""
+    chat_template: str | None = None
+    """A chat template to render conversations with instead of the model's own: a Jinja
+    file, or a ``tokenizer_config.json`` holding one (for a model whose own template
+    knows no tools, or has none)."""
     flash_attention: Literal["auto", "on", "off"] = "auto"
     """llama.cpp's flash attention: ``on`` (faster; V rows stored untransposed), ``off``
     (f16, bf16 and f32 caches only), or ``auto``: on only where the KV type needs it (a
@@ -206,6 +210,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
     Setting("engine", "require_exact", "KVRT_REQUIRE_EXACT"),
     Setting("engine", "flash_attention", "KVRT_FLASH_ATTENTION"),
+    Setting("engine", "chat_template", "KVRT_CHAT_TEMPLATE"),
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),

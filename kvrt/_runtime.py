@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,7 +21,8 @@ from ._cold import ColdStats, ColdStore, DiskTier, RemoteTier
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
-from ._errors import ArgumentTypeError, ConfigError, SessionClosedError
+from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
+from ._jinja import JinjaTemplate, read_template_file
 from ._replies import ReplyMemory
 from ._session import (
     Actor,
@@ -63,7 +65,13 @@ class Runtime(metaclass=NoPublicConstructor):
     """
 
     def __init__(
-        self, engine: Engine, info: ModelInfo, config: Config, cold: ColdStore, tg: TaskGroup
+        self,
+        engine: Engine,
+        info: ModelInfo,
+        config: Config,
+        cold: ColdStore,
+        tg: TaskGroup,
+        template: JinjaTemplate | None = None,
     ) -> None:
         self._engine = engine
         self.model_info = info
@@ -74,7 +82,7 @@ class Runtime(metaclass=NoPublicConstructor):
         self._policies: dict[tuple[str, str], Any] = {}
         """One instance per policy name; those that calibrate themselves learn from every
         session's measured work (sessions hold a live view of the values)."""
-        self._chat = ChatTemplate(engine)
+        self._chat = ChatTemplate(engine, template)
         self._replies = ReplyMemory()
         self._closed = False
         self._serial = 0
@@ -398,8 +406,11 @@ async def open_runtime(
                 f"engine must be an engine from kvrt.load_engine, got {type(engine).__name__}"
             )
     cfg = _resolve(backend, model, config)
-    if engine is not None:
-        cfg = msgspec.structs.replace(cfg, engine=engine.config)
+    if engine is not None:  # the engine's settings, but a chat template is the runtime's
+        template = cfg.engine.chat_template or engine.config.chat_template
+        cfg = msgspec.structs.replace(
+            cfg, engine=msgspec.structs.replace(engine.config, chat_template=template)
+        )
     victim = check_policies(cfg)["cold_victim"]
 
     owned = engine is None
@@ -408,6 +419,7 @@ async def open_runtime(
     try:
         info = model_info(engine.facts, cfg)
         _check_fits(info, cfg)
+        chat = _configured_template(engine, cfg)
         budget = info.capacity.host_cold_budget_bytes
         if budget <= 0:
             raise ConfigError(
@@ -427,7 +439,7 @@ async def open_runtime(
         raised: Exception | None = None
         async with anyio.create_task_group() as tg:
             await tg.start(cold.serve)
-            runtime = Runtime._create(engine, info, cfg, cold, tg)
+            runtime = Runtime._create(engine, info, cfg, cold, tg, chat)
             try:
                 yield runtime
             except Exception as exc:
@@ -440,3 +452,21 @@ async def open_runtime(
         if owned:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(engine.close)
+
+
+def _configured_template(engine: Engine, config: Config) -> JinjaTemplate | None:
+    """``engine.chat_template`` read and compiled (its BOS and EOS texts the model's own),
+    or None."""
+    path = config.engine.chat_template
+    if path is None:
+        return None
+    own = engine.chat_template_source()
+    source = read_template_file(
+        str(Path(path).expanduser()),
+        bos_token=own.bos_token if own is not None else "",
+        eos_token=own.eos_token if own is not None else "",
+    )
+    try:
+        return JinjaTemplate(source)
+    except EngineError as exc:
+        raise ConfigError(f"engine.chat_template: {exc}") from None

@@ -54,6 +54,14 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
     parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
     """A JSON Schema of its arguments (an object)."""
 
+    def openai(self) -> dict[str, Any]:
+        """The definition as OpenAI (and a chat template's ``tools``) spell it."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
     """A call the model made."""

@@ -51,6 +51,7 @@ from ._backend import KeySketching as KeySketching
 from ._backend import Logits as Logits
 from ._backend import ModelFacts as ModelFacts
 from ._backend import SamplingParams as SamplingParams
+from ._backend import TemplateSource as TemplateSource
 from ._config import EngineConfig as EngineConfig
 from ._model import GgufMetadata as GgufMetadata
 from ._model import expand_path as expand_path

@@ -287,6 +287,23 @@ class LlamaModel:
         self._check_bounds(token, token)
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def chat_template_source(self) -> tuple[str, str, str] | None:
+        """The GGUF's chat template (Jinja source) and the texts of its BOS and EOS tokens;
+        None when the model has none."""
+        template = llama_cpp.llama_model_chat_template(self._live(), None)
+        if not template:
+            return None
+        marks = []
+        for token in (
+            llama_cpp.llama_vocab_bos(self._vocab),
+            llama_cpp.llama_vocab_eos(self._vocab),
+        ):
+            ok = 0 <= token < self.n_vocab
+            marks.append(
+                self.token_piece(token, special=True).decode("utf-8", "replace") if ok else ""
+            )
+        return template.decode("utf-8", "replace"), marks[0], marks[1]
+
     def apply_chat_template(
         self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool
     ) -> str:

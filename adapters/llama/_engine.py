@@ -11,6 +11,7 @@ from kvrt.backend import (
     EngineConfig,
     GgufMetadata,
     ModelFacts,
+    TemplateSource,
     file_digest,
     physical_cores,
     resolve_model_path,
@@ -238,6 +239,15 @@ class LlamaEngine:
             return self._model.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt
             )
+
+    def chat_template_source(self) -> TemplateSource | None:
+        """The GGUF's ``tokenizer.chat_template`` and its BOS and EOS token texts."""
+        with translate_errors("reading the chat template"):
+            found = self._model.chat_template_source()
+        if found is None:
+            return None
+        text, bos, eos = found
+        return TemplateSource(text=text, bos_token=bos, eos_token=eos)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         check_tokens(tokens, self._facts.n_vocab)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrt import ConfigError, EngineError, InvalidRangeError, ModelLoadError
-from kvrt.backend import EngineConfig, ModelFacts
+from kvrt.backend import EngineConfig, ModelFacts, TemplateSource
 from kvrt.native_bridge.openvino import COLD_BYTES, DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
@@ -251,6 +251,18 @@ class OpenVinoEngine:
                 history, add_generation_prompt=add_generation_prompt
             )
         )
+
+    def chat_template_source(self) -> TemplateSource | None:
+        """The tokenizer's chat template and its BOS and EOS token texts."""
+        with translate_errors("reading the chat template"):
+            text = str(self._tokenizer.get_original_chat_template() or "")
+            if not text:
+                return None
+            return TemplateSource(
+                text=text,
+                bos_token=str(self._tokenizer.get_bos_token() or ""),
+                eos_token=str(self._tokenizer.get_eos_token() or ""),
+            )
 
     # -- contexts --
 

@@ -10,16 +10,19 @@ segment starts with the same tokens and everything up to the new message is reus
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from .._backend import Engine
+from .._call_formats import CallFormat
 from .._checks import check_choice, check_text
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
+from .._jinja import JinjaTemplate
 from .._replies import ReplyMemory
-from .._tools import Tool, ToolChoice, render_envelope, tools_prompt
+from .._tools import Tool, ToolChoice, tools_prompt
 from .._types import CacheClass
 from .layout import Segment
 
@@ -162,24 +165,82 @@ def _tool_calls(where: str, calls: Any) -> tuple[tuple[str, str, str], ...]:
 
 
 class ChatTemplate:
-    """The model's chat template, split into markup and content."""
+    """The model's chat template, split into markup and content.
 
-    def __init__(self, engine: Engine) -> None:
+    The engine renders it (roles and contents), unless a template was configured
+    (``engine.chat_template``) or the conversation needs what only a full rendering gives
+    (tools, tool results): then kvrt renders the Jinja source itself (:mod:`kvrt._jinja`).
+    """
+
+    def __init__(self, engine: Engine, configured: JinjaTemplate | None = None) -> None:
         self._engine = engine
+        self._configured = configured
+        self._adds_bos = bool(engine.tokenize("", add_special=True))
+        self._own: JinjaTemplate | None = None
+        self._own_read = False
         self._frames: dict[tuple[str, bool], tuple[str, str]] = {}
 
     @property
     def has_template(self) -> bool:
         """Whether the model has a chat template (a base model has none)."""
-        return bool(self._engine.facts.chat_template)
+        return self._configured is not None or bool(self._engine.facts.chat_template)
+
+    def tool_template(self) -> JinjaTemplate | None:
+        """The template that shows the model its tools in a call format kvrt knows: the
+        configured one, else the model's own; None when neither does (kvrt then uses
+        its envelope, :mod:`kvrt._tools`)."""
+        template = self._configured or self._model_template()
+        if template is None or not template.knows_tools or template.call_style is None:
+            return None
+        return template
+
+    def _model_template(self) -> JinjaTemplate | None:
+        if not self._own_read:
+            self._own_read = True
+            source = self._engine.chat_template_source()
+            if source is not None:
+                try:
+                    self._own = JinjaTemplate(source)
+                except EngineError:
+                    self._own = None  # Jinja cannot compile it: the engine renders it
+        return self._own
+
+    def check_plain(self, what: str, text: str) -> None:
+        """Refuse ``text`` (rendered as template markup, as a tool definition is) when it
+        holds the text of a control token: markup is read with control tokens parsed, so
+        it would become one."""
+        tokenize = self._engine.tokenize
+        if tokenize(text, add_special=False, parse_special=True) != tokenize(
+            text, add_special=False, parse_special=False
+        ):
+            raise InvalidArgumentError(
+                f"{what} holds the text of one of the model's control tokens, which the chat "
+                "template would turn into markup"
+            )
 
     # -- a whole conversation --
 
-    def conversation(self, messages: Sequence[Message]) -> Conversation:
-        """The conversation as one segment per message, then the reply's segment."""
-        render = self._engine.apply_chat_template
+    def conversation(
+        self,
+        messages: Sequence[Message],
+        *,
+        template: JinjaTemplate | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Conversation:
+        """The conversation as one segment per message, then the reply's segment;
+        rendered by ``template`` with ``tools`` when given (else the configured template,
+        else the engine)."""
+        jinja = template or self._configured
+
+        def render(contents: Sequence[str]) -> str:
+            if jinja is None:
+                pairs = [(m.role, c) for m, c in zip(messages, contents, strict=True)]
+                return self._engine.apply_chat_template(pairs)
+            shown = [_shown(m, c) for m, c in zip(messages, contents, strict=True)]
+            return self._jinja(jinja, shown, tools=tools)
+
         roles = [m.role for m in messages]
-        framed = render([(r, _stand_in(i)) for i, r in enumerate(roles)])
+        framed = render([_stand_in(i) for i in range(len(messages))])
         frames: list[str] = []
         at = 0
         for i in range(len(roles)):
@@ -191,15 +252,9 @@ class ChatTemplate:
             frames.append(framed[at:found])
             at = found + len(_stand_in(i))
         frames.append(framed[at:])
-        contents = [m.content for m in messages]
-        real = render(list(zip(roles, contents, strict=True)))
-        if _joined(frames, contents) != real:
-            contents = [c.strip() for c in contents]  # a template that trims contents
-            if _joined(frames, contents) != real:
-                raise EngineError(
-                    "the model's chat template renders these messages in a way kvrt cannot "
-                    "split into markup and content"
-                )
+        contents = _rendered(
+            frames, [m.content for m in messages], render([m.content for m in messages])
+        )
         segments = []
         for i, (message, frame, content) in enumerate(
             zip(messages, frames, contents, strict=False)
@@ -245,7 +300,7 @@ class ChatTemplate:
         return Segment(name, text, cache_class=cache_class, markup=tuple(markup))
 
     def _render(self, role: str, content: str, generation_prompt: bool) -> str:
-        render = self._engine.apply_chat_template
+        render = self._pairs
         text = render([(role, content)], add_generation_prompt=generation_prompt)
         if role != "system":
             # Some templates insert a default system prompt before a lone user message:
@@ -257,6 +312,32 @@ class ChatTemplate:
             if full.startswith(base):
                 text = full[len(base) :]
         return str(text)
+
+    def _pairs(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        if self._configured is None:
+            return self._engine.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+        shown = [{"role": r, "content": c} for r, c in messages]
+        return self._jinja(self._configured, shown, add_generation_prompt=add_generation_prompt)
+
+    def _jinja(
+        self,
+        template: JinjaTemplate,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """``template``'s rendering, less a leading BOS text where the tokenizer adds the
+        BOS token itself (else the context would open with two)."""
+        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        bos = template.source.bos_token
+        if self._adds_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        return text
 
     def _frame(self, role: str, generation_prompt: bool) -> tuple[str, str]:
         """The template's markup before and after a message's content."""
@@ -272,8 +353,39 @@ class ChatTemplate:
         return found
 
 
-def _joined(frames: Sequence[str], contents: Sequence[str]) -> str:
-    return "".join(f + c for f, c in zip(frames, contents, strict=False)) + frames[-1]
+def _shown(message: Message, content: str) -> dict[str, Any]:
+    """A message as a Jinja template reads it."""
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _rendered(frames: Sequence[str], contents: Sequence[str], real: str) -> list[str]:
+    """Each content as the template rendered it between its frames: as given, trimmed, or
+    escaped as a JSON string (a template that writes a tool result with ``tojson``).
+    Anything else cannot be split into markup and content: an error, never a guess (a
+    guess could read content as markup)."""
+    out: list[str] = []
+    at = 0
+    for i, content in enumerate(contents):
+        if not real.startswith(frames[i], at):
+            break
+        at += len(frames[i])
+        escaped = json.dumps(content, ensure_ascii=False)[1:-1]
+        for shown in dict.fromkeys((content, content.strip(), escaped)):
+            if real.startswith(shown, at) and real.startswith(frames[i + 1], at + len(shown)):
+                out.append(shown)
+                at += len(shown)
+                break
+        else:
+            break
+    if len(out) != len(contents) or at + len(frames[-1]) != len(real):
+        raise EngineError(
+            "the model's chat template renders these messages in a way kvrt cannot split "
+            "into markup and content"
+        )
+    return out
 
 
 def with_tools(
@@ -281,26 +393,26 @@ def with_tools(
     tools: Sequence[Tool],
     choice: ToolChoice,
     replies: ReplyMemory,
-    *,
-    envelope: bool | None,
+    calls: CallFormat,
 ) -> list[Message]:
-    """``messages`` as the model sees them when it answers in a tool-call envelope, or
-    continues a conversation that had one (:mod:`kvrt._tools`): the tools' system section
-    after the conversation's own system message, assistant messages as the text that was
-    generated for them (remembered by their content or their calls' ids; else rendered as
-    the grammar would have written them), and tool results as the user's, named by their
-    tool."""
+    """``messages`` as the model sees them in a conversation with tools, whose calls are
+    written in the format ``calls``: assistant messages as the text that was generated for
+    them (remembered by their content or their calls' ids; else rendered as the format
+    would have written them), so a tool loop reuses every earlier turn. A template that
+    shows its tools reads tool results in its own way; otherwise (kvrt's envelope) the
+    tools get a system section after the conversation's own system message and tool
+    results come back in the user's turn, named by their tool."""
     out: list[Message] = []
     names: dict[str, str] = {}
     for i, message in enumerate(messages):
         # Segments keep the names the messages' own places and roles give them.
         message = msgspec.structs.replace(message, name=message.name or f"{i}:{message.role}")
         if message.role == "assistant":
-            content = _assistant_text(message, replies, wrapped=envelope is True)
+            content = _assistant_text(message, replies, calls)
             for call_id, name, _ in message.tool_calls:
                 names[call_id] = name
             message = msgspec.structs.replace(message, content=content, tool_calls=())
-        elif message.role == "tool":
+        elif message.role == "tool" and not calls.tools_in_template:
             # A template that knows no tools knows no tool role: the result comes back in
             # the user's turn, named by its tool (measured: SmolLM2 then answers with it,
             # where after a "tool" turn it called the tool again and again).
@@ -310,7 +422,7 @@ def with_tools(
                 message, role="user", content=f"{head}: {message.content}"
             )
         out.append(message)
-    if tools and choice != "none":
+    if tools and choice != "none" and not calls.tools_in_template:
         section = Message(
             role="system",
             content=tools_prompt(tools),
@@ -322,17 +434,14 @@ def with_tools(
     return out
 
 
-def _assistant_text(message: Message, replies: ReplyMemory, *, wrapped: bool) -> str:
-    calls = tuple(call_id for call_id, _, _ in message.tool_calls)
-    if calls and all(calls):
-        found = replies.generated(calls=calls)
+def _assistant_text(message: Message, replies: ReplyMemory, calls: CallFormat) -> str:
+    ids = tuple(call_id for call_id, _, _ in message.tool_calls)
+    if ids and all(ids):
+        found = replies.generated(calls=ids)
         if found is not None:
             return found
-    if not calls and message.content:
+    if not ids and message.content:
         found = replies.generated(content=message.content)
         if found is not None:
             return found
-    if calls:
-        pairs = [(name, arguments) for _, name, arguments in message.tool_calls]
-        return render_envelope(message.content, pairs, wrapped=True)
-    return render_envelope(message.content, (), wrapped=wrapped)
+    return calls.render(message.content, [(name, args) for _, name, args in message.tool_calls])

@@ -20,12 +20,13 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._backend import EvictMode, Logits, SamplingParams
+from .._call_formats import CallFormat, CallStream
 from .._errors import ContextNotPlacedError, InvalidRangeError
 from .._grammar import Constraint, Grammar
 from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
 from .._sampling import Sampler, log_softmax
 from .._stops import TextTail
-from .._tools import EnvelopeStream, ToolCall, ToolCallDelta
+from .._tools import ToolCall, ToolCallDelta
 from .._types import CacheClass, Residency
 from .gate import Tally, Written
 from .layout import Segment
@@ -50,9 +51,9 @@ class Generate:
     """What the generated text must match (enforced by a token mask)."""
     logprobs: int | None = None
     """Report each token's log-probability and this many likeliest alternatives."""
-    envelope: bool | None = None
-    """The reply is a tool-call envelope (:mod:`kvrt._tools`): True when a plain answer
-    is wrapped as ``{"response": ...}``, False when it is a response schema's JSON."""
+    calls: CallFormat | None = None
+    """The format the reply's tool calls are written in (:mod:`kvrt._call_formats`), when
+    it may call tools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +99,8 @@ class Generation(Placement):
         self.counters.generate_calls += 1
         self._tally = tally = Tally()
         sampler = Sampler(cmd.sampling)
-        tail = TextTail(cmd.stop if cmd.envelope is None else ())
-        stream = EnvelopeStream(wrapped=cmd.envelope) if cmd.envelope is not None else None
+        tail = TextTail(cmd.stop if cmd.calls is None else ())
+        stream = cmd.calls.stream() if cmd.calls is not None else None
         constraint = None
         if cmd.grammar is not None:  # the first one on an engine reads its vocabulary
             constraint = await anyio.to_thread.run_sync(Constraint, self.engine, cmd.grammar)
@@ -196,14 +197,14 @@ class Generation(Placement):
             elif stream.decided:
                 content = stream.content  # complete, or cut short by max_tokens
             else:
-                content = "" if stream.wrapped else tail.text
+                content = stream.undecided(tail.text)
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
         self.replies.remember(
             tail.text,
             list(tokens),
             tail.kept_text,
-            content=content if cmd.envelope else None,
+            content=content if stream is not None and content != tail.text else None,
             calls=[call.id for call in tool_calls],
         )
         return Generated(
@@ -253,7 +254,7 @@ class Generation(Placement):
             await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
 
 
-def _split(stream: EnvelopeStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
+def _split(stream: CallStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
     """Released text as a piece's content and tool-call deltas (all content without an
     envelope)."""
     if stream is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -11,6 +12,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from .._backend import SamplingParams
+from .._call_formats import CallFormat, call_format
 from .._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
 from .._errors import (
     ArgumentTypeError,
@@ -21,7 +23,7 @@ from .._errors import (
 )
 from .._grammar import Grammar, read_response_format
 from .._reports import ContextStatus, Piece, SessionReport
-from .._tools import Tool, envelope_grammar, read_tool_choice, read_tools
+from .._tools import Tool, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
 from .actor import Actor, Admit, Ensure, Evict
@@ -225,22 +227,35 @@ class Session(metaclass=NoPublicConstructor):
         choice = read_tool_choice(tool_choice, tool_list)
         grammar, schema = read_response_format(response_format)
         parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
-        envelope: bool | None = None
-        if tool_list and choice != "none":
-            envelope = schema is None and (grammar is None)
-            if grammar is not None and schema is None:
-                raise InvalidArgumentError(
-                    "response_format with tools must be json_object or json_schema (a regex or "
-                    "grammar cannot be combined with tool calls)"
-                )
-            grammar = envelope_grammar(tool_list, choice, parallel=parallel, response_schema=schema)
         if tool_list and not self._chat.has_template:
             raise InvalidArgumentError(
                 "this model has no chat template (a base model), so it cannot be given tools: "
                 "use a chat model"
             )
-        shown = with_tools(read, tool_list, choice, self._actor.replies, envelope=envelope)
-        conversation = self._chat.conversation(shown)
+        active = bool(tool_list) and choice != "none"
+        if active and grammar is not None and schema is None:
+            raise InvalidArgumentError(
+                "response_format with tools must be json_object or json_schema (a regex or "
+                "grammar cannot be combined with tool calls)"
+            )
+        template = None
+        if tool_list or any(m.role == "tool" or m.tool_calls for m in read):
+            template = self._chat.tool_template()
+        calls = call_format(
+            template.call_style if template is not None else None,
+            tool_list,
+            wrapped=active and schema is None,
+        )
+        if active:
+            grammar = calls.grammar(tool_list, choice, parallel=parallel, response_schema=schema)
+        shown = with_tools(read, tool_list, choice, self._actor.replies, calls)
+        if template is not None:
+            definitions = [tool.openai() for tool in tool_list] if active else None
+            if definitions:
+                self._chat.check_plain("a tool definition", json.dumps(definitions))
+            conversation = self._chat.conversation(shown, template=template, tools=definitions)
+        else:
+            conversation = self._chat.conversation(shown)
         replies: dict[str, ReplyTokens] = {}
         for message, seg in zip(shown, conversation.segments, strict=False):
             content = [text for text, special in seg.pieces() if not special]
@@ -258,7 +273,7 @@ class Session(metaclass=NoPublicConstructor):
             replies=replies,
             grammar=grammar,
             logprobs=_logprobs(logprobs),
-            envelope=envelope,
+            calls=calls if active else None,
         )
 
     def complete(
@@ -305,7 +320,7 @@ class Session(metaclass=NoPublicConstructor):
         replies: dict[str, ReplyTokens] | None = None,
         grammar: Grammar | None = None,
         logprobs: int | None = None,
-        envelope: bool | None = None,
+        calls: CallFormat | None = None,
     ) -> Reply:
         """The reply of a generation (with a context to place first), arguments checked."""
         max_tokens = check_int("max_tokens", max_tokens, low=0)
@@ -328,7 +343,7 @@ class Session(metaclass=NoPublicConstructor):
             replies=replies,
             grammar=grammar,
             logprobs=logprobs,
-            envelope=envelope,
+            calls=calls,
         )
         return Reply(command, receive, self._mail)
 

@@ -42,6 +42,8 @@ _HELP = {
     "model": "path of a GGUF model (default: the embedded SmolLM2-135M-Instruct)",
     "kv_type": "KV cache type: f32, f16, bf16, q8_0, ... (OpenVINO: f32, f16, bf16, u8)",
     "flash_attention": "llama.cpp flash attention: auto, on or off (default auto)",
+    "chat_template": "a Jinja chat template file (or tokenizer_config.json) to use instead "
+    "of the model's own",
     "threads": "engine threads (default: physical cores)",
     "context": "logical context a request asks for (caps hot and planner context)",
     "hot_tokens": "cap on the hot window in tokens",
