@@ -135,6 +135,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     partial_window: str = "recompute"
     """Whether KV computed while earlier blocks were not hot is computed again once its
     whole prefix fits hot."""
+    write_through: str = "stable"
+    """Which blocks are copied to the cold store as soon as they are computed."""
+    message_class: str = "system_pinned"
+    """Which cache class a chat message's segment gets from its role."""
 
 
 class DiskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -226,6 +230,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policies", "restore", "KVRT_RESTORE_POLICY"),
     Setting("policies", "approximate", "KVRT_APPROXIMATE_POLICY"),
     Setting("policies", "partial_window", "KVRT_PARTIAL_WINDOW_POLICY"),
+    Setting("policies", "write_through", "KVRT_WRITE_THROUGH_POLICY"),
+    Setting("policies", "message_class", "KVRT_MESSAGE_CLASS_POLICY"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}

@@ -159,12 +159,14 @@ class Runtime(metaclass=NoPublicConstructor):
         restore: str | None = None,
         approximate: str | None = None,
         partial_window: str | None = None,
+        write_through: str | None = None,
+        message_class: str | None = None,
         resume: str | os.PathLike[str] | SavedSession | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
         The policy names (``hot_eviction``, ``cold_admission``, ``restore``,
-        ``approximate``, ``partial_window``) override the runtime's configured ones for
+        ``approximate``, ``partial_window``, ``write_through``, ``message_class``) override the runtime's configured ones for
         this session.
         ``resume`` (a file :meth:`Session.save` wrote, or what it returned) lays that
         context out again before the session is yielded, restoring every block the cold
@@ -225,6 +227,8 @@ class Runtime(metaclass=NoPublicConstructor):
             restore=self.policy("restore", restore),
             approximate=self.policy("approximate", approximate),
             partial_window=self.policy("partial_window", partial_window),
+            write_through=self.policy("write_through", write_through),
+            message_class=self.policy("message_class", message_class),
             runtime=self._policies.values(),
         )
         self._serial += 1

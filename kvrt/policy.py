@@ -14,6 +14,8 @@ orders or accepts among what may.
 | ``restore`` | :class:`Restore` | restore an exact cold hit, or compute it again |
 | ``approximate`` | :class:`Approximate` | accept the same tokens computed after another prefix |
 | ``partial_window`` | :class:`PartialWindow` | compute again KV that saw a partial window, once the whole prefix fits |
+| ``write_through`` | :class:`WriteThrough` | which blocks are copied to the cold store as soon as they are computed |
+| ``message_class`` | :class:`MessageClass` | which cache class a chat message's segment gets from its role |
 
 Register a factory (usually the class) under a kind and a name, then pick it by that name
 in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
@@ -70,11 +72,13 @@ __all__ = [
     "Estimating",
     "HotEviction",
     "KeyScoring",
+    "MessageClass",
     "PartialWindow",
     "PartialWindowQuery",
     "Relevance",
     "Restore",
     "RestoreQuery",
+    "WriteThrough",
     "create",
     "names",
     "register",
@@ -127,6 +131,23 @@ class PartialWindow(Protocol):
         """Whether to compute again a block whose KV was computed while earlier tokens of
         its context were not hot, now that its whole prefix fits hot (True: the context
         becomes exact; False: the KV is kept and the context stays labelled not exact)."""
+        ...
+
+
+@runtime_checkable
+class WriteThrough(Protocol):
+    def write_through(self, block: BlockView) -> bool:
+        """Whether ``block`` is copied to the cold store as soon as it is computed (so
+        another session sending the same prefix restores it while this one still holds
+        it hot), not only when it leaves the hot window."""
+        ...
+
+
+@runtime_checkable
+class MessageClass(Protocol):
+    def cache_class(self, role: str) -> CacheClass:
+        """The cache class of a chat message's segment by its role (``system``, ``user``,
+        ``assistant``, ``tool``), where the message does not set its own."""
         ...
 
 
@@ -199,6 +220,8 @@ KINDS: dict[str, type] = {
     "restore": Restore,
     "approximate": Approximate,
     "partial_window": PartialWindow,
+    "write_through": WriteThrough,
+    "message_class": MessageClass,
 }
 """Every policy kind and the protocol its policies implement."""
 

@@ -17,8 +17,10 @@ from . import approximate as approximate
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import hot_eviction as hot_eviction
+from . import message_class as message_class
 from . import partial_window as partial_window
 from . import restore as restore
+from . import write_through as write_through
 from .approximate import AllowApproximate as AllowApproximate
 from .approximate import AllowStableApproximate as AllowStableApproximate
 from .approximate import BlendApproximate as BlendApproximate
@@ -30,12 +32,17 @@ from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import KeyRelevance as KeyRelevance
 from .hot_eviction import LexicalRelevance as LexicalRelevance
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
+from .message_class import SystemPinned as SystemPinned
+from .message_class import Unclassed as Unclassed
 from .partial_window import KeepPartial as KeepPartial
 from .partial_window import RecomputePartial as RecomputePartial
 from .restore import AlwaysRestore as AlwaysRestore
 from .restore import CalibratedCost as CalibratedCost
 from .restore import NeverRestore as NeverRestore
 from .restore import SizeThreshold as SizeThreshold
+from .write_through import AllThrough as AllThrough
+from .write_through import NoneThrough as NoneThrough
+from .write_through import StableThrough as StableThrough
 
 get = create
 """A new instance of a registered policy (``kvrt.policy.create``)."""

@@ -10,7 +10,7 @@ import kvrt
 import kvrt.policy
 from kvrt import Config, Residency
 
-from ._agent import FILE_A, FILE_B, SYSTEM, greedy
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, greedy, loaded
 
 pytestmark = pytest.mark.anyio
 
@@ -177,3 +177,43 @@ async def test_a_policy_of_ones_own_plugs_in_by_name(
         kvrt.policy.register("hot_eviction", "newest_first", NewestFirst)
     with pytest.raises(kvrt.ConfigError, match="unknown policy kind 'hot'"):
         kvrt.policy.register("hot", "x", NewestFirst)
+
+
+@pytest.mark.parametrize(
+    ("through", "written"), [("stable", {"system"}), ("none", set()), ("all", None)]
+)
+async def test_the_write_through_policy_picks_what_is_copied_once_computed(
+    through: str, written: set[str] | None
+) -> None:
+    """Blocks leave nothing in the cold store until evicted, except those the policy
+    writes through: by default the system prompt (task_pinned), also files with ``all``."""
+    ctx = [
+        kvrt.Segment("system", SYSTEM, cache_class=kvrt.CacheClass.TASK_PINNED),
+        kvrt.Segment("file:a.py", FILE_A[:200]),
+        kvrt.Segment("user", "What does add_2 return?"),
+    ]
+    async with (
+        kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024, write_through=through) as s,
+    ):
+        await s.ensure_context(ctx)
+        blocks = s.explain().blocks
+        picked = [b for b in blocks if written is None or b.segment in written]
+        assert rt.cold_stats().entries == len(picked)  # copies of hot blocks, nothing else
+
+
+@pytest.mark.parametrize(
+    ("chosen", "system_class"), [(None, "task_pinned"), ("volatile", "volatile")]
+)
+async def test_the_message_class_policy_classes_chat_messages_by_role(
+    chosen: str | None, system_class: str
+) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    async with (
+        kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt,
+        rt.open_session(message_class=chosen) as s,
+    ):
+        await s.chat(messages, max_tokens=1)
+        classes = {b.segment: b.cache_class for b in s.explain().blocks}
+        assert classes["0:system"] == system_class
+        assert classes["1:user"] == "volatile"

@@ -7,23 +7,20 @@ hits, pins, and the choice of victims when an entry needs room.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from .._types import ColdEntryView
+from ..policy import ColdVictim
 from .entry import ColdEntry, ColdKey
 
-__all__ = ["ColdVictimPolicy", "Outcome", "RamTier"]
+__all__ = ["Outcome", "RamTier"]
 
 Outcome = Literal["committed", "present", "too_large", "no_room", "full"]
 """What admitting an entry did: ``committed``; ``present`` (already held, touched);
 ``too_large`` (over the whole budget); ``no_room`` (a spare copy that does not fit in the
 free room); ``full`` (every droppable entry gone, still no room)."""
-
-
-class ColdVictimPolicy(Protocol):
-    def order(self, entries: Sequence[ColdEntryView]) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -38,7 +35,7 @@ class Slot:
 class RamTier:
     """Entries in RAM, never more than ``budget_bytes``."""
 
-    def __init__(self, budget_bytes: int, policy: ColdVictimPolicy) -> None:
+    def __init__(self, budget_bytes: int, policy: ColdVictim) -> None:
         self.budget_bytes = budget_bytes
         self.bytes = 0
         self.puts = self.evictions = self.refused = 0

@@ -35,9 +35,10 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from .._errors import ColdStoreFullError, KvrtError
+from ..policy import ColdVictim
 from .disk import DiskTier
 from .entry import ColdEntry, ColdKey
-from .ram import ColdVictimPolicy, Outcome, RamTier
+from .ram import Outcome, RamTier
 from .remote import RemoteTier
 from .stats import ColdStats
 
@@ -74,7 +75,7 @@ class ColdStore:
     def __init__(
         self,
         budget_bytes: int,
-        victim_policy: ColdVictimPolicy,
+        victim_policy: ColdVictim,
         *,
         queue_size: int = 16,
         disk: DiskTier | None = None,

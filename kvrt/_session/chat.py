@@ -11,7 +11,7 @@ segment starts with the same tokens and everything up to the new message is reus
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -226,10 +226,13 @@ class ChatTemplate:
         *,
         template: JinjaTemplate | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        classify: Callable[[str], CacheClass] | None = None,
     ) -> Conversation:
         """The conversation as one segment per message, then the reply's segment;
         rendered by ``template`` with ``tools`` when given (else the configured template,
-        else the engine)."""
+        else the engine). ``classify`` gives a message's class by its role where the
+        message sets none (the session's ``message_class`` policy; by default system
+        messages ``task_pinned``, the rest ``volatile``)."""
         jinja = template or self._configured
 
         def render(contents: Sequence[str]) -> str:
@@ -259,7 +262,7 @@ class ChatTemplate:
         for i, (message, frame, content) in enumerate(
             zip(messages, frames, contents, strict=False)
         ):
-            default = CacheClass.TASK_PINNED if message.role == "system" else CacheClass.VOLATILE
+            default = (classify or _system_pinned)(message.role)
             segments.append(
                 Segment(
                     message.name or f"{i}:{message.role}",
@@ -351,6 +354,10 @@ class ChatTemplate:
                 )
             found = self._frames[(role, generation_prompt)] = (head, tail)
         return found
+
+
+def _system_pinned(role: str) -> CacheClass:
+    return CacheClass.TASK_PINNED if role == "system" else CacheClass.VOLATILE
 
 
 def _shown(message: Message, content: str) -> dict[str, Any]:

@@ -26,8 +26,10 @@ from ..policy import (
     Calibrating,
     ColdAdmission,
     HotEviction,
+    MessageClass,
     PartialWindow,
     Restore,
+    WriteThrough,
 )
 from .layout import Block, HotWindow
 from .provenance import APPROXIMATE, Provenance, partial_key
@@ -46,6 +48,8 @@ class SessionPolicies:
     restore: Restore
     approximate: Approximate
     partial_window: PartialWindow
+    write_through: WriteThrough
+    message_class: MessageClass
     runtime: Iterable[object] = ()
     """Every policy instance of the runtime (a live view): those that calibrate themselves
     learn from every session's measured restores and prefills."""

@@ -253,9 +253,14 @@ class Session(metaclass=NoPublicConstructor):
             definitions = [tool.openai() for tool in tool_list] if active else None
             if definitions:
                 self._chat.check_plain("a tool definition", json.dumps(definitions))
-            conversation = self._chat.conversation(shown, template=template, tools=definitions)
         else:
-            conversation = self._chat.conversation(shown)
+            definitions = None
+        conversation = self._chat.conversation(
+            shown,
+            template=template,
+            tools=definitions,
+            classify=self._actor.policies.message_class.cache_class,
+        )
         replies: dict[str, ReplyTokens] = {}
         for message, seg in zip(shown, conversation.segments, strict=False):
             content = [text for text, special in seg.pieces() if not special]

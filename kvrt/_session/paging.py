@@ -21,7 +21,7 @@ from .._errors import (
     ColdStoreFullError,
     HotWindowFullError,
 )
-from .._types import ApproximateQuery, CacheClass, Residency, RestoreQuery
+from .._types import ApproximateQuery, Residency, RestoreQuery
 from ..policy import (
     Blending,
     Estimating,
@@ -32,9 +32,8 @@ from .provenance import APPROXIMATE
 
 PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
 
-__all__ = ["WRITE_THROUGH", "Paging"]
+__all__ = ["Paging"]
 
-WRITE_THROUGH = frozenset({CacheClass.TASK_PINNED, CacheClass.REPO_MAP})
 """Cache classes whose blocks go to the cold store as soon as they are computed."""
 
 
@@ -357,12 +356,14 @@ class Paging(EngineGate):
         """Compute adjacent blocks in one engine call (batched: many small segments cost
         one call, not one each).
 
-        Stable blocks (``task_pinned``, ``repo_map``) are written through to the cold
-        store as soon as they are computed, so a session sending the same prefix restores
-        them; while they are being computed, such a session waits for them.
+        Blocks the write-through policy picks (by default the stable classes,
+        ``task_pinned`` and ``repo_map``) are written through to the cold store as soon as
+        they are computed, so a session sending the same prefix restores them; while they
+        are being computed, such a session waits for them.
         """
         ids = {b.id for b in blocks}
-        stable = [b for b in blocks if b.cache_class in WRITE_THROUGH]
+        through = self.policies.write_through
+        stable = [b for b in blocks if through.write_through(self.window.view(b))]
         fingerprint = self.window.fingerprint
         # Announced before the first await: a session checking for these blocks now waits.
         with self.cold.computing(b.key(fingerprint) for b in stable):

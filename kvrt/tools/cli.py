@@ -58,6 +58,8 @@ _HELP = {
     "restore": "restore-vs-recompute policy (always, never, size_threshold, calibrated)",
     "approximate": "approximate-hit policy (never, allow, stable_only, blend:R)",
     "partial_window": "partial-window KV once its prefix fits hot (recompute, keep)",
+    "write_through": "blocks copied to the cold store once computed (stable, none, all)",
+    "message_class": "a chat message's cache class by role (system_pinned, volatile)",
     "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
 
