@@ -29,10 +29,7 @@ def context(*files: tuple[str, str], question: str) -> list[kvrt.Segment]:
 
 async def next_logits(session: kvrt.Session) -> np.ndarray:
     """The logits the session's next generated token would be chosen from."""
-    actor = session._actor
-    if actor._override is not None:  # logits kept from when the last block was evicted
-        return actor._override
-    return await actor._engine("logits", actor.ctx.logits)
+    return await session.next_logits()
 
 
 async def greedy(session: kvrt.Session, n: int) -> list[int]:

@@ -152,6 +152,7 @@ SESSION_LAYERS = [
     "paging",
     "gate",
     "provenance",
+    "arguments",
     "layout",
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvrt
@@ -178,3 +179,21 @@ async def test_bad_input() -> None:
             config=kvrt.load_config(env={}, flags={"hot_eviction": "fifo"})
         ):
             pass
+
+
+async def test_next_logits_are_what_generation_draws_from() -> None:
+    async with (
+        kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt,
+        rt.open_session() as s,
+    ):
+        with pytest.raises(kvrt.InvalidRangeError, match="ensure_context first"):
+            await s.next_logits()
+        await s.ensure_context([kvrt.Segment("user", "The capital of France is")])
+        logits = await s.next_logits()
+        assert logits.shape == (rt.model_info.model.n_vocab,) and logits.dtype == np.float32
+        logits[:] = 0  # a copy: the session's own are untouched
+        first = [p.token async for p in s.generate(1, stop_at_end=False)]
+        again = await s.next_logits()  # after the generated token, computed by the step
+        await s.ensure_context([kvrt.Segment("user", "The capital of France is")])
+        assert int(np.argmax(await s.next_logits())) == first[0]
+        assert not np.array_equal(again, await s.next_logits())

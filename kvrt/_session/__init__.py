@@ -9,7 +9,8 @@ context) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generatio
 (the continuation, stop sequences, remembered replies) -> ``placement`` (plan -> place ->
 converge) -> ``paging`` (evict and export runs,
 restore runs from any cold tier, approximate hits, prefill, room) -> ``gate`` (engine
-calls in threads, derived residency, tallies) -> ``layout`` (segments and blocks:
+calls in threads, derived residency, tallies) -> ``provenance`` (what each token's KV
+attended to) -> ``arguments`` (a call's arguments checked) -> ``layout`` (segments and blocks:
 synchronous bookkeeping, no ``await``).
 """
 

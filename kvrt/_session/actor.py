@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 from anyio.abc import TaskStatus
 
 from .._cold import ColdKey
@@ -29,7 +31,17 @@ from .generation import Generate, Generation
 from .layout import Block, Segment
 from .placement import Prepared
 
-__all__ = ["Actor", "Admit", "Call", "Command", "Ensure", "Evict", "Generate", "Snapshot"]
+__all__ = [
+    "Actor",
+    "Admit",
+    "Call",
+    "Command",
+    "Ensure",
+    "Evict",
+    "Generate",
+    "NextLogits",
+    "Snapshot",
+]
 
 CLOSE_OFFER_SECONDS = 30.0
 """At most this long copying a closing session's hot blocks to the cold store."""
@@ -60,7 +72,12 @@ class Snapshot:
     """Copy the hot blocks to the cold store (they stay hot) and describe the context."""
 
 
-Command = Ensure | Generate | Evict | Admit | Snapshot
+@dataclass(frozen=True, slots=True)
+class NextLogits:
+    """The logits after the context's last token."""
+
+
+Command = Ensure | Generate | Evict | Admit | Snapshot | NextLogits
 
 
 @dataclass(slots=True, eq=False)
@@ -160,6 +177,15 @@ class Actor(Generation):
                 return await self._admit_target(target)
             case Snapshot():
                 return await self._snapshot()
+            case NextLogits():
+                return await self._next_logits()
+
+    async def _next_logits(self) -> npt.NDArray[np.float32]:
+        self._check_placed()
+        await self._last_logits()
+        held = self._override
+        logits = held if held is not None else await self._engine("logits", self.ctx.logits)
+        return np.array(logits, dtype=np.float32, copy=True)
 
     async def _snapshot(
         self,

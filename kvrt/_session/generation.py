@@ -108,13 +108,7 @@ class Generation(Placement):
         produced, first_at, finish = 0, None, "length"
         pending: Piece | None = None
         async with cmd.out:
-            if self.window.length == 0:
-                raise InvalidRangeError("nothing to continue: call ensure_context first")
-            if not self.placed:
-                raise ContextNotPlacedError(
-                    "the last ensure_context was cancelled or failed before its context was in "
-                    "place: send the context again (ensure_context, chat or complete)"
-                )
+            self._check_placed()
             start = self.window.length
             await self._last_logits()
             prompt = self.origins([*placing, tally], end=start)
@@ -226,6 +220,16 @@ class Generation(Placement):
             first_token_at=first_at,
             ended=time.perf_counter(),
         )
+
+    def _check_placed(self) -> None:
+        """Refuse to continue a context that is empty or was not placed whole."""
+        if self.window.length == 0:
+            raise InvalidRangeError("nothing to continue: call ensure_context first")
+        if not self.placed:
+            raise ContextNotPlacedError(
+                "the last ensure_context was cancelled or failed before its context was in "
+                "place: send the context again (ensure_context, chat or complete)"
+            )
 
     def _logprob(self, logits: Logits, token: int, top: int) -> TokenLogprob:
         """``token``'s log-probability under ``logits`` (masked, if a grammar applies),

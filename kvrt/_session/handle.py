@@ -8,17 +8,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
-import msgspec
+import numpy as np
+import numpy.typing as npt
 from anyio.abc import TaskGroup
 
 from .._backend import SamplingParams
 from .._call_formats import CallFormat, call_format
-from .._checks import check_bool, check_choice, check_int, check_number, check_struct, check_text
+from .._checks import check_bool, check_choice, check_int, check_number, check_text
 from .._errors import (
     ArgumentTypeError,
-    ContextTypeError,
     InvalidArgumentError,
-    InvalidContextError,
     SessionClosedError,
 )
 from .._grammar import Grammar, read_response_format
@@ -26,7 +25,8 @@ from .._reports import ContextStatus, Piece, SessionReport
 from .._tools import Tool, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
-from .actor import Actor, Admit, Ensure, Evict
+from . import arguments
+from .actor import Actor, Admit, Ensure, Evict, NextLogits
 from .chat import ChatTemplate, Message, messages_of, with_tools
 from .generation import Generate
 from .layout import Segment
@@ -87,8 +87,8 @@ class Session(metaclass=NoPublicConstructor):
         sinks) until the next context, or :class:`~kvrt.NotVisibleError` is raised before
         anything moves when they cannot all be hot at once.
         """
-        segments = _segments(segments)
-        require = _required(require_visible, segments)
+        segments = arguments.segments(segments)
+        require = arguments.required(require_visible, segments)
         job, self._next = self._next, None
         if job is None or job.cancelled:
             result: ContextStatus = await self._mail.request(Ensure(segments, require=require))
@@ -106,7 +106,7 @@ class Session(metaclass=NoPublicConstructor):
         ``cancel()`` on the result to stop it, or ``await result.wait()`` for what it found.
         Prefetching never changes the session's context.
         """
-        segments = _segments(segments)
+        segments = arguments.segments(segments)
         hold = check_number("hold", hold, low=0.0)
         if self._mail.closed:
             raise SessionClosedError(f"session {self.name!r} is closed")
@@ -168,14 +168,16 @@ class Session(metaclass=NoPublicConstructor):
         """
         return self._reply(
             max_tokens,
-            _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            arguments.sampling(
+                sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+            ),
             stop,
             buffer,
             segment=check_text("segment", segment, empty=False),
             cache_class=check_choice("cache_class", cache_class, CacheClass),
             stop_at_end=check_bool("stop_at_end", stop_at_end),
-            grammar=_grammar(grammar),
-            logprobs=_logprobs(logprobs),
+            grammar=arguments.grammar(grammar),
+            logprobs=arguments.logprobs(logprobs),
         )
 
     def chat(
@@ -222,7 +224,9 @@ class Session(metaclass=NoPublicConstructor):
         likeliest alternatives.
         """
         read = messages_of(messages)
-        params = _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = arguments.sampling(
+            sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
         tool_list = read_tools(tools)
         choice = read_tool_choice(tool_choice, tool_list)
         grammar, schema = read_response_format(response_format)
@@ -277,7 +281,7 @@ class Session(metaclass=NoPublicConstructor):
             context=conversation.segments,
             replies=replies,
             grammar=grammar,
-            logprobs=_logprobs(logprobs),
+            logprobs=arguments.logprobs(logprobs),
             calls=calls if active else None,
         )
 
@@ -302,13 +306,15 @@ class Session(metaclass=NoPublicConstructor):
         segment = Segment("prompt", check_text("prompt", prompt, empty=False))
         return self._reply(
             max_tokens,
-            _sampling(sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            arguments.sampling(
+                sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+            ),
             stop,
             buffer,
             segment="completion",
             context=(segment,),
-            grammar=_grammar(grammar),
-            logprobs=_logprobs(logprobs),
+            grammar=arguments.grammar(grammar),
+            logprobs=arguments.logprobs(logprobs),
         )
 
     def _reply(
@@ -329,7 +335,7 @@ class Session(metaclass=NoPublicConstructor):
     ) -> Reply:
         """The reply of a generation (with a context to place first), arguments checked."""
         max_tokens = check_int("max_tokens", max_tokens, low=0)
-        stops = _stops(stop)
+        stops = arguments.stops(stop)
         size = (
             self._actor.config.stream_buffer
             if buffer is None
@@ -357,17 +363,25 @@ class Session(metaclass=NoPublicConstructor):
         completion = await self.generate(max_tokens, **kwargs)
         return completion.text
 
+    async def next_logits(self) -> npt.NDArray[np.float32]:
+        """The model's logits for the token after the context (a copy, one per vocabulary
+        entry): what :meth:`generate` would draw its first token from, before any grammar
+        mask or sampling. Computes the context's last token again only when nothing holds
+        its logits."""
+        result: npt.NDArray[np.float32] = await self._mail.request(NextLogits())
+        return result
+
     async def evict(self, target: str | tuple[int, int]) -> int:
         """Move a segment (by name) or the blocks inside a position range to the cold store.
 
         Returns the number of tokens that left the hot window.
         """
-        result: int = await self._mail.request(Evict(_target(target)))
+        result: int = await self._mail.request(Evict(arguments.target(target)))
         return result
 
     async def admit(self, target: str | tuple[int, int]) -> int:
         """Restore a segment's (or range's) cold blocks into the hot window, in place."""
-        result: int = await self._mail.request(Admit(_target(target)))
+        result: int = await self._mail.request(Admit(arguments.target(target)))
         return result
 
     async def save(self, path: str | os.PathLike[str]) -> SavedSession:
@@ -392,96 +406,3 @@ class Session(metaclass=NoPublicConstructor):
             job.cancel()
         self._mail.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()
-
-
-def _segments(segments: Any) -> tuple[Segment, ...]:
-    """``segments`` as a tuple of :class:`Segment`, or an error naming what is wrong."""
-    if isinstance(segments, (str, bytes, Segment, Mapping)) or not isinstance(segments, Iterable):
-        raise ContextTypeError(
-            f"segments must be a sequence of kvrt.Segment, got {type(segments).__name__}"
-        )
-    out = tuple(segments)
-    for i, seg in enumerate(out):
-        if not isinstance(seg, Segment):
-            raise ContextTypeError(
-                f"segments[{i}] must be a kvrt.Segment, got {type(seg).__name__}"
-            )
-    if not out:
-        raise InvalidContextError("the context is empty: give at least one segment")
-    return out
-
-
-def _required(names: Any, segments: tuple[Segment, ...]) -> tuple[str, ...]:
-    if isinstance(names, str) or not isinstance(names, Iterable):
-        raise ArgumentTypeError(
-            f"require_visible must be a list of segment names, got {type(names).__name__}"
-        )
-    required = tuple(names)
-    known = {s.name for s in segments}
-    for name in required:
-        if not isinstance(name, str):
-            raise ArgumentTypeError(f"require_visible names must be str, got {name!r}")
-        if name not in known:
-            raise InvalidContextError(
-                f"require_visible names {name!r}, which is not a segment of this context"
-            )
-    return required
-
-
-def _target(target: Any) -> str | tuple[int, int]:
-    """A segment name or a ``(start, end)`` position range, checked."""
-    if isinstance(target, str):
-        return check_text("target segment name", target, empty=False)
-    if isinstance(target, (tuple, list)) and len(target) == 2:
-        start = check_int("range start", target[0], low=0)
-        end = check_int("range end", target[1], low=start + 1)
-        return (start, end)
-    raise ArgumentTypeError(
-        "target must be a segment name or a (start, end) position range, got "
-        f"{type(target).__name__} {target!r}"[:200]
-    )
-
-
-def _sampling(
-    sampling: SamplingParams | Mapping[str, Any] | None, **given: float | int | None
-) -> SamplingParams:
-    """``sampling`` with the keyword arguments given on top (they win)."""
-    params = (
-        SamplingParams() if sampling is None else check_struct("sampling", sampling, SamplingParams)
-    )
-    changes = {k: v for k, v in given.items() if v is not None}
-    if not changes:
-        return params
-    return check_struct("sampling", {**msgspec.structs.asdict(params), **changes}, SamplingParams)
-
-
-def _grammar(grammar: Any) -> Grammar | None:
-    if grammar is not None and not isinstance(grammar, Grammar):
-        raise ArgumentTypeError(
-            f"grammar must be a kvrt.Grammar (Grammar.json_schema, .regex, .lark, .gbnf), got "
-            f"{type(grammar).__name__}"
-        )
-    return grammar
-
-
-def _logprobs(logprobs: Any) -> int | None:
-    """``logprobs``: how many alternatives to report per token (0 to 20), or None."""
-    if logprobs is None:
-        return None
-    return check_int("logprobs", logprobs, low=0, high=20)
-
-
-def _stops(stop: Any) -> tuple[str, ...]:
-    """Stop sequences: a string, a sequence of strings, or None."""
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Iterable):
-        raise ArgumentTypeError(
-            f"stop must be a string or a list of strings, got {type(stop).__name__}"
-        )
-    out = tuple(check_text("a stop sequence", s, empty=False) for s in stop)
-    if len(out) > 16:
-        raise InvalidArgumentError(f"at most 16 stop sequences, got {len(out)}")
-    return out

@@ -79,13 +79,6 @@ def per_filler(engine: Engine) -> int:
     return len(engine.tokenize(FILLER, add_special=False))
 
 
-def _next_logits(session: Session) -> np.ndarray:
-    """The logits the session's next token would be drawn from."""
-    actor = session._actor
-    held = actor._override
-    return np.asarray(held if held is not None else actor.ctx.logits(), dtype=np.float64)
-
-
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     top = float(np.max(logits))
     return logits - (top + math.log(float(np.sum(np.exp(logits - top)))))
@@ -100,7 +93,7 @@ async def ask(
 ) -> Answer:
     """Greedy answer contains the key, teacher-forced log-prob of ``gold``, first argmax."""
     await session.ensure_context([*body, Segment("q", question)])
-    first = _next_logits(session)
+    first = np.asarray(await session.next_logits(), dtype=np.float64)
     argmax = int(np.argmax(first))
     answer = (await session.generate(max_tokens=len(gold) + 1)).text
     logprob = 0.0
@@ -108,7 +101,7 @@ async def ask(
         if k:
             answered = Segment("q", question + text(list(gold[:k])))
             await session.ensure_context([*body, answered])
-        logits = first if k == 0 else _next_logits(session)
+        logits = first if k == 0 else np.asarray(await session.next_logits(), dtype=np.float64)
         logprob += float(_log_softmax(logits)[token])
     key = text(list(gold)).strip()
     return key in answer, logprob, argmax
