@@ -7,6 +7,7 @@ import pytest
 
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
+from kvrt._session import context_tokens
 
 from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded
 
@@ -197,3 +198,39 @@ async def test_next_logits_are_what_generation_draws_from() -> None:
         await s.ensure_context([kvrt.Segment("user", "The capital of France is")])
         assert int(np.argmax(await s.next_logits())) == first[0]
         assert not np.array_equal(again, await s.next_logits())
+
+
+@pytest.mark.parametrize("edit", ["question", "file"])
+async def test_a_context_diverging_inside_a_block_restores_the_tokens_it_shares(
+    edit: str,
+) -> None:
+    """Another session's context that differs from a cold one only from some token on —
+    a question reworded, a file edited in its middle — restores every token before the
+    divergence (the block holding it comes back, its tokens after the divergence go) and
+    computes only the rest; the next-token logits equal computing it all."""
+    question = "What does add_3 return? Answer in one word."
+    changed = FILE_A.replace("return a + b + 9", "return a - b + 9")
+    first = context(("file:a.py", FILE_A), question=question)
+    ctx = (
+        context(("file:a.py", FILE_A), question="What does add_3 return? Explain it.")
+        if edit == "question"
+        else context(("file:a.py", changed), question=question)
+    )
+    async with kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt:
+        async with rt.open_session() as a:
+            await a.ensure_context(first)
+        async with rt.open_session() as b:
+            status = await b.ensure_context(ctx)
+            got = await b.next_logits()
+            report = b.explain()
+        async with rt.open_session(restore="never") as fresh:  # computes everything
+            computed = await fresh.ensure_context(ctx)
+            want = await fresh.next_logits()
+        old, new = context_tokens(rt.engine, first), context_tokens(rt.engine, ctx)
+    shared = next(i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y)
+    assert computed.restored_tokens == 0 and computed.prefilled_tokens == len(new)
+    assert status.restored_tokens == shared  # to the token, not to the last whole block
+    assert status.prefilled_tokens == len(new) - shared
+    assert status.exact and np.array_equal(got, want)
+    choices = [b.choice or "" for b in report.blocks]
+    assert sum("leading tokens restored" in c for c in choices) == 1

@@ -44,6 +44,8 @@ class RamTier:
         self._policy = policy
         self._slots: dict[ColdKey, Slot] = {}
         self._by_tokens: dict[tuple[str, str], dict[ColdKey, None]] = {}
+        self._by_place: dict[tuple[str, str, int], dict[ColdKey, None]] = {}
+        """Entries by model, prefix and position: the blocks a context may continue."""
         self._pins: dict[ColdKey, int] = {}
         self._clock = 0
         self._next_id = 0
@@ -78,6 +80,11 @@ class RamTier:
         if not found:
             return None
         return max(found, key=lambda s: (s.entry.key.start == key.start, s.last_used)).entry
+
+    def placed_at(self, fingerprint: str, prefix: str, start: int) -> list[ColdEntry]:
+        """The entries that begin at ``start`` after the prefix ``prefix`` (any tokens)."""
+        found = self._by_place.get((fingerprint, prefix, start), ())
+        return [self._slots[k].entry for k in found]
 
     def pin(self, keys: Iterable[ColdKey]) -> list[ColdKey]:
         """Pin the entries under ``keys`` that are here; the keys pinned."""
@@ -119,6 +126,8 @@ class RamTier:
         self._next_id += 1
         self._slots[entry.key] = Slot(self._next_id, entry, self._clock, spare)
         self._by_tokens.setdefault((entry.key.fingerprint, entry.key.tokens), {})[entry.key] = None
+        place = (entry.key.fingerprint, entry.key.prefix, entry.key.start)
+        self._by_place.setdefault(place, {})[entry.key] = None
         self.bytes += entry.n_bytes
         self.puts += 1
         return "committed"
@@ -163,6 +172,11 @@ class RamTier:
         del same[key]
         if not same:
             del self._by_tokens[index]
+        place = (key.fingerprint, key.prefix, key.start)
+        here = self._by_place[place]
+        del here[key]
+        if not here:
+            del self._by_place[place]
         self.bytes -= slot.entry.n_bytes
         self.evictions += 1
         self.on_drop(key)

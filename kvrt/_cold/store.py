@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -204,6 +204,28 @@ class ColdStore:
         if entry is not None and count:
             self.count_approximate(entry.key)
         return entry
+
+    def leading(
+        self, fingerprint: str, prefix: str, start: int, tokens: Sequence[int]
+    ) -> tuple[ColdEntry, int] | None:
+        """The entry in RAM at ``start`` after ``prefix`` (so computed with the same
+        tokens before it) that shares the longest run of leading tokens with ``tokens``,
+        and that run's length; None when none shares any. Its first tokens' KV is exactly
+        what computing them would give: a context that diverges inside a block restores
+        them, then computes only from the divergence."""
+        best: tuple[ColdEntry, int] | None = None
+        for entry in self.ram.placed_at(fingerprint, prefix, start):
+            held = entry.meta.tokens
+            n = 0
+            for a, b in zip(held, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (entry, n)
+        if best is not None:
+            self.ram.get(best[0].key, touch=True)
+        return best
 
     def count_approximate(self, key: ColdKey) -> None:
         """Record the entry under ``key`` as used for an approximate hit (and touch it)."""

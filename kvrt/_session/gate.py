@@ -8,6 +8,7 @@ The hot-window bookkeeping it consults (:mod:`.layout`) is synchronous and free 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -163,6 +164,18 @@ class EngineGate:
             )
         finally:
             self._resident = None  # the engine's record may have changed
+
+    def _observed_restore(self, began: float, n_bytes: int) -> None:
+        """Hand a restore measured since ``began`` to every policy that calibrates itself."""
+        seconds = time.perf_counter() - began
+        for policy in self.policies.learners():
+            policy.observe_restore(n_bytes, seconds)
+
+    def _observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
+        """Hand a prefill measured since ``began`` to every policy that calibrates itself."""
+        seconds = time.perf_counter() - began
+        for policy in self.policies.learners():
+            policy.observe_prefill(start, n_tokens, seconds)
 
     def resident(self) -> dict[int, int]:
         """Position -> token of what the engine holds (rebuilt after every engine call)."""

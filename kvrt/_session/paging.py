@@ -229,18 +229,6 @@ class Paging(EngineGate):
             self.choices[block.id] = f"{where} ({why})" if why else where
         return len(run)
 
-    def _observed_restore(self, began: float, n_bytes: int) -> None:
-        """Hand a restore measured since ``began`` to every policy that calibrates itself."""
-        seconds = time.perf_counter() - began
-        for policy in self.policies.learners():
-            policy.observe_restore(n_bytes, seconds)
-
-    def _observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
-        """Hand a prefill measured since ``began`` to every policy that calibrates itself."""
-        seconds = time.perf_counter() - began
-        for policy in self.policies.learners():
-            policy.observe_prefill(start, n_tokens, seconds)
-
     def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
             cache_class=block.cache_class,
@@ -377,7 +365,11 @@ class Paging(EngineGate):
             label, missing = await self._compute(tokens, first.start + done, keep | ids)
             if stable:
                 await self._write_back(stable, spare=True)
-        self._tally.reused += done
+        # Leading tokens already resident were reused, or restored from a block that
+        # diverges from this one later on (counted as restored when they came back).
+        sources = self._tally.sources
+        leading = sum(sources.get(p) == "restored" for p in range(first.start, first.start + done))
+        self._tally.reused += done - leading
         self._tally.prefilled -= done
         for block in blocks:
             self._tally.prefilled += block.n_tokens
@@ -391,6 +383,11 @@ class Paging(EngineGate):
                 choice = (
                     "recomputed: its whole prefix is hot again, so its partial-window KV was "
                     "replaced (partial-window policy)"
+                )
+            elif block is first and leading:
+                choice = (
+                    f"{leading} leading tokens restored from a cold block that diverges after "
+                    "them, the rest prefilled"
                 )
             else:
                 choice = "prefilled"

@@ -5,6 +5,7 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
@@ -18,8 +19,8 @@ from .._errors import (
     NotVisibleError,
 )
 from .._reports import ContextStatus
-from .._types import PartialWindowQuery, Residency
-from .gate import Tally
+from .._types import PartialWindowQuery, Residency, RestoreQuery
+from .gate import Tally, Written
 from .layout import Block, Segment
 from .scoring import Scoring
 
@@ -334,6 +335,9 @@ class Placement(Scoring):
                 await self._truncate_from(layout[j].start + resumes)
                 if j > 0 and self.state(layout[j - 1]) is Residency.COLD:
                     await self._restore(layout[j - 1], set())
+                if not resumes:
+                    keep = {layout[j - 1].id} if j else set()
+                    await self._restore_leading(layout[j], keep)
                 computing, i = True, j
                 continue
             if i and self.state(layout[i - 1]) is not Residency.HOT:
@@ -355,6 +359,39 @@ class Placement(Scoring):
                 run.append(after)
             await self._prefill(run, pred)
             i += len(run)
+
+    async def _restore_leading(self, block: Block, keep: set[int]) -> None:
+        """Where the context diverges inside ``block``, restore the leading tokens it
+        shares with a cold block at its place (the same tokens before it, so the same KV):
+        the whole block comes back in place, then its tokens after the divergence go, and
+        computing resumes there. Exact reuse reaches the longest shared prefix, not the
+        last whole block. Only when the restore policy would restore those tokens."""
+        if self.ctx.capabilities.sliding_window:
+            return  # not measured exact there: windowed layers keep only the window's KV
+        found = self.cold.leading(self.window.fingerprint, block.prefix, block.start, block.tokens)
+        if found is None:
+            return
+        entry, shared = found
+        shared = min(shared, block.n_tokens - 1)  # a whole match is an exact hit, not this
+        held = entry.meta.n_tokens
+        query = RestoreQuery(
+            cache_class=block.cache_class, start=block.start, n_tokens=shared, n_bytes=entry.n_bytes
+        )
+        if shared < 1 or held > self._room(keep) or not self.policies.restore.restore(query):
+            return
+        start = block.start
+        with self.cold.pinned([entry.key]):
+            await self._make_room(held, keep | {block.id})
+            began = time.perf_counter()
+            await self._engine(
+                "admit",
+                self.ctx.admit_run,
+                [entry.block],
+                writes=[Written(start, start + held, None, "restored")],
+            )
+            self._observed_restore(began, entry.n_bytes)
+            await self._engine("evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP)
+        self._tally.restored += shared
 
     async def _computed_elsewhere(self, block: Block) -> bool:
         """Wait while another session computes ``block`` (the same tokens after the same
