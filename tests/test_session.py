@@ -234,3 +234,36 @@ async def test_a_context_diverging_inside_a_block_restores_the_tokens_it_shares(
     assert status.exact and np.array_equal(got, want)
     choices = [b.choice or "" for b in report.blocks]
     assert sum("leading tokens restored" in c for c in choices) == 1
+
+
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+async def test_tokens_after_a_segment_replaced_in_place_are_computed_again(backend: str) -> None:
+    """A file replaced by another of the same token length, which the cold store holds:
+    it is restored in place, and what follows it — the same tokens at the same positions,
+    but computed after the old file — is computed again, not reused: the logits equal a
+    fresh computation of the new context (bit for bit on llama.cpp; on OpenVINO, whose
+    logits depend on the batch cut, the greedy continuation)."""
+    old = "alpha beta gamma delta " * 10
+    new = "alpha beta gamma delta " * 9 + "alpha beta gamma theta "
+    tail = [kvrt.Segment("b", FILE_B[:300]), kvrt.Segment("q", "What does mul_2 return?")]
+    async with kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt:
+        tokenize = rt.engine.tokenize
+        assert len(tokenize(old, add_special=False)) == len(tokenize(new, add_special=False))
+        system = kvrt.Segment("system", SYSTEM)
+        async with rt.open_session() as other:  # leaves the new file's block in the store
+            await other.ensure_context([system, kvrt.Segment("f", new), tail[1]])
+        ctx = [system, kvrt.Segment("f", new), *tail]
+        async with rt.open_session() as s:
+            await s.ensure_context([system, kvrt.Segment("f", old), *tail])
+            status = await s.ensure_context(ctx)
+            got, first = await s.next_logits(), await greedy(s, 8)
+        async with rt.open_session(restore="never") as fresh:
+            await fresh.ensure_context(ctx)
+            want, reference = await fresh.next_logits(), await greedy(fresh, 8)
+    n_tail = len(context_tokens(rt.engine, ctx)) - len(context_tokens(rt.engine, ctx[:2]))
+    assert status.restored_tokens >= len(tokenize(new, add_special=False))
+    assert status.prefilled_tokens >= n_tail  # nothing after the file was reused
+    assert status.exact
+    if backend == "llama":
+        assert np.array_equal(got, want)
+    assert first == reference

@@ -97,6 +97,8 @@ class ColdStore:
         """What closing the store did with the writes still queued (None before close)."""
         self._writers = writers
         self._writing: dict[ColdKey, ColdEntry] = {}
+        self._written: anyio.Event | None = None
+        """Set when a write below RAM finishes, for whoever waits on one (then replaced)."""
         """Entries queued for the tiers below or being written: served from here meanwhile."""
         self._spill_send, self._spill_receive = anyio.create_memory_object_stream[ColdEntry](
             queue_size
@@ -148,7 +150,9 @@ class ColdStore:
         wanted = list(keys)
         with anyio.move_on_after(timeout):
             while any(k in self._writing for k in wanted):
-                await anyio.sleep(0.01)
+                if self._written is None:
+                    self._written = anyio.Event()
+                await self._written.wait()
 
     # -- reads (any task) --
 
@@ -421,6 +425,9 @@ class ColdStore:
                 finally:
                     self._writing.pop(entry.key, None)
                     self.pending -= 1
+                    written, self._written = self._written, None
+                    if written is not None:
+                        written.set()
 
     # -- bookkeeping (synchronous) --
 

@@ -33,7 +33,7 @@ from ..policy import (
     WriteThrough,
 )
 from .layout import Block, HotWindow
-from .provenance import APPROXIMATE, Provenance, partial_key
+from .provenance import APPROXIMATE, Place, Provenance, partial_key
 
 __all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
 
@@ -94,12 +94,15 @@ class Tally:
 
 class Written(NamedTuple):
     """Positions an engine call makes resident: the provenance mark their KV gets (see
-    :mod:`.provenance`; None: exact) and where it comes from (a :class:`Tally` source)."""
+    :mod:`.provenance`; None: exact), where it comes from (a :class:`Tally` source) and,
+    where no block of the layout holds them yet (a generated token), the place of the
+    block that will (start, prefix)."""
 
     start: int
     end: int
     mark: str | None
     source: str
+    place: tuple[int, str] | None = None
 
 
 class EngineGate:
@@ -156,6 +159,8 @@ class EngineGate:
             self.fault(label)
         for w in writes:
             self.provenance.set(w.start, w.end, w.mark)
+            places = [(w.start, w.end, w.place)] if w.place is not None else self._places()
+            self.provenance.attend(w.start, w.end, places)
             self._tally.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
         self._resident = None
         try:
@@ -177,11 +182,22 @@ class EngineGate:
         for policy in self.policies.learners():
             policy.observe_prefill(start, n_tokens, seconds)
 
-    def resident(self) -> dict[int, int]:
-        """Position -> token of what the engine holds (rebuilt after every engine call)."""
+    def resident(self, layout: Sequence[Block] | None = None) -> dict[int, int]:
+        """Position -> token of what the engine holds (rebuilt after every engine call),
+        as the blocks of the window (or of ``layout``) see it: a position whose KV was
+        computed in another place than the block there shows
+        :data:`~.provenance.FOREIGN`, which matches no token (see :mod:`.provenance`)."""
+        if layout is not None:
+            raw = HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+            return self.provenance.screen(raw, self._places(layout))
         if self._resident is None:
-            self._resident = HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+            raw = HotWindow.resident_map(self.ctx.positions, self.ctx.tokens)
+            self._resident = self.provenance.screen(raw, self._places())
         return self._resident
+
+    def _places(self, layout: Sequence[Block] | None = None) -> list[tuple[int, int, Place]]:
+        blocks = self.window.blocks if layout is None else layout
+        return [(b.start, b.end, (b.start, b.prefix)) for b in blocks]
 
     def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
         found = self.window.residency(

@@ -139,8 +139,12 @@ class Generation(Placement):
                 at = self.window.length
                 if self._tally.evicted != evicted:  # the window lost earlier tokens
                     label, evicted = self.label_at(at)[0], self._tally.evicted
+                place = self.window.append_place(cmd.segment)
                 logits = await self._engine(
-                    "step", self.ctx.step, token, writes=[Written(at, at + 1, label, "generated")]
+                    "step",
+                    self.ctx.step,
+                    token,
+                    writes=[Written(at, at + 1, label, "generated", place)],
                 )
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1

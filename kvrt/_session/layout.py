@@ -229,10 +229,22 @@ class HotWindow:
     def adopt(self, layout: list[Block]) -> None:
         self.blocks = layout
 
+    def append_place(self, segment: str) -> tuple[int, str]:
+        """The start and prefix of the block a token of ``segment`` appended now joins."""
+        last = self.blocks[-1] if self.blocks else None
+        if last is not None and not self._starts_block(last, segment):
+            return last.start, last.prefix
+        if last is None:
+            return 0, token_digest(())
+        return self.length, token_digest(last.tokens, last.prefix.encode())
+
+    def _starts_block(self, last: Block, segment: str) -> bool:
+        return last.segment != segment or last.n_tokens >= self.block_tokens
+
     def append_token(self, token: int, segment: str, cache_class: CacheClass) -> Block:
         """Record a generated token at the end of the context (a new block when full)."""
         last = self.blocks[-1] if self.blocks else None
-        if last is None or last.segment != segment or last.n_tokens >= self.block_tokens:
+        if last is None or self._starts_block(last, segment):
             prefix = token_digest(())
             if last is not None:
                 prefix = token_digest(last.tokens, last.prefix.encode())

@@ -169,7 +169,7 @@ class Placement(Scoring):
         copies = self.window.partial_copies  # forget the copies the store let go
         self.window.partial_copies = {k: v for k, v in copies.items() if v in self.cold}
         await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
-        resident = self.resident()
+        resident = self.resident(layout)  # as the new layout's blocks see the engine
         tally.reused = sum(
             b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
         )

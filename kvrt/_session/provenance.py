@@ -13,6 +13,14 @@ token's bytes). Otherwise it is one of:
   asks for (:func:`partial_key`), in RAM, and recomputed by policy once its whole prefix
   fits hot again.
 
+Whatever its mark, a position's KV is also tied to *where in which context* it was
+computed: the start and prefix digest of the block that held it then (``attend``). A
+block of a later layout reuses resident KV only where that record is its own start and
+prefix, and its tokens match: the same tokens after other tokens — an earlier segment
+replaced by one of the same length, restored in place — attended to something else, and
+:meth:`Provenance.screen` hides them from the bookkeeping (:data:`FOREIGN`), so they are
+computed again.
+
 Positions with exact KV carry no mark. A mark is set *before* the engine call that makes
 its position resident (compute or restore), never after, so a call cancelled once the
 engine had finished can only leave a mark that under-promises. Marks of positions no
@@ -26,14 +34,21 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from .._cold import PARTIAL_PREFIX, ColdKey
 
-__all__ = ["APPROXIMATE", "Provenance", "partial_key"]
+__all__ = ["APPROXIMATE", "FOREIGN", "Provenance", "partial_key"]
 
 APPROXIMATE = "~"
 """The mark of approximate KV."""
+
+FOREIGN = -1
+"""What a resident position shows in place of its token when its KV was computed in
+another place of the context than the block now there (never equal to a token)."""
+
+Place = tuple[int, str]
+"""Where KV was computed: its block's start and prefix digest."""
 
 
 def partial_key(exact: ColdKey, labels: frozenset[str]) -> ColdKey:
@@ -58,6 +73,7 @@ class Provenance:
 
     def __init__(self) -> None:
         self._marks: dict[int, str] = {}
+        self._places: dict[int, Place] = {}
         self._salt = os.urandom(8).hex()
         self._serial = 0
 
@@ -73,6 +89,29 @@ class Provenance:
                 self._marks.pop(p, None)
         else:
             self._marks.update(dict.fromkeys(range(start, end), label))
+
+    def attend(self, start: int, end: int, places: Iterable[tuple[int, int, Place]]) -> None:
+        """Positions ``[start, end)`` are about to hold KV computed as part of the blocks
+        ``places`` gives (``(block start, block end, (start, prefix))``); positions no
+        block covers get no place (their KV is reused by no block)."""
+        for p in range(start, end):
+            self._places.pop(p, None)
+        for b_start, b_end, place in places:
+            lo, hi = max(start, b_start), min(end, b_end)
+            if lo < hi:
+                self._places.update(dict.fromkeys(range(lo, hi), place))
+
+    def screen(
+        self, resident: dict[int, int], blocks: Iterable[tuple[int, int, Place]]
+    ) -> dict[int, int]:
+        """``resident`` (position -> token) with :data:`FOREIGN` in place of the token of
+        every position in ``blocks`` whose KV was computed in another place (in place)."""
+        places = self._places
+        for b_start, b_end, place in blocks:
+            for p in range(b_start, b_end):
+                if p in resident and places.get(p) != place:
+                    resident[p] = FOREIGN
+        return resident
 
     def labels(self, start: int, end: int, resident: Mapping[int, int]) -> frozenset[str]:
         """The marks of the resident positions in ``[start, end)``."""
