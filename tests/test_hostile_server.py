@@ -245,10 +245,19 @@ def test_clients_that_leave_give_their_session_back(server: Server) -> None:
     wait_for(lambda: metric(server, "kvrt_sessions_busy") == 0, 30)
 
     # Two streams whose clients never read: closed after the stall timeout, sessions free.
+    # Their answer is held to a long form (kvrt's regex response format), so it fills the
+    # buffers whatever the model would say, instead of ending where a story might.
+    endless = chat_body(
+        model,
+        "Tell a very long story.",
+        max_tokens=3000,
+        stream=True,
+        response_format={"type": "regex", "regex": "(once upon a time, ){200}"},
+    )
     stalled = [connect(server, rcvbuf=4096) for _ in range(2)]
     for sock in stalled:
         sock.sendall(
-            head("POST", "/v1/chat/completions", {"Content-Length": str(len(story))}) + story
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(endless))}) + endless
         )
     wait_for(lambda: gone(server, "stalled") == 2, 120)
     began = time.monotonic()

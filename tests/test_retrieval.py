@@ -10,6 +10,7 @@ import pytest
 
 import kvrt
 from kvrt import Residency
+from kvrt._session.placement import LEADING_MIN_TOKENS
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import AdmitMode, EvictMode
 
@@ -296,10 +297,21 @@ async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> 
         await s.ensure_context(ctx(("file:a.py", FILE_A), question="What does add_13 return?"))
         await s.evict("file:a.py")
         status = await s.ensure_context(ctx(("file:a.py", edited), question="And now?"))
-        assert status.restored_tokens == same * block  # the unchanged blocks come back
+        # The unchanged blocks come back, and the edited block's tokens before the edit.
+        lead = next(i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y)
+        lead -= same * block
+        lead = lead if lead >= LEADING_MIN_TOKENS else 0
+        assert status.restored_tokens == same * block + lead
         choices = [b.choice for b in blocks_of(s.explain(), "file:a.py")]
         assert choices[:same] == ["restored from cold"] * same
-        assert set(choices[same:]) == {"prefilled"}
+        edited_first = (
+            f"{lead} leading tokens restored from a cold block that diverges after them, "
+            "the rest prefilled"
+            if lead
+            else "prefilled"
+        )
+        assert choices[same] == edited_first
+        assert set(choices[same + 1 :]) <= {"prefilled"}
 
 
 def test_a_blend_splices_the_restored_tail_after_the_recomputed_head(engine: LlamaEngine) -> None:

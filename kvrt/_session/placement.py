@@ -25,6 +25,7 @@ from .layout import Block, Segment
 from .scoring import Scoring
 
 __all__ = [
+    "LEADING_MIN_TOKENS",
     "Placement",
     "Prepared",
     "ReplyTokens",
@@ -32,6 +33,10 @@ __all__ = [
     "context_tokens",
     "segment_tokens",
 ]
+
+LEADING_MIN_TOKENS = 8
+"""The fewest leading tokens of a block worth restoring from a cold block that diverges
+after them (a whole block comes back to keep them): fewer are computed with the rest."""
 
 TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
 """What a segment's tokens depend on: its text, whether it opens the context, whether it
@@ -373,11 +378,13 @@ class Placement(Scoring):
             return
         entry, shared = found
         shared = min(shared, block.n_tokens - 1)  # a whole match is an exact hit, not this
+        if shared < LEADING_MIN_TOKENS:
+            return
         held = entry.meta.n_tokens
         query = RestoreQuery(
             cache_class=block.cache_class, start=block.start, n_tokens=shared, n_bytes=entry.n_bytes
         )
-        if shared < 1 or held > self._room(keep) or not self.policies.restore.restore(query):
+        if held > self._room(keep) or not self.policies.restore.restore(query):
             return
         start = block.start
         with self.cold.pinned([entry.key]):
@@ -390,7 +397,10 @@ class Placement(Scoring):
                 writes=[Written(start, start + held, None, "restored")],
             )
             self._observed_restore(began, entry.n_bytes)
-            await self._engine("evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP)
+            if shared < held:  # the cold block may also be this one's prefix (it grew)
+                await self._engine(
+                    "evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP
+                )
         self._tally.restored += shared
 
     async def _computed_elsewhere(self, block: Block) -> bool:
