@@ -8,6 +8,7 @@ import pytest
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
 from kvrt._session import context_tokens
+from kvrt._session.placement import LEADING_MIN_TOKENS
 
 from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded
 
@@ -212,7 +213,7 @@ async def test_a_context_diverging_inside_a_block_restores_the_tokens_it_shares(
     changed = FILE_A.replace("return a + b + 9", "return a - b + 9")
     first = context(("file:a.py", FILE_A), question=question)
     ctx = (
-        context(("file:a.py", FILE_A), question="What does add_3 return? Explain it.")
+        context(("file:a.py", FILE_A), question="What does add_3 return? Answer in one line.")
         if edit == "question"
         else context(("file:a.py", changed), question=question)
     )
@@ -228,6 +229,8 @@ async def test_a_context_diverging_inside_a_block_restores_the_tokens_it_shares(
             want = await fresh.next_logits()
         old, new = context_tokens(rt.engine, first), context_tokens(rt.engine, ctx)
     shared = next(i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y)
+    block_start = max(b.start for b in report.blocks if b.start <= shared)
+    assert shared - block_start >= LEADING_MIN_TOKENS  # the case under test: enough to keep
     assert computed.restored_tokens == 0 and computed.prefilled_tokens == len(new)
     assert status.restored_tokens == shared  # to the token, not to the last whole block
     assert status.prefilled_tokens == len(new) - shared
