@@ -351,16 +351,19 @@ class Server:
                         closing = True
                         raise
             except kvrt.KvrtError as exc:
-                if closing or isinstance(exc, kvrt.OperationCancelledError):
-                    return
-                refusal = _refusal(exc)
-                self.requests[(route, refusal.status)] += 1
-                body = openai.error_body(
-                    str(refusal), kind=refusal.kind, param=refusal.param, code=refusal.code
-                )
-                yield b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+                if not closing and not isinstance(exc, kvrt.OperationCancelledError):
+                    yield self._stream_error(route, exc, event=b"event: error\n")
                 return
         self.requests[(route, 200)] += 1
+
+    def _stream_error(self, route: str, exc: kvrt.KvrtError, *, event: bytes = b"") -> bytes:
+        """A refusal met mid-stream, counted, as the stream's last event."""
+        refusal = _refusal(exc)
+        self.requests[(route, refusal.status)] += 1
+        body = openai.error_body(
+            str(refusal), kind=refusal.kind, param=refusal.param, code=refusal.code
+        )
+        return event + b"data: " + msgspec.json.encode(body) + b"\n\n"
 
     def _stalled(self) -> None:
         self.gone["stalled"] += 1
@@ -392,14 +395,8 @@ class Server:
                 closing = True
                 raise
             except kvrt.KvrtError as exc:
-                if closing or isinstance(exc, kvrt.OperationCancelledError):
-                    return
-                refusal = _refusal(exc)
-                self.requests[(route, refusal.status)] += 1
-                body = openai.error_body(
-                    str(refusal), kind=refusal.kind, param=refusal.param, code=refusal.code
-                )
-                yield b"data: " + msgspec.json.encode(body) + b"\n\n"
+                if not closing and not isinstance(exc, kvrt.OperationCancelledError):
+                    yield self._stream_error(route, exc)
                 return
             self._count(done)
             slot.history = _held(wanted, done)

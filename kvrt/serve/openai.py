@@ -146,7 +146,7 @@ def logprobs_body(done: kvrt.Completion, *, chat: bool) -> dict[str, Any] | None
     if done.logprobs is None:
         return None
     if chat:
-        return {"content": [_chat_logprob(t) for t in done.logprobs], "refusal": None}
+        return {"content": [chat_logprob(t) for t in done.logprobs], "refusal": None}
     return {
         "tokens": [t.text for t in done.logprobs],
         "token_logprobs": [t.logprob for t in done.logprobs],
@@ -155,7 +155,7 @@ def logprobs_body(done: kvrt.Completion, *, chat: bool) -> dict[str, Any] | None
     }
 
 
-def _chat_logprob(t: kvrt.TokenLogprob) -> dict[str, Any]:
+def chat_logprob(t: kvrt.TokenLogprob) -> dict[str, Any]:
     return {
         "token": t.text,
         "logprob": t.logprob,
@@ -331,7 +331,7 @@ def chunk(
     logprobs: dict[str, Any] | None = None
     if piece is not None and piece.logprob is not None:
         if chat:
-            logprobs = {"content": [_chat_logprob(piece.logprob)], "refusal": None}
+            logprobs = {"content": [chat_logprob(piece.logprob)], "refusal": None}
         else:
             t = piece.logprob
             logprobs = {

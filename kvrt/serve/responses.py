@@ -23,7 +23,7 @@ import msgspec
 
 import kvrt
 
-from .openai import RequestError
+from .openai import MAX_BODY, RequestError, chat_logprob
 
 __all__ = ["ResponseStore", "ResponsesRequest", "events", "read", "response_body", "to_messages"]
 
@@ -58,7 +58,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 def read(body: bytes) -> ResponsesRequest:
     """The request, or a :class:`RequestError` naming the field that is wrong or that asks
     for what kvrt does not do."""
-    from .openai import MAX_BODY
 
     if len(body) > MAX_BODY:
         raise RequestError(f"the body is larger than {MAX_BODY} bytes", status=413)
@@ -240,18 +239,7 @@ def _usage(done: kvrt.Completion) -> dict[str, Any]:
 
 def _logprobs(done: kvrt.Completion | None, pieces: list[kvrt.TokenLogprob]) -> list[Any]:
     tokens = list(done.logprobs or ()) if done is not None else pieces
-    return [_logprob(t) for t in tokens]
-
-
-def _logprob(t: kvrt.TokenLogprob) -> dict[str, Any]:
-    return {
-        "token": t.text,
-        "logprob": t.logprob,
-        "bytes": list(t.raw),
-        "top_logprobs": [
-            {"token": a.text, "logprob": a.logprob, "bytes": list(a.raw)} for a in t.top
-        ],
-    }
+    return [chat_logprob(t) for t in tokens]
 
 
 def output_items(done: kvrt.Completion, ids: dict[str, str]) -> list[dict[str, Any]]:
@@ -364,7 +352,7 @@ async def events(
                     part=part,
                 )
             text += piece.text
-            logprobs = [_logprob(piece.logprob)] if piece.logprob is not None else []
+            logprobs = [chat_logprob(piece.logprob)] if piece.logprob is not None else []
             if piece.logprob is not None:
                 chosen.append(piece.logprob)
             yield event(
