@@ -163,6 +163,11 @@ class Counters(msgspec.Struct, kw_only=True):
     """Tokens whose KV came back from cold bytes."""
     admitted_bytes: int = 0
     """Bytes admitted."""
+    relayouts: int = 0
+    """Times the engine's cells were laid out again in position order before computing
+    on a whole context (llama.cpp), so the result equals a fresh context's."""
+    relayout_tokens: int = 0
+    """Tokens those relayouts moved."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -430,12 +430,11 @@ async def open_runtime(
                 "the host cold budget is 0 bytes: kvrt needs room to park evicted blocks "
                 "(set memory.cold, KVRT_MEM_COLD or --mem-cold to a size such as 1GiB)"
             )
-        disk = await _open_disk(info, cfg, victim)
+        disk, remote = await _open_disk(info, cfg, victim), _open_remote(cfg)
         cold = ColdStore(
             budget,
             victim,
-            disk=disk,
-            remote=_open_remote(cfg),
+            tiers=[t for t in (disk, remote) if t is not None],
             flush_timeout=cfg.disk.flush_timeout,
         )
         # An error from the caller's block reaches the caller as itself, not wrapped in

@@ -1,4 +1,5 @@
-"""Keys read out of llama.cpp's sequence state bytes, with RoPE undone.
+"""llama.cpp's sequence state bytes read: their keys, with RoPE undone, and their cells
+put in position order.
 
 ``llama_state_seq_get_data`` writes, for one sequence of a unified (single-stream) KV
 cache: an 8-byte header, the stream count (``u32``, 1 here), the cell count, one record
@@ -31,6 +32,7 @@ __all__ = [
     "KeyRows",
     "LayerRows",
     "StatePart",
+    "order_cells",
     "read_keys",
     "state_parts",
     "unrotate",
@@ -176,6 +178,65 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
     if off != size or not parts:
         raise BridgeArgumentError(f"state bytes hold {size} bytes, their layout says {off}")
     return tuple(parts)
+
+
+def order_cells(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """The same sequence state bytes with each KV cache's cells in position order.
+
+    llama.cpp writes a sequence's cells in the order they sit in its cache and reads them
+    back into consecutive cells in that order; after evictions and restores into other
+    holes that order is not the positions' order, and attention sums the cells in it. Bytes
+    rewritten here load as a fresh context holds them: cell ``k`` of a context holding
+    positions ``0...n-1`` holds position ``k``. Bytes already in order come back as they are.
+
+    Raises :class:`BridgeArgumentError` for bytes :func:`state_parts` refuses, or whose
+    cells belong to more than their own sequence.
+    """
+    parts = state_parts(data)
+    if all(bool(np.all(np.diff(part.positions) > 0)) for part in parts):
+        return data
+    out = np.array(data, dtype=np.uint8, copy=True)
+    off = _HEADER
+    for part in parts:
+        n = part.positions.size
+        off += 8  # stream count, cell count
+        if n == 0:
+            continue
+        order = np.argsort(part.positions, kind="stable")
+        (n_seq,) = struct.unpack_from("<I", out.data, off + 4)
+        size = 8 + 4 * n_seq
+        records = out[off : off + size * n].reshape(n, size)
+        if np.any(records[:, 4:8].view("<u4") != n_seq):
+            raise BridgeArgumentError("state cells name different numbers of sequences")
+        records[:] = records[order]
+        off += size * n
+        off += 8  # v_trans, layer count
+        for layer in part.layers:
+            off = layer.k_offset + layer.k_row * n
+            rows = out[layer.k_offset : off].reshape(n, layer.k_row)
+            rows[:] = rows[order]
+        for layer in part.layers:
+            if part.v_trans:
+                off += 12  # value type, element size, width
+                element = layer.v_row // _v_width(out, off - 4)
+                cols = out[off : off + layer.v_row * n].reshape(-1, n, element)
+                cols[:] = cols[:, order]
+            else:
+                off += 12  # value type, row size
+                rows = out[off : off + layer.v_row * n].reshape(n, layer.v_row)
+                rows[:] = rows[order]
+            off += layer.v_row * n
+    if off != data.size:
+        raise BridgeArgumentError(f"state bytes hold {data.size} bytes, their layout says {off}")
+    out.flags.writeable = False
+    return out
+
+
+def _v_width(buf: npt.NDArray[np.uint8], at: int) -> int:
+    (width,) = struct.unpack_from("<I", buf.data, at)
+    if width == 0:
+        raise BridgeArgumentError("state bytes claim values of width 0")
+    return int(width)
 
 
 def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> KeyRows:

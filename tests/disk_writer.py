@@ -48,7 +48,7 @@ def disk_tier(path: str, budget: int = 1 << 30) -> DiskTier:
 async def main(path: str, first: int, last: int) -> None:
     disk = disk_tier(path)
     disk.open()
-    store = ColdStore(2 * SIZE, policies.get("cold_victim", "class_lru"), disk=disk)
+    store = ColdStore(2 * SIZE, policies.get("cold_victim", "class_lru"), tiers=[disk])
     async with serving(store):
         for i in range(first, last):
             await store.put(block(i))

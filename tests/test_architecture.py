@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,8 +181,11 @@ def test_session_layers_depend_one_way() -> None:
 def test_the_cold_store_stands_below_the_sessions() -> None:
     """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime;
     inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and
-    ``entry``."""
-    order = ["store", "stats", "ram", "disk", "remote", "blockfile", "entry"]
+    ``entry``; the store knows the tiers below RAM only through the ``ColdTier`` protocol
+    (an ordered list), never by kind."""
+    order = ["store", "stats", "ram", "tier", "disk", "remote", "blockfile", "entry"]
+    store = (ROOT / "kvrt" / "_cold" / "store.py").read_text()
+    assert not re.findall(r"\b(?:DiskTier|RemoteTier)\b|self\.(?:disk|remote)\b", store)
     wrong = set()
     for path in modules("kvrt/_cold"):
         for m in kvrt_imports(path):

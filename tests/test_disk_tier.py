@@ -37,7 +37,7 @@ WRITER = [sys.executable, str(HERE / "disk_writer.py")]
 
 def store_over(disk: DiskTier, ram_blocks: int = 2, **kw: object) -> ColdStore:
     victim = policies.get("cold_victim", "class_lru")
-    return ColdStore(ram_blocks * SIZE, victim, disk=disk, **kw)  # type: ignore[arg-type]
+    return ColdStore(ram_blocks * SIZE, victim, tiers=[disk], **kw)  # type: ignore[arg-type]
 
 
 async def settled(store: ColdStore) -> None:

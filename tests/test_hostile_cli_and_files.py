@@ -1,6 +1,8 @@
 """The command line, settings, model files and the OpenVINO model cache under hostile
 input: one line on stderr and exit 2, or a clear kvrt error; never a traceback or an abort.
-Each case runs in a child process, so an abort could not take the test run with it."""
+The tables of bad flags, settings and config files run ``kvrt``'s ``main(argv)`` in this
+process (quick); a few of their cases, and everything touching model files, run in a child
+process too, so an abort could not take the test run with it."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import kvrt
+from kvrt.tools.cli import main
 
 pytestmark = pytest.mark.subprocess
 
@@ -32,56 +36,91 @@ def kvrt_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str], expected: str) -> None:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("kvrt: error: "), proc.stderr[-2000:]
+    _one_error_line(proc.returncode, proc.stderr, expected)
+
+
+def _one_error_line(code: object, stderr: str, expected: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("kvrt: error: "), stderr[-2000:]
     assert expected in lines[0], lines[0]
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["run", "--hot-tokens", "100"], "leave a hot window of 100 tokens"),
-        (["run", "--max-tokens", "-1"], "argument --max-tokens: expected a number from 0"),
-        (["run", "--mem-max", "1MiB"], "leave a hot window of 0 tokens"),
-        (["run", "--mem-reserve", "1000GiB"], "leave a hot window of 0 tokens"),
-        (["run", "--mem-cold", "100000TB"], "memory.cold of"),
-        (["run", "--batch", "0"], "invalid engine.batch from flag --batch"),
-        (["run", "--threads", "x"], "invalid engine.threads from flag --threads"),
-        (["bench", "--decode", "-1"], "argument --decode: expected a number from 1"),
-        (["bench", "--tokens", "-5"], "argument --tokens: expected a number from 16"),
-        (["bench", "--tokens", "0"], "argument --tokens: expected a number from 16"),
-        (["bench", "--tokens", "99999999999"], "argument --tokens: expected a number from 16"),
-        (["bench", "--plot", "/proc/kvrt/x.png", "--turns", "1"], "cannot write the plot"),
-        (["bench", "--sessions", "100"], "--sessions must stay at 16 or below"),
-        (["describe", "--mem-headroom", "200%"], "invalid memory.headroom from flag"),
-        (["describe", "~nosuchuser/x.gguf"], "cannot resolve the model path"),
-        (["nonsense"], "invalid choice: 'nonsense'"),
-    ],
-)
-def test_bad_flags(args: list[str], expected: str) -> None:
-    one_error_line(kvrt_cli(*args), expected)
+@pytest.fixture
+def kvrt_main(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., None]:
+    """``kvrt ARGS`` in this process, with ``env`` set: asserts one error line holding
+    ``expected`` and exit status 2."""
+
+    def call(*args: str, expected: str, env: dict[str, str] | None = None) -> None:
+        monkeypatch.chdir(ROOT)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code: object = main(list(args))
+        except SystemExit as exc:  # argparse's exit
+            code = exc.code
+        _one_error_line(code, capsys.readouterr().err, expected)
+
+    return call
+
+
+BAD_FLAGS = [
+    (["run", "--hot-tokens", "100"], "leave a hot window of 100 tokens"),
+    (["run", "--max-tokens", "-1"], "argument --max-tokens: expected a number from 0"),
+    (["run", "--mem-max", "1MiB"], "leave a hot window of 0 tokens"),
+    (["run", "--mem-reserve", "1000GiB"], "leave a hot window of 0 tokens"),
+    (["run", "--mem-cold", "100000TB"], "memory.cold of"),
+    (["run", "--batch", "0"], "invalid engine.batch from flag --batch"),
+    (["run", "--threads", "x"], "invalid engine.threads from flag --threads"),
+    (["bench", "--decode", "-1"], "argument --decode: expected a number from 1"),
+    (["bench", "--tokens", "-5"], "argument --tokens: expected a number from 16"),
+    (["bench", "--tokens", "0"], "argument --tokens: expected a number from 16"),
+    (["bench", "--tokens", "99999999999"], "argument --tokens: expected a number from 16"),
+    (["bench", "--plot", "/proc/kvrt/x.png", "--turns", "1"], "cannot write the plot"),
+    (["bench", "--sessions", "100"], "--sessions must stay at 16 or below"),
+    (["describe", "--mem-headroom", "200%"], "invalid memory.headroom from flag"),
+    (["describe", "~nosuchuser/x.gguf"], "cannot resolve the model path"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+]
+BAD_SETTINGS = [
+    ({"KVRT_HOT_TOKENS": "1"}, "leave a hot window of 1 tokens"),
+    ({"KVRT_CONTEXT": "100"}, "limited by engine.context"),
+    ({"KVRT_BATCH": "abc"}, "invalid engine.batch from environment variable KVRT_BATCH"),
+    ({"KVRT_MEM_COLD": "-5"}, "invalid memory.cold from environment variable"),
+    ({"KVRT_BACKEND": "tpu"}, "expected one of: llama, openvino"),
+    ({"KVRT_COLD_WAIT": "inf"}, "invalid session.cold_wait"),
+    ({"KVRT_HOT_EVICTION": "fifo"}, "no hot_eviction policy named 'fifo'"),
+    ({"KVRT_CONFIG": "/proc"}, "cannot read config file /proc"),
+    ({"KVRT_MODEL": "/dev/null"}, "model path is not a file: /dev/null"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAGS)
+def test_bad_flags(kvrt_main: Callable[..., None], args: list[str], expected: str) -> None:
+    kvrt_main(*args, expected=expected)
+
+
+@pytest.mark.parametrize(("env", "expected"), BAD_SETTINGS)
+def test_bad_settings(kvrt_main: Callable[..., None], env: dict[str, str], expected: str) -> None:
+    kvrt_main("run", "--sessions", "1", "--max-tokens", "1", expected=expected, env=env)
 
 
 @pytest.mark.parametrize(
-    ("env", "expected"),
+    ("args", "env", "expected"),
     [
-        ({"KVRT_HOT_TOKENS": "1"}, "leave a hot window of 1 tokens"),
-        ({"KVRT_CONTEXT": "100"}, "limited by engine.context"),
-        ({"KVRT_BATCH": "abc"}, "invalid engine.batch from environment variable KVRT_BATCH"),
-        ({"KVRT_MEM_COLD": "-5"}, "invalid memory.cold from environment variable"),
-        ({"KVRT_BACKEND": "tpu"}, "expected one of: llama, openvino"),
-        ({"KVRT_COLD_WAIT": "inf"}, "invalid session.cold_wait"),
-        ({"KVRT_HOT_EVICTION": "fifo"}, "no hot_eviction policy named 'fifo'"),
-        ({"KVRT_CONFIG": "/proc"}, "cannot read config file /proc"),
-        ({"KVRT_MODEL": "/dev/null"}, "model path is not a file: /dev/null"),
+        (BAD_FLAGS[0][0], {}, BAD_FLAGS[0][1]),
+        (BAD_FLAGS[-1][0], {}, BAD_FLAGS[-1][1]),
+        (["run", "--sessions", "1"], *BAD_SETTINGS[2]),
     ],
 )
-def test_bad_settings(env: dict[str, str], expected: str) -> None:
-    one_error_line(kvrt_cli("run", "--sessions", "1", "--max-tokens", "1", env=env), expected)
+def test_bad_input_in_a_child_process(args: list[str], env: dict[str, str], expected: str) -> None:
+    one_error_line(kvrt_cli(*args, env=env), expected)
 
 
-def test_malformed_config_files(tmp_path: Path) -> None:
+def test_malformed_config_files(kvrt_main: Callable[..., None], tmp_path: Path) -> None:
     for name, body, expected in (
         ("cut.json", b'{"engine": {"batch": 1', "is not valid json"),
         ("list.json", b"[1, 2]", "must hold a table of sections"),
@@ -91,7 +130,7 @@ def test_malformed_config_files(tmp_path: Path) -> None:
     ):
         path = tmp_path / name
         path.write_bytes(body)
-        one_error_line(kvrt_cli("describe", env={"KVRT_CONFIG": str(path)}), expected)
+        kvrt_main("describe", expected=expected, env={"KVRT_CONFIG": str(path)})
 
 
 ONE_TOKEN_BATCHES = """

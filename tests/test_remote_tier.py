@@ -84,7 +84,7 @@ def remote_only(url: str) -> kvrt.Config:
 @pytest.mark.anyio
 async def test_an_altered_value_is_refused_and_a_good_one_served(server: Server) -> None:
     victim = policies.get("cold_victim", "class_lru")
-    store = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    store = ColdStore(4 * SIZE, victim, tiers=[RemoteTier(server.url)])
     async with serving(store):
         for i in range(2):
             await store.put(block(i))
@@ -97,7 +97,7 @@ async def test_an_altered_value_is_refused_and_a_good_one_served(server: Server)
     assert isinstance(raw, bytes) and raw.startswith(b"KVRTBLK")
     client.setrange(name, len(raw) - 5, b"X")  # one byte of the payload
 
-    fresh = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    fresh = ColdStore(4 * SIZE, victim, tiers=[RemoteTier(server.url)])
     async with serving(fresh):
         await fresh.discover([block(0).key, block(1).key, block(5).key])
         assert fresh.tier(block(0).key) == fresh.tier(block(1).key) == "remote"
@@ -173,7 +173,7 @@ async def test_a_poisoned_key_is_skipped_and_the_tier_stays_up(server: Server) -
     """A value of another type under a kvrt name (someone's list) is a miss for that key
     alone: the tier stays up and serves the others."""
     victim = policies.get("cold_victim", "class_lru")
-    store = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    store = ColdStore(4 * SIZE, victim, tiers=[RemoteTier(server.url)])
     async with serving(store):
         for i in range(2):
             await store.put(block(i))
@@ -182,7 +182,7 @@ async def test_a_poisoned_key_is_skipped_and_the_tier_stays_up(server: Server) -
     client.delete(key_name(block(0).key))
     client.rpush(key_name(block(0).key), b"not", b"a", b"block")
 
-    fresh = ColdStore(4 * SIZE, victim, remote=RemoteTier(server.url))
+    fresh = ColdStore(4 * SIZE, victim, tiers=[RemoteTier(server.url)])
     async with serving(fresh):
         await fresh.discover([block(0).key, block(1).key])
         assert await fresh.fetch(block(0).key) is None

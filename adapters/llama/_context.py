@@ -3,10 +3,20 @@
 Sequence 0 is the hot window; sequence 1 is scratch for moving ranges in and out as
 bytes (``llama_state_seq_get/set_data``), joined to sequence 0 with ``seq_cp`` in a
 unified cache.
+
+llama.cpp sums attention over a context's cells in the order they sit in its cache, and
+puts new tokens and restored ranges into whatever cells are free. A fresh context holding
+positions ``0...n-1`` has position ``k`` in cell ``k``; after an eviction that leaves a hole,
+writes may land anywhere, and what is computed then differs from the fresh context in the
+last bits. So the window tracks whether its cells are known to be laid out as a fresh
+context's, and before computing tokens on a whole context (every position before them
+resident) whose cells are not, lays it out again: exports it, puts the cells in position
+order, clears the cache and loads them back (:meth:`LlamaEngineContext.relayout`).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,6 +25,7 @@ import numpy.typing as npt
 from kvrt import ColdBlockMismatchError, InvalidRangeError
 from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama_keys import order_cells
 
 from .._errors import translate_errors
 from .._sketch import QUERY_TOKENS
@@ -45,6 +56,9 @@ class LlamaEngineContext(KvWindow):
         self._probe_tokens: list[int] = []
         """What the probe holds at positions 0...: a query that extends it decodes only
         the new tokens."""
+        self._in_order = True
+        """Cell ``k`` holds position ``k`` for every resident position, which are ``0...n-1``:
+        the layout of a fresh context. Cleared by anything that may leave it otherwise."""
 
     @classmethod
     def create(
@@ -99,8 +113,64 @@ class LlamaEngineContext(KvWindow):
             return self._model.is_end_of_generation(token)
 
     def _compute(self, chunk: list[int], start: int) -> None:
+        n = len(self._positions)
+        if not self._in_order and n == start and (not n or self._positions[-1] == n - 1):
+            self.relayout()
         with translate_errors("decoding"):
             self._ctx.decode(chunk, start)
+        self._in_order = self._in_order and start == n
+
+    @property
+    def cells_in_order(self) -> bool:
+        """Whether the cache is known to hold the window as a fresh context would."""
+        return self._in_order
+
+    def relayout(self) -> None:
+        """Lay the window's cells out again as a fresh context's: position order, from
+        cell 0. The window holds the same KV bytes after; if loading them back fails, the
+        window is left empty (the record too) and the error raised.
+
+        The cells go out and back in pieces of at most :attr:`ModelFacts.max_block_tokens`
+        positions, so a windowed layer's KV is kept for every position, as in a block.
+        """
+        if self._in_order or not self._positions:
+            self._in_order = True
+            return
+        first, last = self._positions[0], self._positions[-1] + 1
+        step = self._facts.max_block_tokens or last - first
+        spans = [(s, min(s + step, last)) for s in range(first, last, step)]
+        with translate_errors("laying the window out in position order"):
+            pieces = [
+                order_cells(self._cells(s, e))
+                for s, e in spans
+                if bisect.bisect_left(self._positions, s) < bisect.bisect_left(self._positions, e)
+            ]
+            self._ctx.clear()
+            try:
+                for piece in pieces:
+                    self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(piece))
+                    self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, last)
+                    self._ctx.seq_clear(SCRATCH_SEQ)
+            except BaseException:
+                self._ctx.clear()
+                self._positions.clear()
+                self._tokens.clear()
+                self._logits_pos = None
+                self._in_order = True
+                raise
+        self._in_order = self._positions[-1] == len(self._positions) - 1
+        self._counters.relayouts += 1
+        self._counters.relayout_tokens += len(self._positions)
+
+    def _cells(self, start: int, end: int) -> npt.NDArray[np.uint8]:
+        """The state bytes of the window's positions in [start, end), through the scratch
+        sequence; llama.cpp writes them straight into the returned buffer."""
+        self._ctx.seq_clear(SCRATCH_SEQ)
+        self._ctx.seq_cp(MAIN_SEQ, SCRATCH_SEQ, start, end)
+        try:
+            return self._ctx.state_get(SCRATCH_SEQ)
+        finally:
+            self._ctx.seq_clear(SCRATCH_SEQ)
 
     def _after_failure(self) -> None:
         # A failed decode leaves none of its batch behind; keep the record matching.
@@ -118,6 +188,7 @@ class LlamaEngineContext(KvWindow):
     def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
         with translate_errors(f"evicting [{start}, {end})"):
             last = self._positions[-1]
+            self._in_order = self._in_order and j == len(self._positions) and not shift_tail
             self._ctx.seq_rm(MAIN_SEQ, start, end)
             if shift_tail:
                 self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
@@ -130,17 +201,12 @@ class LlamaEngineContext(KvWindow):
                 f"most {most} (llama.cpp writes a windowed layer's KV only for the last "
                 f"{most} positions of a range)"
             )
-        # llama.cpp writes straight into the returned buffer: one copy, no more.
         with translate_errors(f"exporting [{start}, {end})"):
-            self._ctx.seq_clear(SCRATCH_SEQ)
-            self._ctx.seq_cp(MAIN_SEQ, SCRATCH_SEQ, start, end)
-            try:
-                return self._ctx.state_get(SCRATCH_SEQ)
-            finally:
-                self._ctx.seq_clear(SCRATCH_SEQ)
+            return self._cells(start, end)
 
     def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
+        self._in_order = self._in_order and i == len(self._positions) == target + skip
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
             self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(block.data))
             try:
@@ -205,6 +271,7 @@ class LlamaEngineContext(KvWindow):
     def _reset(self) -> None:
         with translate_errors("clearing the context"):
             self._ctx.clear()
+        self._in_order = True
 
     @property
     def closed(self) -> bool:

@@ -32,6 +32,7 @@ import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import anyio
 import msgspec
@@ -90,8 +91,6 @@ class DiskStats(msgspec.Struct, frozen=True, kw_only=True):
     """Blocks read back and verified."""
     writes: int
     """Blocks written (committed: fsynced and in place)."""
-    pending: int
-    """Writes queued or in flight."""
     write_failures: int
     """Writes that failed (no space, an I/O error, a short write): the block stayed in RAM."""
     lost: int
@@ -162,7 +161,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DiskTier:
-    """Blocks of one model under ``root``, within ``budget_bytes``."""
+    """Blocks of one model under ``root``, within ``budget_bytes``: a
+    :class:`~kvrt._cold.tier.ColdTier`."""
+
+    name: Final = "disk"
 
     def __init__(
         self,
@@ -254,6 +256,9 @@ class DiskTier:
     def __contains__(self, key: object) -> bool:
         return key in self._index
 
+    def close(self) -> None:
+        """Nothing held open: every file is closed after its transfer."""
+
     def size(self, key: ColdKey) -> int | None:
         record = self._index.get(key)
         return record.size if record is not None else None
@@ -266,7 +271,6 @@ class DiskTier:
             budget_bytes=self.budget_bytes,
             hits=self.hits,
             writes=self.writes,
-            pending=0,
             write_failures=self.write_failures,
             lost=self.lost,
             corrupt=self.corrupt,
@@ -309,9 +313,17 @@ class DiskTier:
 
     # -- transfers (async; the file work in threads) --
 
+    async def discover(self, keys: Sequence[ColdKey]) -> int:
+        """Nothing to learn: the index is this process's view of the folder."""
+        return 0
+
+    def left_ram(self, key: ColdKey) -> None:
+        if not key.session_local:
+            self.lost += 1
+
     async def write(self, entry: ColdEntry) -> bool:
-        """Write ``entry``'s block; True once it is on disk (False: too large for the
-        budget). An ``OSError`` (no space, I/O error, short write) propagates, counted."""
+        """Write ``entry``'s block; True once it is on disk. False, counted, when it is
+        too large for the budget or the write fails (no space, I/O error, short write)."""
         if entry.key in self._index:
             return True
         head, payload = blockfile.encode(entry)
@@ -325,7 +337,7 @@ class DiskTier:
         except OSError as exc:
             self.write_failures += 1
             self.last_error = f"writing a block: {exc.strerror or exc}"
-            raise
+            return False
         if entry.key in self._index:  # raced with a promotion's re-index
             return True
         victims = self._over_budget(size)

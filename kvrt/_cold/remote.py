@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import anyio
 import msgspec
@@ -62,7 +62,9 @@ def key_name(key: ColdKey) -> str:
 
 
 class RemoteTier:
-    """Blocks in a Redis/Valkey server at ``url``."""
+    """Blocks in a Redis/Valkey server at ``url``: a :class:`~kvrt._cold.tier.ColdTier`."""
+
+    name: Final = "remote"
 
     def __init__(self, url: str, *, timeout: float = 2.0, retry_after: float = 5.0) -> None:
         self.url = url
@@ -96,6 +98,13 @@ class RemoteTier:
             errors=self.errors,
             warning=self.warning,
         )
+
+    def size(self, key: ColdKey) -> int | None:
+        """Not known without a round trip."""
+        return None
+
+    def left_ram(self, key: ColdKey) -> None:
+        """Not counted here: the disk tier, if any, counts blocks kept as tokens only."""
 
     def close(self) -> None:
         self._client.close()

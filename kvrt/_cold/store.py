@@ -8,8 +8,8 @@ dropped; when nothing else can go, a put waits, bounded, for a pin to be release
 then fails with :class:`~kvrt.ColdStoreFullError`. Entries are immutable, so a block
 served to one session can be served to any other.
 
-Below RAM, an optional disk tier (:class:`~kvrt._cold.disk.DiskTier`) and an optional
-remote tier (:class:`~kvrt._cold.remote.RemoteTier`): every entry admitted to RAM is
+Below RAM, an ordered list of tiers behind one protocol (:class:`~kvrt._cold.tier.ColdTier`:
+the disk tier, then the remote tier, each optional): every entry admitted to RAM is
 written through to them by background writers fed by a bounded queue (backpressure
 again), so a crash loses only the writes in flight and a new process, or another host,
 finds the blocks. A RAM victim with a copy below (or one on its way) is *demoted*, not
@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
-import msgspec
 from anyio.abc import TaskStatus
 
 from .._errors import ColdStoreFullError, KvrtError
 from ..policy import ColdVictim
-from .disk import DiskTier
+from .disk import DiskStats
 from .entry import ColdEntry, ColdKey
 from .ram import Outcome, RamTier
-from .remote import RemoteTier
+from .remote import RemoteStats
 from .stats import ColdStats
+from .tier import ColdTier
 
 __all__ = ["ColdStats", "ColdStore", "Fetched", "Tier"]
 
@@ -69,8 +69,8 @@ class _Put:
 
 
 class ColdStore:
-    """The cold tiers: RAM bounded by ``budget_bytes``, then ``disk`` and ``remote`` if
-    given; run :meth:`serve` in a task group."""
+    """The cold tiers: RAM bounded by ``budget_bytes``, then ``tiers`` in order (nearest
+    first); run :meth:`serve` in a task group."""
 
     def __init__(
         self,
@@ -78,8 +78,7 @@ class ColdStore:
         victim_policy: ColdVictim,
         *,
         queue_size: int = 16,
-        disk: DiskTier | None = None,
-        remote: RemoteTier | None = None,
+        tiers: Sequence[ColdTier] = (),
         flush_timeout: float = 30.0,
         writers: int = 2,
     ) -> None:
@@ -88,8 +87,9 @@ class ColdStore:
         self.budget_bytes = budget_bytes
         self.ram = RamTier(budget_bytes, victim_policy)
         self.ram.on_drop = self._dropped
-        self.disk = disk
-        self.remote = remote
+        self.tiers = tuple(tiers)
+        if len({t.name for t in self.tiers}) != len(self.tiers):
+            raise KvrtError("the cold store takes each kind of tier once")
         self.pending = 0
         """Blocks queued for, or being written to, the tiers below RAM."""
         self.flush_timeout = flush_timeout
@@ -106,7 +106,9 @@ class ColdStore:
         self._computing: dict[ColdKey, anyio.Event] = {}
         self._freed = anyio.Event()
         self._hits = self._approx = self._misses = self._waits = self._failures = 0
-        self._disk_hits = self._remote_hits = self._demoted = self._promoted = 0
+        self._demoted = self._promoted = 0
+        self._tier_hits = {t.name: 0 for t in self.tiers}
+        """Fetches each tier below RAM answered."""
         self._send, self._receive = anyio.create_memory_object_stream[_Put](queue_size)
 
     # -- where blocks are (any task) --
@@ -119,30 +121,31 @@ class ColdStore:
         """The nearest tier holding ``key``."""
         if key in self.ram or key in self._writing:
             return "ram"
-        if self.disk is not None and key in self.disk:
-            return "disk"
-        if self.remote is not None and key in self.remote:
-            return "remote"
-        return None
+        below = self._below(key)
+        return below.name if below is not None else None
+
+    def _below(self, key: ColdKey) -> ColdTier | None:
+        return next((t for t in self.tiers if key in t), None)
 
     def lower_holds(self, key: ColdKey) -> bool:
         """Whether a tier below RAM (disk, remote) holds ``key`` now."""
-        return (self.disk is not None and key in self.disk) or (
-            self.remote is not None and key in self.remote
-        )
+        return self._below(key) is not None
 
     def size(self, key: ColdKey) -> int | None:
         """Bytes of the block under ``key`` in its nearest tier (on disk: its file)."""
         entry = self.peek(key)
         if entry is not None:
             return entry.n_bytes
-        return self.disk.size(key) if self.disk is not None else None
+        return next((n for t in self.tiers if (n := t.size(key)) is not None), None)
 
     async def discover(self, keys: Iterable[ColdKey]) -> None:
         """Ask the remote tier, in one round trip, which of ``keys`` no local tier holds it
         has (a session does this before placing a context); those count as cold after."""
-        if self.remote is not None:
-            await self.remote.discover([k for k in keys if self.tier(k) is None])
+        unknown = [k for k in keys if self.tier(k) is None]
+        for tier in self.tiers:
+            if unknown:
+                await tier.discover(unknown)
+                unknown = [k for k in unknown if k not in tier]
 
     async def wait_written(self, keys: Iterable[ColdKey], timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, until none of ``keys`` is still queued for,
@@ -173,14 +176,11 @@ class ColdStore:
         """The entry under ``key`` from the nearest tier holding it, counted; a disk or
         remote hit is read, verified and promoted into RAM (a damaged copy is a miss)."""
         tier = self.tier(key)
-        if tier in ("disk", "remote"):
+        if tier is not None and tier != "ram":
             entry = await self.promote(key)
             if entry is not None:
                 self._hits += 1
-                if tier == "disk":
-                    self._disk_hits += 1
-                else:
-                    self._remote_hits += 1
+                self._tier_hits[tier] += 1
                 return Fetched(entry, tier)
         found = self.lookup(key)  # a miss, unless another task promoted it meanwhile
         return Fetched(found, "ram") if found is not None else None
@@ -192,10 +192,9 @@ class ColdStore:
         entry = self.peek(key)
         if entry is not None:
             return entry
-        if self.disk is not None and key in self.disk:
-            entry = await self.disk.read(key)
-        if entry is None and self.remote is not None and key in self.remote:
-            entry = await self.remote.read(key)
+        for tier in self.tiers:
+            if entry is None and key in tier:
+                entry = await tier.read(key)
         if entry is not None and await self.put(entry, wait=0, promote=True):
             self._promoted += 1
         return entry
@@ -279,9 +278,8 @@ class ColdStore:
 
     def stats(self) -> ColdStats:
         q = self._send.statistics()
-        disk = None
-        if self.disk is not None:
-            disk = msgspec.structs.replace(self.disk.stats(), pending=self.pending)
+        below = {t.name: t.stats() for t in self.tiers}
+        disk, remote = below.get("disk"), below.get("remote")
         return ColdStats(
             entries=len(self.ram),
             bytes=self.ram.bytes,
@@ -295,12 +293,12 @@ class ColdStore:
             pinned=self.ram.pinned,
             full_waits=self._waits,
             full_failures=self._failures,
-            disk_hits=self._disk_hits,
+            disk_hits=self._tier_hits.get("disk", 0),
             demoted=self._demoted,
             promoted=self._promoted,
-            disk=disk,
-            remote=self.remote.stats() if self.remote is not None else None,
-            remote_hits=self._remote_hits,
+            disk=disk if isinstance(disk, DiskStats) else None,
+            remote=remote if isinstance(remote, RemoteStats) else None,
+            remote_hits=self._tier_hits.get("remote", 0),
             pending_writes=self.pending,
             queue={
                 "buffered": q.current_buffer_used,
@@ -361,7 +359,7 @@ class ColdStore:
         the disk writers; then finishes their queue, within ``flush_timeout``."""
         async with anyio.create_task_group() as tg:
             writers_done = anyio.Event()
-            if self.disk is not None or self.remote is not None:
+            if self.tiers:
                 tg.start_soon(self._writers_loop, writers_done)
             else:
                 writers_done.set()
@@ -389,8 +387,8 @@ class ColdStore:
                 )
                 log.warning("kvrt: %s", self.flush_report)
                 tg.cancel_scope.cancel()
-        if self.remote is not None:
-            self.remote.close()
+        for tier in self.tiers:
+            tier.close()
 
     def close(self) -> None:
         self._send.close()
@@ -409,19 +407,16 @@ class ColdStore:
         async with receive:
             async for entry in receive:
                 try:
-                    if self.disk is not None:
-                        try:
-                            await self.disk.write(entry)
-                        except OSError:
-                            # Counted by the disk tier. Gone from RAM meanwhile? Back in as
-                            # a spare copy if there is free room, else tokens only (counted).
-                            if (
-                                entry.key not in self.ram
-                                and self.ram.admit(entry, spare=True) != "committed"
-                            ):
-                                self.disk.lost += 1
-                    if self.remote is not None:
-                        await self.remote.write(entry)  # a failure is counted, never raised
+                    for tier in self.tiers:
+                        await tier.write(entry)  # a failure is counted by the tier
+                    # Held nowhere now (every write failed, RAM dropped it meanwhile)? Back
+                    # in as a spare copy if there is free room, else tokens only (counted).
+                    if (
+                        entry.key not in self.ram
+                        and not self.lower_holds(entry.key)
+                        and self.ram.admit(entry, spare=True) != "committed"
+                    ):
+                        self._left_ram(entry.key)
                 finally:
                     self._writing.pop(entry.key, None)
                     self.pending -= 1
@@ -448,17 +443,16 @@ class ColdStore:
     def _needs_lower(self, key: ColdKey) -> bool:
         """Whether a tier below RAM lacks ``key`` (so a commit writes it through).
         Session-local entries (partial-window KV) never go below RAM."""
-        if key.session_local:
-            return False
-        return (self.disk is not None and key not in self.disk) or (
-            self.remote is not None and key not in self.remote
-        )
+        return not key.session_local and any(key not in t for t in self.tiers)
 
     def _dropped(self, key: ColdKey) -> None:
         """A RAM victim: demoted if a tier below holds it (or is about to), else lost to
-        tokens only — counted by the disk tier when there is one (its write failed, or its
-        budget let the block go)."""
+        tokens only (its writes failed, or a tier's budget let the block go)."""
         if key in self._writing or self.lower_holds(key):
             self._demoted += 1
-        elif self.disk is not None and not key.session_local:
-            self.disk.lost += 1
+        else:
+            self._left_ram(key)
+
+    def _left_ram(self, key: ColdKey) -> None:
+        for tier in self.tiers:
+            tier.left_ram(key)

@@ -1,0 +1,40 @@
+"""The ``kvrt`` command line, one module per command (``describe``, ``run``, ``bench``,
+``serve``); each registers its parser and the function that runs it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from kvrt import __version__
+from kvrt._errors import KvrtError
+
+from . import bench, describe, run, serve
+from ._common import Parser, kvrt_error
+
+__all__ = ["main"]
+
+
+def parser() -> Parser:
+    top = Parser(prog="kvrt", description="Lossless long context for local LLM engines.")
+    top.add_argument("--version", action="version", version=f"kvrt {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (describe, run, bench, serve):
+        command.add(sub)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``kvrt`` command; the exit status (2: a kvrt error, one line on stderr)."""
+    args = parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (KvrtError, BaseExceptionGroup) as exc:
+        error = kvrt_error(exc)
+        if error is None:
+            raise
+        print(f"kvrt: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

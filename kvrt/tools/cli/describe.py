@@ -1,0 +1,119 @@
+"""``kvrt describe``: a model's KV shape and the capacity kvrt resolves for it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import msgspec
+
+from kvrt._describe import ModelInfo, describe_model
+from kvrt._runtime import check_policies
+from kvrt._units import format_size
+
+from ._common import common, config_from
+
+__all__ = ["add", "main"]
+
+
+def add(sub: Any) -> None:
+    """Register the command."""
+    describe = sub.add_parser(
+        "describe", help="show a model's KV shape and the capacity kvrt resolves for it"
+    )
+    describe.add_argument(
+        "model_path", nargs="?", metavar="MODEL", help="GGUF file (default: embedded)"
+    )
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common(describe)
+    describe.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> None:
+    config = config_from(args, {"model": args.model_path})
+    check_policies(config)  # as run and bench do
+    info = describe_model(config)
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(info)).decode() + "\n")
+    else:
+        print_info(info)
+
+
+def print_info(info: ModelInfo) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = info.model, info.capacity
+    table = Table(title=f"kvrt describe — {m.name or m.architecture}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    swa = "none"
+    rope = f"{m.rope_freq_base:,.0f}" if m.rope_freq_base else "—"
+    if m.rope_freq_base_swa and m.rope_freq_base_swa != m.rope_freq_base:
+        rope += f" (sliding-window layers {m.rope_freq_base_swa:,.0f})"
+    layers = str(m.n_layers)
+    kv_bytes = f"{m.kv_bytes_per_token:,}"
+    if m.sliding_window or m.sliding_window_live:
+        swa = f"GGUF {m.sliding_window or '—'}, live {m.sliding_window_live or '—'}"
+    if m.n_swa_layers:
+        n_global = m.n_layers - m.n_swa_layers
+        swa = f"{m.sliding_window_live:,} tokens over {m.n_swa_layers} layers" + (
+            ", kept full size" if m.swa_full else ""
+        )
+        layers = f"{m.n_layers}: {n_global} global, {m.n_swa_layers} sliding-window"
+        dense = m.kv_bytes_per_token - m.kv_bytes_per_token_swa
+        kv_bytes += (
+            f" (global {dense:,} = {n_global} x {dense // max(n_global, 1):,}; sliding "
+            f"{m.kv_bytes_per_token_swa:,} = {m.n_swa_layers} x "
+            f"{m.kv_bytes_per_token_swa // m.n_swa_layers:,})"
+        )
+    rows = [
+        ("model", m.path),
+        ("backend", m.backend),
+        ("architecture", m.architecture),
+        ("layers", layers),
+        ("heads / KV heads", f"{m.n_head} / {m.n_head_kv}"),
+        ("head dim", str(m.head_dim)),
+        ("vocabulary", str(m.n_vocab)),
+        ("trained context", f"{m.trained_context} tokens"),
+        ("sliding window", swa),
+        ("RoPE base", rope),
+        ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
+        ("KV bytes per token", kv_bytes),
+        *(
+            [("cold bytes per token", f"{m.cold_bytes_per_token:,} (as the state reads back)")]
+            if m.cold_bytes_per_token and m.cold_bytes_per_token != m.kv_bytes_per_token
+            else []
+        ),
+        ("weights", format_size(m.weight_bytes)),
+        ("fingerprint", m.fingerprint),
+        ("free host memory", format_size(info.memory.host_free_bytes)),
+        ("usable for kvrt", format_size(c.usable_bytes)),
+        (
+            "host cold budget",
+            f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)",
+        ),
+        (
+            "disk tier",
+            (
+                f"{format_size(c.disk_budget_bytes)} ({c.disk_store_tokens:,} tokens) in {c.disk_path}"
+                if c.disk_budget_bytes
+                else "off (disk.budget 0)"
+            ),
+        ),
+        (
+            "hot context",
+            f"{c.hot_context_tokens:,} tokens (limited by {', '.join(c.hot_limited_by)})",
+        ),
+        (
+            "planner context",
+            f"{c.planner_effective_context:,} tokens (limited by {', '.join(c.planner_limited_by)})",
+        ),
+        ("effective context", f"{c.effective_context:,} tokens (dense)"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    for note in c.notes:
+        table.add_row("note", note)
+    Console().print(table)

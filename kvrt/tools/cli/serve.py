@@ -1,0 +1,138 @@
+"""``kvrt serve``: an OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from kvrt._errors import ConfigError
+from kvrt._runtime import check_policies
+
+from ._common import common, config_from, count, seconds
+
+__all__ = ["add", "main"]
+
+
+def add(sub: Any) -> None:
+    """Register the command."""
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    serve.add_argument("--port", type=count(0, 65535), default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--max-sessions",
+        type=count(1, 256),
+        default=4,
+        metavar="N",
+        help="sessions kept live at once (default 4)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=count(0, 100_000),
+        default=16,
+        metavar="N",
+        help="requests waiting for a session before 429s (default 16)",
+    )
+    serve.add_argument(
+        "--session-tokens",
+        type=count(64),
+        default=None,
+        metavar="N",
+        help="each session's hot window in tokens (default: the runtime's)",
+    )
+    serve.add_argument(
+        "--model-name",
+        default=None,
+        metavar="ID",
+        help="model id clients send (default: file name)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a streaming client may leave a chunk unread before its stream is "
+        "closed and its session freed (default 30)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $KVRT_API_KEY; '@PATH' reads it from a file)",
+    )
+    serve.add_argument(
+        "--send-buffer",
+        type=count(4096, 2**26),
+        default=65536,
+        metavar="BYTES",
+        help="each connection's socket send buffer (default 65536): a client that stops "
+        "reading is noticed once it and the client's receive buffer are full",
+    )
+    serve.add_argument(
+        "--loop",
+        choices=("asyncio", "trio"),
+        default="asyncio",
+        help="event loop (default asyncio)",
+    )
+    common(serve)
+    serve.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> None:
+    import anyio
+
+    from kvrt import open_runtime
+    from kvrt.serve import ServeConfig, listen, model_id, serve
+
+    config = config_from(args)
+    check_policies(config)
+    settings = ServeConfig(
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        max_queue=args.max_queue,
+        hot_tokens=args.session_tokens,
+        model_name=args.model_name,
+        stall_timeout=args.stall_timeout,
+        send_buffer=args.send_buffer,
+        api_key=_api_key(args),
+    )
+    # Bound before the model loads: a port in use is one line and exit status 2, at once.
+    sock = listen(args.host, args.port, send_buffer=args.send_buffer)
+
+    async def main() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_runtime(config=config) as rt, anyio.create_task_group() as tg:
+                url = await tg.start(partial(serve, rt, settings, sock=sock))
+                print(f"kvrt serve: {url}/v1 (model {model_id(rt, settings)})", flush=True)
+                async for signum in signals:
+                    print(f"kvrt serve: stopping ({signal.Signals(signum).name})", flush=True)
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(main, backend=args.loop)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key ``kvrt serve`` requires: ``--api-key``, else ``$KVRT_API_KEY``; ``@PATH``
+    reads it from a file (its first line)."""
+    given = args.api_key if args.api_key is not None else os.environ.get("KVRT_API_KEY")
+    if not given:
+        return None
+    if given.startswith("@"):
+        try:
+            given = Path(given[1:]).read_text().strip().splitlines()[0]
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the API key from {given[1:]}: {exc}") from None
+    key = given.strip()
+    if not key or not key.isprintable() or " " in key:
+        raise ConfigError("the API key must be printable text without spaces")
+    return key

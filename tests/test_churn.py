@@ -1,0 +1,203 @@
+"""Bit-exact after any churn, on llama.cpp.
+
+Random sequences of block evictions (exported first), restores in place in random order,
+tail rollbacks computed again, prefills and generation on one context, checked against a
+context that never evicts and computes the same tokens in the same pieces (every compute,
+logits bit for bit), and at the end, where nothing was generated, against a fresh context
+computing everything at once.
+llama.cpp puts restored ranges and new tokens into whatever cells are free; without the
+window laying its cells out again in position order before computing, these sequences
+differ from the never-evicting context (seed 3: by 0.50 on SmolLM2 f16, 0.53 with q8_0,
+1.19 on Gemma 3, measured).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvrt import AdmitMode, EngineConfig, EvictMode
+from kvrt.adapters.llama import LlamaEngine
+from kvrt.backend import ColdBlock
+
+BLOCK = 64
+ROOM = 1800
+TEXT = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+
+
+SEEDS = {"f16": [0, 3], "f16 fresh": [2, 4], "q8_0": [3], "q8_0 fresh": [0], "gemma": [0, 2, 3]}
+"""Sequences that differ from the references without the relayout (checked when chosen)."""
+
+
+class Contexts:
+    """A churned context, its never-evicting mirror and a fresh one, opened once per
+    engine; every sequence starts from one prompt computed once (its KV loaded into the
+    first two)."""
+
+    def __init__(self, engine: LlamaEngine) -> None:
+        self.engine = engine
+        self.tokens = engine.tokenize(TEXT)[:1600]
+        self.ctx, self.mirror, self.prompt, self.fresh = (
+            engine.open_context(ROOM) for _ in range(4)
+        )
+        self.prompt.prefill(self.tokens[: 16 * BLOCK])
+
+    def start(self, n: int) -> list[ColdBlock]:
+        for c in (self.ctx, self.mirror):
+            c.clear()
+        return [self.prompt.export(s, min(s + 4 * BLOCK, n)) for s in range(0, n, 4 * BLOCK)]
+
+    def close(self) -> None:
+        for c in (self.ctx, self.mirror, self.prompt, self.fresh):
+            c.close()
+
+
+class Churn:
+    """One random sequence on a churned context and its never-evicting mirror."""
+
+    def __init__(self, contexts: Contexts, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.tokens = list(contexts.tokens)
+        self.ctx, self.mirror = contexts.ctx, contexts.mirror
+        self.cold: dict[int, ColdBlock] = {}
+        self.n = self.rng.randint(8, 16) * BLOCK
+        self.generated = False
+        self.n -= 2
+        prompt = contexts.start(self.n)
+        for c in (self.ctx, self.mirror):
+            for block in prompt:
+                c.admit(block)
+        self.extend(2)
+
+    def compare(self, got: np.ndarray, want: np.ndarray) -> None:
+        assert np.array_equal(got, want), float(np.max(np.abs(got - want)))
+
+    def whole(self) -> None:
+        for start in sorted(self.cold, key=lambda _: self.rng.random()):
+            self.ctx.admit(self.cold.pop(start), AdmitMode.IN_PLACE)
+        assert list(self.ctx.positions) == list(range(self.n))
+
+    def evict(self) -> None:
+        resident = set(self.ctx.positions)
+        whole = [
+            s
+            for s in range(0, self.n - BLOCK + 1, BLOCK)
+            if all(p in resident for p in range(s, s + BLOCK))
+        ]
+        if whole:
+            s = self.rng.choice(whole)
+            self.cold[s] = self.ctx.export(s, s + BLOCK)
+            self.ctx.evict(s, s + BLOCK, EvictMode.GAP)
+
+    def restore(self) -> None:
+        if self.cold:
+            start = self.rng.choice(sorted(self.cold))
+            self.ctx.admit(self.cold.pop(start), AdmitMode.IN_PLACE)
+
+    def extend(self, m: int) -> None:
+        self.whole()
+        new = self.tokens[self.n : self.n + m]
+        self.compare(self.ctx.prefill(new), self.mirror.prefill(new))
+        self.n += len(new)
+
+    def rollback(self) -> None:
+        self.whole()
+        k = self.rng.randint(self.n - 100, self.n - 2)
+        self.ctx.evict(k, self.n)
+        self.mirror.evict(k, self.n)
+        self.n = k
+        self.extend(self.rng.randint(2, 60))
+
+    def generate(self) -> None:
+        self.whole()
+        if self.ctx.logits_position != self.n - 1:  # its block went cold and came back
+            self.extend(2)
+        for _ in range(self.rng.randint(1, 6)):  # greedy, one token at a time
+            token = int(np.argmax(self.ctx.logits()))
+            self.compare(self.ctx.step(token), self.mirror.step(token))
+            self.tokens[self.n : self.n + 1] = [token]
+            self.n += 1
+        self.generated = True
+
+    def run(self, steps: int, *, generate: bool) -> None:
+        ops = ["evict"] * 3 + ["restore", "rollback", "extend"] + ["generate"] * generate
+        for _ in range(steps):
+            op = self.rng.choice(ops)
+            if op == "extend":
+                self.extend(self.rng.randint(2, 80))
+            else:
+                getattr(self, op)()
+        self.extend(5)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path: str) -> Iterator[LlamaEngine]:
+    engine = LlamaEngine.open(EngineConfig(model=gemma_path))
+    yield engine
+    engine.close()
+
+
+def _churn(engine: LlamaEngine, seeds: list[int], fresh_seeds: list[int] = ()) -> None:
+    """Run each seed's sequence against the never-evicting context; the ``fresh_seeds``
+    ones without generation, and checked at the end against a fresh context computing all
+    their tokens at once too. (A token generated alone differs in the last bits from the
+    same token computed in a batch, see the README: with generation, the never-evicting
+    context, which generated the same tokens the same way, is the reference.)"""
+    contexts = Contexts(engine)
+    relayouts = 0
+    try:
+        for seed, fresh in [(s, False) for s in seeds] + [(s, True) for s in fresh_seeds]:
+            c = Churn(contexts, seed)
+            c.run(24, generate=not fresh)
+            relayouts += c.ctx.counters.relayouts
+            if fresh:
+                contexts.fresh.clear()
+                c.compare(c.ctx.logits(), contexts.fresh.prefill(c.tokens[: c.n]))
+    finally:
+        contexts.close()
+    assert relayouts, "no sequence left the cells out of order: the test checks nothing"
+
+
+def test_churned_contexts_equal_never_evicting_and_fresh_ones(engine: LlamaEngine) -> None:
+    _churn(engine, SEEDS["f16"], SEEDS["f16 fresh"])
+
+
+def test_churned_contexts_equal_never_evicting_and_fresh_ones_with_a_q8_0_cache(
+    engine_q8: LlamaEngine,
+) -> None:
+    _churn(engine_q8, SEEDS["q8_0"], SEEDS["q8_0 fresh"])
+
+
+def test_churned_contexts_equal_never_evicting_ones_on_gemma(gemma: LlamaEngine) -> None:
+    # Gemma 3's logits depend on how a prompt is cut into batches even in a fresh context
+    # (see the README), so here the reference is the never-evicting context computed in the
+    # same pieces.
+    _churn(gemma, SEEDS["gemma"])
+
+
+def test_a_relayout_keeps_the_bytes_and_puts_cells_in_position_order(engine: LlamaEngine) -> None:
+    from kvrt.native_bridge.llama_keys import order_cells, state_parts
+
+    ctx = engine.open_context(1024)
+    try:
+        tokens = engine.tokenize(TEXT)[:600]
+        ctx.prefill(tokens)
+        blocks = {s: ctx.export(s, s + 100) for s in (100, 300)}
+        for s in blocks:
+            ctx.evict(s, s + 100)
+        for s in (300, 100):
+            ctx.admit(blocks[s])
+        assert not ctx.cells_in_order
+        before = {s: bytes(ctx.export(s, s + 100).data) for s in range(0, 600, 100)}
+        ctx.relayout()
+        assert ctx.cells_in_order and ctx.counters.relayouts == 1
+        assert {s: bytes(ctx.export(s, s + 100).data) for s in range(0, 600, 100)} == before
+        ordered = ctx.export(0, 600).data
+        assert order_cells(ordered) is ordered  # in order already: the same bytes back
+        assert list(state_parts(ordered)[0].positions) == list(range(600))
+    finally:
+        ctx.close()
