@@ -90,6 +90,54 @@ def test_the_server_uses_only_public_kvrt() -> None:
     assert not wrong
 
 
+TOOLS_INTERNALS = {
+    "kvrt._config": {"CONFIG_ENV", "SETTINGS"},  # the CLI builds its flags from the settings
+    "kvrt._units": {"format_size"},
+    "kvrt._runtime": {"check_policies"},  # the CLI refuses a bad policy before loading
+    "kvrt._session": {"context_tokens"},  # a context's token count, for the references
+    "kvrt._engines": {"adapter_package"},
+    "kvrt._cold": {"ColdEntry", "DiskTier", "RemoteTier", "token_digest"},  # tiers, bare
+}
+"""The only private names of the core the tools may use; everything else they import is
+public (``kvrt``, ``kvrt.backend``, the adapters)."""
+
+
+def _private_names(path: Path) -> set[tuple[str, str]]:
+    found = set()
+    base = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = node.module
+            if node.level:  # relative: from the module's package, up ``level - 1``
+                package = base.split(".")
+                module = ".".join([*package[: len(package) - node.level + 1], module])
+            if module.startswith("kvrt.") and "._" in module:
+                found |= {(module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(a.name, "") for a in node.names if a.name.startswith("kvrt._")}
+    return found
+
+
+def test_the_tools_and_benchmarks_reach_only_named_internals() -> None:
+    """``kvrt/tools`` and ``benchmarks/`` import the core's public names, plus the few
+    internals in :data:`TOOLS_INTERNALS`; no private attribute reach either."""
+    paths = modules("kvrt/tools") + sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(paths) > 15
+    wrong = {
+        f"{p.relative_to(ROOT)}: {module}.{name}"
+        for p in paths
+        for module, name in _private_names(p)
+        if not module.startswith("kvrt.tools") and name not in TOOLS_INTERNALS.get(module, ())
+    }
+    assert not wrong
+    reach = {
+        f"{p.relative_to(ROOT)}: {m}"
+        for p in paths
+        for m in re.findall(r"\.(_actor|_ctx|_override|_window|_tally)\b", p.read_text())
+    }
+    assert not reach
+
+
 def test_policies_see_only_the_policy_contract() -> None:
     wrong = {
         f"{p.relative_to(ROOT)} -> {m}"

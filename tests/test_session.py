@@ -270,3 +270,31 @@ async def test_tokens_after_a_segment_replaced_in_place_are_computed_again(backe
     if backend == "llama":
         assert np.array_equal(got, want)
     assert first == reference
+
+
+async def test_explain_is_a_snapshot_the_actor_publishes_between_commands() -> None:
+    """``explain()`` never reads the engine context while a worker thread changes it: it
+    returns what the actor published after its last command, and a report once returned
+    never changes (its counters are copies)."""
+    import anyio
+
+    first = context(("file:a.py", FILE_A), question="Explain add_1.")
+    longer = context(("file:a.py", FILE_A), ("file:b.py", FILE_B), question="Explain mul_2.")
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=2048) as s,
+    ):
+        await s.ensure_context(first)
+        before = s.explain()
+        computed = before.engine.prefill_tokens
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.ensure_context, longer)
+            while s.explain().mailbox["in_flight"] == 0:
+                await anyio.sleep(0.001)
+            during = s.explain()  # the call is in flight, its prefill in a worker thread
+        after = s.explain()
+        assert during.consistent and during.logical_tokens == before.logical_tokens
+        assert after.logical_tokens > before.logical_tokens
+        assert after.engine.prefill_tokens > computed
+        assert before.engine.prefill_tokens == computed  # the earlier report did not move
+        assert before.counters.ensure_calls == 1 and after.counters.ensure_calls == 2

@@ -3,15 +3,21 @@
 Commands arrive over a bounded mailbox and run one at a time; whatever a cancelled
 command leaves half-done (a partly prefilled block) is cleared in a shielded clean-up
 before the next command runs. Generation streams back through a bounded channel.
+
+After each command, before its caller hears back, the actor publishes an immutable view
+of the session (:meth:`Actor.report`'s base): ``explain()`` never reads the engine
+context's record while a worker thread may be changing it.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskStatus
@@ -106,6 +112,8 @@ class Actor(Generation):
         self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
         self.finished = anyio.Event()
         self.current: Call | None = None
+        self._view = self._build_view()
+        """What the session looked like after its last command (see :meth:`report`)."""
 
     # -- the task --
 
@@ -163,6 +171,7 @@ class Actor(Generation):
                 call.error = call.abandoned or OperationCancelledError("the call was cancelled")
         finally:
             self.current = None
+            self._view = self._build_view()
             call.done.set()
 
     async def _dispatch(self, command: Command) -> Any:
@@ -249,7 +258,26 @@ class Actor(Generation):
     # -- explain --
 
     def report(self, name: str, *, closed: bool) -> SessionReport:
-        """The session's state now, as ``Session.explain()`` returns it."""
+        """``Session.explain()``: the view the actor published after its last command, with
+        the cold store's and the mailbox's figures as they are now (both live on the event
+        loop, never in a worker thread)."""
+        mb = self.send.statistics()
+        return msgspec.structs.replace(
+            self._view,
+            name=name,
+            closed=closed,
+            cold_store=self.cold.stats(),
+            mailbox={
+                "queued": mb.current_buffer_used,
+                "size": int(mb.max_buffer_size),
+                "waiting_callers": mb.tasks_waiting_send,
+                "in_flight": int(self.current is not None),
+            },
+        )
+
+    def _build_view(self) -> SessionReport:
+        """The session's state now, its counters copied: run by the actor between engine
+        calls only."""
         window = self.window
         resident = self.resident()
         protected = window.protected()
@@ -294,10 +322,9 @@ class Actor(Generation):
                     f"block {b.segment}#{b.index} starts at {b.start}, expected {expected}"
                 )
             expected = b.end
-        mb = self.send.statistics()
         return SessionReport(
-            name=name,
-            closed=closed,
+            name="",
+            closed=False,
             hot_budget=self.ctx.n_ctx,
             hot_tokens=self.ctx.n_resident,
             planner_context=window.planner_context,
@@ -306,14 +333,9 @@ class Actor(Generation):
             segments=segment_reports(blocks, window.required),
             residency_tokens=self.residency_tokens(),
             cold_store=self.cold.stats(),
-            mailbox={
-                "queued": mb.current_buffer_used,
-                "size": int(mb.max_buffer_size),
-                "waiting_callers": mb.tasks_waiting_send,
-                "in_flight": int(self.current is not None),
-            },
-            counters=self.counters,
-            engine=self.ctx.counters,
+            mailbox={},
+            counters=copy.copy(self.counters),
+            engine=copy.copy(self.ctx.counters),
             capabilities=self.ctx.capabilities,
             exact_restores=self.ctx.capabilities.exact_in_place,
             approximate_tokens=self.approximate_context_tokens(),

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvrt._runtime import Runtime
-from kvrt._session.layout import Segment
-from kvrt._types import CacheClass
+from kvrt import CacheClass, Runtime, Segment
 
 __all__ = ["message"]
 

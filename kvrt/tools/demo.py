@@ -12,11 +12,7 @@ import time
 import anyio
 import msgspec
 
-from kvrt._config import Config
-from kvrt._reports import ContextStatus
-from kvrt._runtime import Runtime, open_runtime
-from kvrt._session.layout import Segment
-from kvrt._types import CacheClass
+from kvrt import CacheClass, Config, ContextStatus, Runtime, Segment, open_runtime
 from kvrt.tools._messages import message
 
 __all__ = ["DemoReport", "run_demo"]

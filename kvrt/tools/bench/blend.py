@@ -21,10 +21,7 @@ from functools import partial
 
 import msgspec
 
-from kvrt import Segment
-from kvrt._backend import Engine
-from kvrt._config import Config
-from kvrt._runtime import open_runtime
+from kvrt import Config, Engine, Segment, open_runtime
 from kvrt._session import context_tokens
 
 from .full import _serve_trace, _trace_contexts

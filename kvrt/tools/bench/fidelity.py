@@ -31,9 +31,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from kvrt import Segment
-from kvrt._config import Config
-from kvrt._runtime import Runtime, open_runtime
+from kvrt import Config, Runtime, Segment, open_runtime
 
 from .blend import RATIOS, TRACE_TURNS, BlendRow, print_blend, run_blend_bench
 from .passkey import QUESTIONS, Answer, ask, check_answer_tokens, haystack, per_filler, summarize

@@ -24,10 +24,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from kvrt._backend import ColdBlock, EngineContext, EvictMode
-from kvrt._config import Config
-from kvrt._engines import open_engine
-from kvrt._errors import ConfigError
+from kvrt import ColdBlock, Config, ConfigError, EngineContext, EvictMode, open_engine
 from kvrt.tools.bench.quick import text_of
 
 __all__ = ["FlashBench", "FlashPoint", "flash_steps", "print_flash", "run_flash_bench"]

@@ -22,12 +22,8 @@ import anyio
 import msgspec
 import psutil
 
-from kvrt._config import Config
-from kvrt._errors import KvrtError
-from kvrt._runtime import Runtime, open_runtime
+from kvrt import CacheClass, Config, KvrtError, Runtime, Segment, open_runtime
 from kvrt._session import context_tokens
-from kvrt._session.layout import Segment
-from kvrt._types import CacheClass
 from kvrt.tools._messages import message
 from kvrt.tools.bench.quick import QuickBench, run_quick_bench, text_of
 from kvrt.tools.bench.reference import reference_trace

@@ -16,9 +16,7 @@ from typing import TypedDict
 
 import numpy as np
 
-from kvrt import Segment
-from kvrt._backend import Engine
-from kvrt._session import Session
+from kvrt import Engine, Segment, Session
 
 __all__ = [
     "FILLER",

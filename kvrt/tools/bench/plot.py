@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvrt._errors import KvrtError
+from kvrt import KvrtError
 from kvrt.tools.bench.fidelity import CONDITIONS, FidelityBench
 from kvrt.tools.bench.full import FullBench
 

@@ -19,11 +19,8 @@ import anyio
 import msgspec
 import numpy as np
 
-from kvrt._backend import Engine
-from kvrt._config import Config
-from kvrt._runtime import open_runtime
-from kvrt._session import Session, context_tokens
-from kvrt._session.layout import Segment
+from kvrt import Config, Engine, Segment, Session, open_runtime
+from kvrt._session import context_tokens
 from kvrt.tools._messages import message
 from kvrt.tools.bench.reference import reference_greedy_tps
 

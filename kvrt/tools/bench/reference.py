@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvrt._config import EngineConfig
+from kvrt import EngineConfig
 from kvrt._engines import adapter_package
 
 __all__ = ["reference_greedy_tps", "reference_trace"]

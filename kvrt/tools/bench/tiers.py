@@ -34,10 +34,8 @@ import anyio
 import msgspec
 
 import kvrt
-from kvrt import CacheClass
-from kvrt._backend import AdmitMode, EngineContext, EvictMode
-from kvrt._cold import ColdEntry, ColdKey, DiskTier, RemoteTier, token_digest
-from kvrt._config import Config
+from kvrt import AdmitMode, CacheClass, ColdKey, Config, EngineContext, EvictMode
+from kvrt._cold import ColdEntry, DiskTier, RemoteTier, token_digest
 from kvrt.tools.bench.quick import text_of
 
 __all__ = ["TierRow", "TiersBench", "run_tiers_bench"]

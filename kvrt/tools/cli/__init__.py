@@ -6,8 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvrt import __version__
-from kvrt._errors import KvrtError
+from kvrt import KvrtError, __version__
 
 from . import bench, describe, run, serve
 from ._common import Parser, kvrt_error

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvrt._config import CONFIG_ENV, SETTINGS, Config, load_config
-from kvrt._errors import ConfigError, KvrtError
+from kvrt import Config, ConfigError, KvrtError, load_config
+from kvrt._config import CONFIG_ENV, SETTINGS
 
 __all__ = [
     "LOCAL_CONFIG",

@@ -9,8 +9,7 @@ from typing import Any
 
 import msgspec
 
-from kvrt._config import Config
-from kvrt._errors import ConfigError
+from kvrt import Config, ConfigError
 from kvrt._units import format_size
 
 from ._common import check_writable, common, config_from, count, int_list

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from kvrt._describe import ModelInfo, describe_model
+from kvrt import ModelInfo, describe_model
 from kvrt._runtime import check_policies
 from kvrt._units import format_size
 

@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrt._errors import ConfigError
+from kvrt import ConfigError
 from kvrt._runtime import check_policies
 
 from ._common import common, config_from, count, seconds
