@@ -96,7 +96,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """llama.cpp's flash attention: ``on`` (faster; V rows stored untransposed), ``off``
     (f16, bf16 and f32 caches only), or ``auto``: on only where the KV type needs it (a
     quantized V cache). With it, logits depend on how a prompt is cut into batches, so
-    restores equal recomputing only for the same cuts (``kvrt bench --flash`` measures
+    restores equal recomputing only for the same cuts (``python -m benchmarks.flash`` measures
     both). Only ``auto`` on OpenVINO."""
 
 

@@ -12,9 +12,8 @@ import msgspec
 import pytest
 
 import kvrt
-from kvrt.tools.bench.blend import run_blend_bench
-from kvrt.tools.bench.fidelity import print_fidelity, run_fidelity_bench
-from kvrt.tools.bench.plot import plot_fidelity
+from benchmarks.blend import run_blend_bench
+from benchmarks.fidelity import plot_fidelity, print_fidelity, run_fidelity_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,8 +144,8 @@ def test_pytest_trio_suite_example() -> None:
     assert "3 passed" in out
 
 
-def test_kvrt_bench_tiers_measures_every_tier() -> None:
-    argv = ["-m", "kvrt", "bench", "--tiers", "--sizes", "64", "--tokens", "128", "--decode", "4"]
+def test_the_tiers_benchmark_measures_every_tier() -> None:
+    argv = ["-m", "benchmarks.tiers", "--sizes", "64", "--tokens", "128", "--decode", "4"]
     report = json.loads(run(*argv, "--json"))
     (row,) = report["rows"]
     assert row["tokens"] == 64 and row["bytes"] > 0
@@ -158,10 +157,10 @@ def test_kvrt_bench_tiers_measures_every_tier() -> None:
     assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0
 
 
-def test_kvrt_bench_flash_compares_both_settings_with_llama_cpp() -> None:
+def test_the_flash_benchmark_compares_both_settings_with_llama_cpp() -> None:
     """Under either setting kvrt's logits equal ``llama_cpp.Llama``'s with the same one;
     without flash attention they do not depend on how the prompt was cut into batches."""
-    report = json.loads(run("-m", "kvrt", "bench", "--flash", "--tokens", "512", "--json"))
+    report = json.loads(run("-m", "benchmarks.flash", "--tokens", "512", "--json"))
     off, on = report["points"]
     assert (off["flash_attention"], on["flash_attention"]) == (False, True)
     for point in (off, on):
@@ -171,10 +170,10 @@ def test_kvrt_bench_flash_compares_both_settings_with_llama_cpp() -> None:
     assert report["off_vs_on_max_delta"] > 0  # flash attention computes differently
 
 
-def test_kvrt_bench_fidelity_reports_every_condition(
+def test_the_fidelity_benchmark_reports_every_condition(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """One cell in process (the command line's own path is checked by its refusal below)."""
+    """One cell in process (its command's own path is checked by its refusal below)."""
     config = kvrt.load_config()
     report = anyio.run(
         lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1, blend=False)
@@ -202,9 +201,10 @@ def test_kvrt_bench_fidelity_reports_every_condition(
     plotted = plot_fidelity(msgspec.structs.replace(report, blend=blend), tmp_path / "fidelity.png")
     assert plotted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused = subprocess.run(
-        [sys.executable, "-m", "kvrt", "bench", "--fidelity", "--sizes", "100"],
+        [sys.executable, "-m", "benchmarks.fidelity", "--sizes", "100"],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
     assert refused.returncode == 2 and "between 256 and 7168" in refused.stderr

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 import kvrt
+from benchmarks import passkey
+from benchmarks.passkey import QUESTIONS
 from kvrt import CacheClass, Segment, policies
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import KeySketching
@@ -22,8 +24,6 @@ from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama_keys import ROPE_NEOX, ROPE_NORM, read_keys, unrotate
 from kvrt.policies.hot_eviction import KeyRelevance, LexicalRelevance
 from kvrt.policy import BlockView, KeyScoring, Relevance
-from kvrt.tools.bench import passkey
-from kvrt.tools.bench.passkey import QUESTIONS
 
 
 def view(

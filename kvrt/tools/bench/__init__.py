@@ -1,9 +1,9 @@
-"""Every benchmark in one place: ``kvrt bench`` (quick and full, with its plot) and the
-engine-layer scripts, each printing figures measured side by side in one run.
+"""``kvrt bench`` (quick and full, with its plot) and the engine-layer figures, each
+printing figures measured side by side in one run; the research benchmarks live in the
+repository's ``benchmarks/``, outside the wheel.
 
     kvrt bench [--quick]
     python -m kvrt.tools.bench.engine_figures [--backend openvino]
-    python -m kvrt.tools.bench.engine_agreement
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ TRACE_FILES = [[0], [0], [0, 1], [0, 1], [1], [1, 2], [2], [2], [0, 2], [0, 2]]
 TRACE_FILES += [[3], [3], [3, 4], [4], [4, 0], [0], [0, 5], [5], [5, 1], [1]]
 
 
-def _trace_contexts(turns: int, file_tokens: int) -> list[list[Segment]]:
+def trace_contexts(turns: int, file_tokens: int) -> list[list[Segment]]:
     system = Segment(
         "system",
         "You are a coding agent. Read the files you are shown and answer in one sentence.",
@@ -218,7 +218,7 @@ def _system(name: str, turns: Sequence[tuple[float, float]]) -> TraceSystem:
     )
 
 
-async def _serve_trace(
+async def serve_trace(
     rt: Runtime, contexts: list[list[Segment]], hot: int, approximate: str, step: Progress
 ) -> tuple[list[tuple[float, float]], int, int, int]:
     """kvrt serving the trace: per turn seconds, and tokens restored, restored
@@ -243,15 +243,15 @@ async def _serve_trace(
 
 async def _trace(config: Config, turns: int, file_tokens: int, step: Progress) -> Trace:
     async with open_runtime(config=config) as rt:
-        contexts = _trace_contexts(turns, file_tokens)
+        contexts = trace_contexts(turns, file_tokens)
         prompts = [context_tokens(rt.engine, c) for c in contexts]
         n_ctx = max(len(p) for p in prompts) + 64
         hot = max(n_ctx, 4 * config.session.block_tokens)
-        exact, restored, _, prefilled = await _serve_trace(rt, contexts, hot, "never", step)
+        exact, restored, _, prefilled = await serve_trace(rt, contexts, hot, "never", step)
         path = rt.model_info.model.path
     # A runtime of its own, so no block of the exact run is found in the cold store.
     async with open_runtime(config=config) as rt:
-        loose, _, approximated, loose_prefilled = await _serve_trace(
+        loose, _, approximated, loose_prefilled = await serve_trace(
             rt, contexts, hot, "allow", step
         )
     step("agent trace: without kvrt")

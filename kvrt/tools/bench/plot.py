@@ -1,5 +1,5 @@
-"""The PNGs of ``kvrt bench`` (four panels from one run's figures) and of ``kvrt bench
---fidelity`` (two panels); both need matplotlib."""
+"""The PNG of ``kvrt bench`` (four panels from one run's figures); it needs matplotlib.
+``benchmarks/fidelity.py`` draws its own with the same helpers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from kvrt import KvrtError
-from kvrt.tools.bench.fidelity import CONDITIONS, FidelityBench
 from kvrt.tools.bench.full import FullBench
 
-__all__ = ["plot_bench", "plot_fidelity"]
+__all__ = ["plot_bench", "pyplot", "save_figure"]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
 
@@ -26,7 +25,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+def save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
@@ -34,51 +33,9 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     return out
 
 
-def plot_fidelity(bench: FidelityBench, path: str | Path) -> Path:
-    """Draw ``bench`` into a PNG at ``path``: exact match per condition, task and context
-    size (mean over depths); quality and agent-trace time per blend ratio."""
-    plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
-    fig.suptitle("kvrt bench --fidelity")
-    groups = sorted({(c.task, c.context_tokens) for c in bench.cells})
-    names = [name for name, _, _ in CONDITIONS]
-    width = 0.8 / len(names)
-    for k, name in enumerate(names):
-        means = []
-        for task, size in groups:
-            cells = [
-                c
-                for c in bench.cells
-                if (c.task, c.context_tokens, c.condition) == (task, size, name)
-            ]
-            means.append(100 * sum(c.exact_match for c in cells) / max(1, len(cells)))
-        left.bar([g + k * width for g in range(len(groups))], means, width, label=name)
-    left.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    left.set_xticklabels([f"{task}\n{size} tokens" for task, size in groups])
-    left.set_ylabel("exact match (%), mean over needle depths")
-    left.set_title("passkey retrieval by hot-window condition")
-    left.set_ylim(0, 130)
-    left.legend(fontsize=8, ncol=3, loc="upper center")
-    rows = [r for r in bench.blend if r.ratio is not None and r.trace_seconds is not None]
-    if rows:
-        ratios = [r.ratio for r in rows]
-        right.plot(ratios, [r.gold_logprob for r in rows], "o-", label="gold log-prob (blend)")
-        full = [r.gold_logprob for r in bench.blend if r.ratio is None]
-        if full:
-            right.axhline(full[0], color="grey", linestyle=":", label="gold log-prob (full)")
-        right.set_xlabel("blend ratio (share of each run of approximate hits computed)")
-        right.set_ylabel("mean gold log-prob (nats)")
-        twin = right.twinx()
-        twin.plot(ratios, [r.trace_seconds for r in rows], "r^-", label="agent trace")
-        twin.set_ylabel("agent trace, total time to first token (s)", color="red")
-        right.legend(fontsize=8, loc="lower right")
-    right.set_title("approximate hits after a distractor")
-    return _save(plt, fig, path)
-
-
 def plot_bench(bench: FullBench, path: str | Path) -> Path:
     """Draw ``bench`` into a PNG at ``path``; the path written."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     fig.suptitle(f"kvrt bench on {bench.backend}")
 
@@ -134,4 +91,4 @@ def plot_bench(bench: FullBench, path: str | Path) -> Path:
     twin.plot(counts, [p.peak_rss_bytes / 2**20 for p in bench.sessions], "r^-", label="peak RSS")
     twin.set_ylabel("peak RSS (MiB)", color="red")
     ax.set_title("many sessions on one model")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)

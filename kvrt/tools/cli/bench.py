@@ -1,15 +1,16 @@
-"""``kvrt bench``: kvrt measured beside the engine alone."""
+"""``kvrt bench``: kvrt measured beside the engine alone, quick or full. The research
+benchmarks (the cold tiers, flash attention, long-context fidelity, chat, engine
+agreement) live outside the wheel, in the repository's ``benchmarks/``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from kvrt import Config, ConfigError
+from kvrt import ConfigError
 from kvrt._units import format_size
 
 from ._common import check_writable, common, config_from, count, int_list
@@ -18,13 +19,8 @@ __all__ = ["add", "main"]
 
 BENCH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-TIER_SIZES = (128, 1024, 4096)
-
-FIDELITY_SIZES = (1024, 2048)
 
 BENCH_PLOT = "kvrt-bench.png"
-
-FIDELITY_PLOT = "kvrt-fidelity.png"
 
 
 def add(sub: Any) -> None:
@@ -38,32 +34,6 @@ def add(sub: Any) -> None:
         "--quick",
         action="store_true",
         help="only restore bandwidth, time to first token and decode (a minute)",
-    )
-    bench.add_argument(
-        "--tiers",
-        action="store_true",
-        help="only the cold tiers: blocks restored from RAM, disk and Redis next to "
-        "recomputing, a restarted process, decode while spilling (two minutes)",
-    )
-    bench.add_argument(
-        "--flash",
-        action="store_true",
-        help="only llama.cpp's flash attention off and on: restore bandwidth, speed and "
-        "logits next to llama_cpp.Llama with the same setting (a minute)",
-    )
-    bench.add_argument(
-        "--fidelity",
-        action="store_true",
-        help="only how much of a long context the model can use: passkey retrieval under "
-        "full, discard, class_lru and relevance windows, then approximate hits per blend "
-        "ratio (--sizes, --keys; about eleven minutes)",
-    )
-    bench.add_argument(
-        "--keys",
-        type=count(1, 100),
-        default=10,
-        metavar="N",
-        help="passkeys per cell with --fidelity (default 10)",
     )
     bench.add_argument(
         "--tokens",
@@ -104,7 +74,7 @@ def add(sub: Any) -> None:
         "--plot",
         default=BENCH_PLOT,
         metavar="PATH",
-        help="where the PNG plot goes (default kvrt-bench.png; kvrt-fidelity.png with --fidelity)",
+        help="where the PNG plot goes (default kvrt-bench.png)",
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -123,15 +93,6 @@ def main(args: argparse.Namespace) -> None:
 
     config = config_from(args)
     console = Console(stderr=args.json)
-    if args.tiers:
-        _tiers(args, config, console)
-        return
-    if args.fidelity:
-        _fidelity(args, config, console)
-        return
-    if args.flash:
-        _flash(args, config, console)
-        return
     if args.quick:
         total = 5
     else:
@@ -183,99 +144,6 @@ def main(args: argparse.Namespace) -> None:
         Console().print(_quick_table(figures))
     else:
         _print_full(figures)
-
-
-def _section(
-    args: argparse.Namespace,
-    console: Any,
-    steps: int,
-    run: Callable[[Callable[[str], None]], Any],
-    show: Callable[[Any], None],
-    *,
-    plot: tuple[str, Callable[[Any, str], Any]] | None = None,
-) -> None:
-    """Run one ``kvrt bench`` section with a progress bar and a disk tier of its own, then
-    print its figures (or their JSON) and, given ``plot`` (a path and a drawing function),
-    draw them there."""
-    import anyio
-    from rich.progress import Progress
-
-    from kvrt.tools.bench import own_disk_tier
-
-    if plot is not None:
-        check_writable(plot[0])  # before minutes of measuring, not after
-    with own_disk_tier(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("measuring", total=steps)
-
-        def step(what: str) -> None:
-            progress.update(task, description=what, advance=1)
-
-        figures = anyio.run(lambda: run(step))
-    if plot is not None:
-        path, draw = plot
-        try:
-            written = draw(figures, path)
-        except OSError as exc:
-            raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
-        console.print(f"plot written to {written}", highlight=False)
-    if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(figures)).decode() + "\n")
-    else:
-        show(figures)
-
-
-def _fidelity(args: argparse.Namespace, config: Config, console: Any) -> None:
-    from kvrt.tools.bench.fidelity import fidelity_steps, print_fidelity, run_fidelity_bench
-    from kvrt.tools.bench.plot import plot_fidelity
-
-    sizes = FIDELITY_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
-    if max(sizes) > 7168 or min(sizes) < 256:
-        raise ConfigError("--sizes must stay between 256 and 7168 tokens with --fidelity")
-    path = FIDELITY_PLOT if args.plot == BENCH_PLOT else args.plot
-    _section(
-        args,
-        console,
-        fidelity_steps(len(sizes), args.keys),
-        lambda step: run_fidelity_bench(config, sizes=sizes, keys=args.keys, progress=step),
-        print_fidelity,
-        plot=None if args.no_plot else (path, plot_fidelity),
-    )
-
-
-def _flash(args: argparse.Namespace, config: Config, console: Any) -> None:
-    from kvrt.tools.bench.flash import flash_steps, print_flash, run_flash_bench
-
-    tokens = args.tokens or 2048
-    if not 512 <= tokens <= 7680:
-        raise ConfigError("--tokens must be between 512 and 7680 with --flash")
-    _section(
-        args,
-        console,
-        flash_steps(config.engine.kv_type),
-        lambda step: run_flash_bench(config, block_tokens=tokens, progress=step),
-        print_flash,
-    )
-
-
-def _tiers(args: argparse.Namespace, config: Config, console: Any) -> None:
-    from kvrt.tools.bench.tiers import print_tiers, run_tiers_bench
-
-    sizes = TIER_SIZES if args.sizes == BENCH_SIZES else tuple(args.sizes)
-    if max(sizes) > 7680:
-        raise ConfigError("--sizes must stay below 7680 tokens")
-    _section(
-        args,
-        console,
-        len(sizes) + 2,
-        lambda step: run_tiers_bench(
-            config,
-            sizes=sizes,
-            restart_tokens=args.tokens or 2048,
-            decode=min(args.decode, 64),
-            progress=step,
-        ),
-        print_tiers,
-    )
 
 
 def _quick_table(f: Any) -> Any:

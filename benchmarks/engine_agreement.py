@@ -1,6 +1,6 @@
 """How many greedy tokens llama.cpp and OpenVINO agree on for the same prompts.
 
-    python -m kvrt.tools.bench.engine_agreement [--tokens 64]
+    python -m benchmarks.engine_agreement [--tokens 64]
 
 Both engines run the embedded SmolLM2 (llama.cpp on the Q4_1 GGUF, OpenVINO on the F16 IR
 built from it, deterministic f32 settings), so their weight arithmetic differs: this

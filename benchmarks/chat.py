@@ -2,7 +2,7 @@
 ``LlamaRAMCache``, in process and over HTTP (``kvrt serve`` against
 ``python -m llama_cpp.server``), and ``kvrt serve`` under 16 streaming clients.
 
-Run: ``python -m kvrt.tools.bench.chat [--turns 10] [--no-http] [--no-load]``. Figures to
+Run from the repository root: ``python -m benchmarks.chat [--turns 10] [--no-http] [--no-load]``. Figures to
 read, not assertions; every figure is measured in this run.
 """
 
@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,6 +35,9 @@ QUESTIONS = [
     "How tall is a typical lighthouse?",
     "Summarise our conversation in two sentences.",
 ]
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root, where ``python -m benchmarks.chat`` runs."""
 
 
 def max_tokens(turn: int) -> int:
@@ -151,7 +155,7 @@ async def load_test(base_url: str) -> str:
     threads do not share the server's interpreter lock)."""
     began = time.perf_counter()
     result = await anyio.run_process(
-        [sys.executable, "-m", "kvrt.tools.bench.chat", "--clients", base_url], check=True
+        [sys.executable, "-m", "benchmarks.chat", "--clients", base_url], check=True, cwd=ROOT
     )
     took = time.perf_counter() - began
     generated, limited = map(int, result.stdout.decode().split())

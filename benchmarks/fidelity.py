@@ -1,4 +1,4 @@
-"""``kvrt bench --fidelity``: how much of a long context the model can still use.
+"""``python -m benchmarks.fidelity``: how much of a long context the model can still use.
 
 Passkey retrieval (:mod:`.passkey`): a five-digit key hidden in filler text at a depth
 (10/50/90 %), contexts of 1k and 2k tokens (``--sizes``), the question at the end. Two
@@ -28,11 +28,15 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 
+import kvrt
 from kvrt import Config, Runtime, Segment, open_runtime
+from kvrt.tools.bench.plot import pyplot, save_figure
 
+from ._common import config_of, count, int_list, parser, run_main, section
 from .blend import RATIOS, TRACE_TURNS, BlendRow, print_blend, run_blend_bench
 from .passkey import QUESTIONS, Answer, ask, check_answer_tokens, haystack, per_filler, summarize
 
@@ -168,3 +172,80 @@ def print_fidelity(f: FidelityBench) -> None:
         print()
         print_blend(f.blend)
     print(f"wall time {f.seconds:.0f} s")
+
+
+def plot_fidelity(bench: FidelityBench, path: str | Path) -> Path:
+    """Draw ``bench`` into a PNG at ``path``: exact match per condition, task and context
+    size (mean over depths); quality and agent-trace time per blend ratio."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    fig.suptitle("benchmarks.fidelity")
+    groups = sorted({(c.task, c.context_tokens) for c in bench.cells})
+    names = [name for name, _, _ in CONDITIONS]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        means = []
+        for task, size in groups:
+            cells = [
+                c
+                for c in bench.cells
+                if (c.task, c.context_tokens, c.condition) == (task, size, name)
+            ]
+            means.append(100 * sum(c.exact_match for c in cells) / max(1, len(cells)))
+        left.bar([g + k * width for g in range(len(groups))], means, width, label=name)
+    left.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    left.set_xticklabels([f"{task}\n{size} tokens" for task, size in groups])
+    left.set_ylabel("exact match (%), mean over needle depths")
+    left.set_title("passkey retrieval by hot-window condition")
+    left.set_ylim(0, 130)
+    left.legend(fontsize=8, ncol=3, loc="upper center")
+    rows = [r for r in bench.blend if r.ratio is not None and r.trace_seconds is not None]
+    if rows:
+        ratios = [r.ratio for r in rows]
+        right.plot(ratios, [r.gold_logprob for r in rows], "o-", label="gold log-prob (blend)")
+        full = [r.gold_logprob for r in bench.blend if r.ratio is None]
+        if full:
+            right.axhline(full[0], color="grey", linestyle=":", label="gold log-prob (full)")
+        right.set_xlabel("blend ratio (share of each run of approximate hits computed)")
+        right.set_ylabel("mean gold log-prob (nats)")
+        twin = right.twinx()
+        twin.plot(ratios, [r.trace_seconds for r in rows], "r^-", label="agent trace")
+        twin.set_ylabel("agent trace, total time to first token (s)", color="red")
+        right.legend(fontsize=8, loc="lower right")
+    right.set_title("approximate hits after a distractor")
+    return save_figure(plt, fig, path)
+
+
+SIZES = (1024, 2048)
+PLOT = "kvrt-fidelity.png"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument(
+        "--sizes",
+        type=int_list,
+        default=SIZES,
+        metavar="N,N,...",
+        help="context sizes in tokens (default 1024,2048; 256 to 7168)",
+    )
+    p.add_argument(
+        "--keys", type=count(1, 100), default=10, metavar="N", help="passkeys per cell (default 10)"
+    )
+    p.add_argument("--plot", default=PLOT, metavar="PATH", help=f"the PNG (default {PLOT})")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    args = p.parse_args(argv)
+    if max(args.sizes) > 7168 or min(args.sizes) < 256:
+        raise kvrt.ConfigError("--sizes must stay between 256 and 7168 tokens")
+    config = config_of(args)
+    section(
+        args,
+        fidelity_steps(len(args.sizes), args.keys),
+        lambda step: run_fidelity_bench(config, sizes=args.sizes, keys=args.keys, progress=step),
+        print_fidelity,
+        plot=None if args.no_plot else (args.plot, plot_fidelity),
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(main))

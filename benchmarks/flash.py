@@ -1,4 +1,4 @@
-"""``kvrt bench --flash``: what llama.cpp's flash attention changes, off and on side by side.
+"""``python -m benchmarks.flash``: what llama.cpp's flash attention changes, off and on side by side.
 
 For each setting, on the configured model and KV type (one engine per setting):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import msgspec
@@ -26,6 +26,8 @@ import numpy as np
 
 from kvrt import ColdBlock, Config, ConfigError, EngineContext, EvictMode, open_engine
 from kvrt.tools.bench.quick import text_of
+
+from ._common import config_of, count, parser, run_main, section
 
 __all__ = ["FlashBench", "FlashPoint", "flash_steps", "print_flash", "run_flash_bench"]
 
@@ -248,3 +250,26 @@ def print_flash(bench: FlashBench) -> None:
             f"{'equal' if bench.off_vs_on_greedy_equal else 'different'}",
             highlight=False,
         )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument(
+        "--tokens",
+        type=count(512, 7680),
+        default=2048,
+        metavar="N",
+        help="tokens restored (default 2048; 512 to 7680)",
+    )
+    args = p.parse_args(argv)
+    config = config_of(args)
+    section(
+        args,
+        flash_steps(config.engine.kv_type),
+        lambda step: run_flash_bench(config, block_tokens=args.tokens, progress=step),
+        print_flash,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(main))

@@ -1,4 +1,5 @@
-"""What approximate hits cost in quality, and what blending buys back (``--fidelity``).
+"""What approximate hits cost in quality, and what blending buys back (part of
+``python -m benchmarks.fidelity``).
 
 The distractor task: a haystack with the pass key K is first computed after a lead that
 states another pass key D (the *prime*); the context asked then has a neutral lead of its
@@ -23,8 +24,8 @@ import msgspec
 
 from kvrt import Config, Engine, Segment, open_runtime
 from kvrt._session import context_tokens
+from kvrt.tools.bench.full import serve_trace, trace_contexts
 
-from .full import _serve_trace, _trace_contexts
 from .passkey import QUESTIONS, Answer, ask, haystack, per_filler, summarize
 
 __all__ = ["RATIOS", "TRACE_TURNS", "BlendRow", "print_blend", "run_blend_bench"]
@@ -116,13 +117,13 @@ async def _traces(
     """The agent trace per ratio, each in a runtime of its own (no exact copy of another
     run's blocks to find)."""
     out = {}
-    contexts = _trace_contexts(turns, 300)
+    contexts = trace_contexts(turns, 300)
     for ratio in ratios:
         name = f"blend:{ratio:g}"
         async with open_runtime(config=_without_disk(config)) as rt:
             hot = max(len(context_tokens(rt.engine, c)) for c in contexts) + 64
             hot = max(hot, 4 * config.session.block_tokens)
-            turns_s, _, approximated, prefilled = await _serve_trace(
+            turns_s, _, approximated, prefilled = await serve_trace(
                 rt, contexts, hot, name, progress or (lambda _: None)
             )
             out[name] = (sum(t for t, _ in turns_s), approximated, prefilled)

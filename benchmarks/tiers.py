@@ -1,4 +1,4 @@
-"""``kvrt bench --tiers``: the cold tiers measured side by side in one run.
+"""``python -m benchmarks.tiers``: the cold tiers measured side by side in one run.
 
 - restoring a block of 128, 1k and 4k tokens from RAM, from disk and from a Redis server,
   next to computing it again; reading from disk with the page cache dropped for the file
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -37,6 +37,8 @@ import kvrt
 from kvrt import AdmitMode, CacheClass, ColdKey, Config, EngineContext, EvictMode
 from kvrt._cold import ColdEntry, DiskTier, RemoteTier, token_digest
 from kvrt.tools.bench.quick import text_of
+
+from ._common import config_of, count, int_list, parser, run_main, section
 
 __all__ = ["TierRow", "TiersBench", "run_tiers_bench"]
 
@@ -360,31 +362,45 @@ def print_tiers(f: TiersBench) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+SIZES = (128, 1024, 4096)
 
-    from kvrt.tools.bench import own_disk_tier
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="128,1024,4096")
-    parser.add_argument("--restart-tokens", type=int, default=2048)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    sizes = tuple(int(x) for x in args.sizes.split(","))
-    with own_disk_tier():
-        figures = anyio.run(
-            lambda: run_tiers_bench(
-                kvrt.load_config(),
-                sizes=sizes,
-                restart_tokens=args.restart_tokens,
-                progress=lambda what: print(what, file=sys.stderr),
-            )
-        )
-    if args.json:
-        print(msgspec.json.format(msgspec.json.encode(figures)).decode())
-    else:
-        print_tiers(figures)
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument(
+        "--sizes",
+        type=int_list,
+        default=SIZES,
+        metavar="N,N,...",
+        help="block sizes in tokens (default 128,1024,4096; below 7680)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=count(16, 7168),
+        default=2048,
+        metavar="N",
+        help="the restarted process's context (default 2048)",
+    )
+    p.add_argument(
+        "--decode",
+        type=count(1, 64),
+        default=64,
+        metavar="N",
+        help="tokens to decode while spilling (default 64)",
+    )
+    args = p.parse_args(argv)
+    if max(args.sizes) > 7680:
+        raise kvrt.ConfigError("--sizes must stay below 7680 tokens")
+    config = config_of(args)
+    section(
+        args,
+        len(args.sizes) + 2,
+        lambda step: run_tiers_bench(
+            config, sizes=args.sizes, restart_tokens=args.tokens, decode=args.decode, progress=step
+        ),
+        print_tiers,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main(main))
