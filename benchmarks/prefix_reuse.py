@@ -94,14 +94,15 @@ async def kvrt_trace(
 
 def ram_cache_trace(prompts: list[list[int]]) -> dict[str, Any]:
     import llama_cpp
+    from llama_cpp.llama_cache import LlamaRAMCache
 
     llm = llama_cpp.Llama(
-        str(kvrt.models.embedded_model_path()),
+        str(kvrt.embedded_model_path()),
         n_ctx=max(len(p) for p in prompts) + 16,
         verbose=False,
         flash_attn=False,
     )
-    cache = llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30)
+    cache = LlamaRAMCache(capacity_bytes=2 << 30)
     llm.set_cache(cache)
     computed = 0
     evaluate = llm.eval
