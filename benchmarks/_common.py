@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,33 +15,9 @@ from rich.progress import Progress
 
 import kvrt
 from kvrt.tools.bench import own_disk_tier
+from kvrt.tools.cli._common import check_writable, count, int_list
 
 __all__ = ["check_writable", "count", "int_list", "parser", "run_main", "section"]
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def count(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected a number from {low} to {high}, got {value}")
-        return value
-
-    return parse
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -59,19 +34,6 @@ def parser(description: str) -> argparse.ArgumentParser:
 def config_of(args: argparse.Namespace) -> kvrt.Config:
     flags = {k: getattr(args, k) for k in ("backend", "model", "kv_type") if getattr(args, k)}
     return kvrt.load_config(args.config, flags=flags)
-
-
-def check_writable(path: str) -> None:
-    """Refuse a plot path that cannot be written, before minutes of measuring."""
-    target = Path(path)
-    existed = target.exists()
-    try:
-        with target.open("ab"):
-            pass
-    except OSError as exc:
-        raise kvrt.ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
-    if not existed:
-        target.unlink(missing_ok=True)
 
 
 def section(

@@ -6,7 +6,9 @@
 - ``native_bridge/`` imports nothing of kvrt;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
 - inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
-  mailbox -> prefetch -> actor -> generation -> placement -> scoring -> paging -> gate -> layout.
+  mailbox -> prefetch -> actor -> generation -> placement -> scoring -> paging -> gate -> layout;
+- the placement planner (``kvrt/_session/planner.py``) is pure: it imports no I/O, no
+  engine and no other part of the session.
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ SESSION_LAYERS = [
     "provenance",
     "arguments",
     "layout",
+    "planner",
 ]
 
 
@@ -224,6 +227,19 @@ def test_session_layers_depend_one_way() -> None:
     core = [p for p in modules("kvrt") if p.parent == ROOT / "kvrt"]
     packages = modules("kvrt/_session") + modules("kvrt/_cold")
     assert max(len(p.read_text().splitlines()) for p in core + packages) < 500
+
+
+def test_the_placement_planner_is_pure() -> None:
+    """The planner decides from a snapshot: nothing it imports can await, call an engine
+    or reach the session's state (its tests need no model)."""
+    planner = ROOT / "kvrt" / "_session" / "planner.py"
+    allowed = {"__future__", "collections.abc", "dataclasses", "kvrt._types"}
+    wrong = {
+        m for m in imports(planner) if not any(m == a or m.startswith(f"{a}.") for a in allowed)
+    }
+    assert not wrong
+    tree = ast.parse(planner.read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.AsyncFunctionDef, ast.Await))]
 
 
 def test_the_cold_store_stands_below_the_sessions() -> None:

@@ -22,6 +22,7 @@ from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
 from .gate import Tally, Written
 from .layout import Block, Segment
+from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
 from .scoring import Scoring
 
 __all__ = [
@@ -221,12 +222,9 @@ class Placement(Scoring):
             )
 
     async def _place(self, layout: list[Block]) -> None:
-        """Bring the layout's blocks in, left to right, keeping the window within budget.
-
-        Cold blocks come back when the plan (the policy applied to the whole context) keeps
-        them hot. llama.cpp computes only at the tail of the window, so from the first block
-        that must be computed on, blocks are placed in order and a computed block's
-        predecessor is made resident first.
+        """Bring the layout's blocks in, keeping the window within budget, as the
+        planner (:mod:`.planner`) says: cold blocks come back when the plan (the policy
+        applied to the whole context) keeps them hot, dropped ones are computed in order.
         """
         policy = self.policies.hot_eviction
         await self._score()
@@ -242,8 +240,7 @@ class Placement(Scoring):
         self._find_approximate_runs(layout)
         try:
             await self._refresh_partial(layout, planned)
-            await self._place_blocks(layout, planned)
-            await self._converge(layout, planned)
+            await self._run_plan(layout, planned)
         finally:
             self._recompute = set()
             self._refresh = set()
@@ -284,86 +281,68 @@ class Placement(Scoring):
                     )
                 self._refresh.add(block.id)
 
-    async def _converge(self, layout: list[Block], planned: set[int]) -> None:
-        """Bring back planned blocks that computing later ones pushed out, in exchange for
-        unplanned ones, so the window ends as the eviction policy chose."""
-        for block in layout:
-            if block.id in planned and self.state(block) is Residency.COLD:
-                try:
-                    await self._restore_run([block], planned)
-                except HotWindowFullError:
-                    return  # only planned or protected blocks left to evict
+    async def _run_plan(self, layout: list[Block], planned: set[int]) -> None:
+        """Run the planner's steps (:mod:`.planner`) until the context is in place, each
+        planned on a fresh snapshot of the window."""
+        cursor = Cursor()
+        while (step := plan(self._scene(layout, planned), cursor)) is not None:
+            cursor = advance(cursor, step, await self._run_step(step, layout))
 
-    async def _place_blocks(self, layout: list[Block], planned: set[int]) -> None:
-        i, computing = 0, False
-        while i < len(layout):
-            block = layout[i]
-            pred = {layout[i - 1].id} if i else set()
-            state = self.state(block)
-            if state is Residency.HOT:
-                i += 1
-                continue
-            if state is Residency.COLD:
-                # Restore what the plan keeps hot, and a block the next one is computed after;
-                # adjacent planned cold blocks come back in one go.
-                after = layout[i + 1] if i + 1 < len(layout) else None
-                feeds = computing and after is not None and self.state(after) is Residency.DROPPED
-                if block.id not in planned and not feeds:
-                    i += 1
-                    continue
-                run = [block]
-                while (
-                    i + len(run) < len(layout)
-                    and layout[i + len(run)].id in planned
-                    and self.state(layout[i + len(run)]) is Residency.COLD
-                ):
-                    run.append(layout[i + len(run)])
-                # The block before stays only if the plan keeps it or this run feeds a
-                # computation; otherwise it may make room like any unplanned block.
-                keep = pred if feeds or pred <= planned else set()
+    def _scene(self, layout: list[Block], planned: set[int]) -> Scene:
+        """What the planner sees of the window now (``layout`` is the window's blocks)."""
+        resident = self.resident()
+        states = tuple(self.state(b, resident) for b in layout)
+        dropped = [(i, b) for i, b in enumerate(layout) if states[i] is Residency.DROPPED]
+        fingerprint = self.window.fingerprint
+        protected = self.window.protected()
+        return Scene(
+            sizes=tuple(b.n_tokens for b in layout),
+            starts=tuple(b.start for b in layout),
+            states=states,
+            resumes=tuple(self.window.resident_prefix(b, resident) for b in layout),
+            planned=frozenset(i for i, b in enumerate(layout) if b.id in planned),
+            protected=frozenset(i for i, b in enumerate(layout) if b.id in protected),
+            approximate=frozenset(i for i, b in dropped if self._approximate_entry(b) is not None),
+            elsewhere=frozenset(
+                i for i, b in dropped if self.cold.computed(b.key(fingerprint)) is not None
+            ),
+            budget=self.ctx.n_ctx,
+            resident=self.ctx.n_resident,
+        )
+
+    async def _run_step(self, step: Step, layout: list[Block]) -> int | None:
+        """Run one planned step; its outcome for :func:`~.planner.advance`."""
+
+        def ids(indices: frozenset[int]) -> set[int]:
+            return {layout[k].id for k in indices}
+
+        match step:
+            case Restore(blocks=blocks, keep=keep, required=required):
                 try:
-                    restored = await self._restore_run(run, keep)
+                    return await self._restore_run([layout[k] for k in blocks], ids(keep))
                 except HotWindowFullError:
-                    if feeds:
+                    if required:
                         raise
-                    i += len(run)  # no room beside what must stay: these blocks stay cold
-                    continue
-                if not restored:
-                    continue  # dropped from the store meanwhile: look again
-                i += restored
-                continue
-            if not computing:
-                j = i
-                while j > 0 and self.state(layout[j - 1]) is Residency.DROPPED:
-                    j -= 1
-                resumes = self.window.resident_prefix(layout[j], self.resident())
-                await self._truncate_from(layout[j].start + resumes)
-                if j > 0 and self.state(layout[j - 1]) is Residency.COLD:
-                    await self._restore(layout[j - 1], set())
-                if not resumes:
-                    keep = {layout[j - 1].id} if j else set()
-                    await self._restore_leading(layout[j], keep)
-                computing, i = True, j
-                continue
-            if i and self.state(layout[i - 1]) is not Residency.HOT:
-                await self._restore(layout[i - 1], set())  # the tail must end right before it
-            if await self._computed_elsewhere(block):
-                continue  # another session computed it meanwhile: restore it instead
-            if await self._approximate_hit(block, pred):
-                i += 1
-                continue
-            run, room = [block], self._room(pred)
-            while i + len(run) < len(layout):
-                after = layout[i + len(run)]
-                if (
-                    self.state(after) is not Residency.DROPPED
-                    or sum(b.n_tokens for b in run) + after.n_tokens > room
-                    or self._approximate_entry(after) is not None
-                ):
-                    break
-                run.append(after)
-            await self._prefill(run, pred)
-            i += len(run)
+                    return None  # no room beside what must stay: these blocks stay cold
+            case Begin(index=i, clear_from=clear_from, keep=keep):
+                await self._truncate_from(clear_from)
+                if step.restore_before:
+                    await self._restore(layout[i - 1], set())
+                if step.leading:
+                    await self._restore_leading(layout[i], ids(keep))
+                return 0
+            case WaitFor(index=i):
+                await self._computed_elsewhere(layout[i])
+                return 0
+            case Compute(index=i, blocks=blocks, keep=keep):
+                # The tail must end right before it: if the block before could not come
+                # back (the store let it go), plan again (it is computed first then).
+                if step.restore_before and not await self._restore(layout[i - 1], set()):
+                    return 0
+                if step.approximate and await self._approximate_hit(layout[i], ids(keep)):
+                    return 1
+                await self._prefill([layout[k] for k in blocks], ids(keep))
+                return len(blocks)
 
     async def _restore_leading(self, block: Block, keep: set[int]) -> None:
         """Where the context diverges inside ``block``, restore the leading tokens it
