@@ -8,7 +8,9 @@
 - inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
   mailbox -> prefetch -> actor -> generation -> placement -> scoring -> paging -> gate -> layout;
 - the placement planner (``kvrt/_session/planner.py``) is pure: it imports no I/O, no
-  engine and no other part of the session.
+  engine and no other part of the session;
+- the session's parts are composed, never inherited: no class of ``kvrt/_session/``
+  derives from another one of the package's classes.
 """
 
 from __future__ import annotations
@@ -240,6 +242,23 @@ def test_the_placement_planner_is_pure() -> None:
     assert not wrong
     tree = ast.parse(planner.read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.AsyncFunctionDef, ast.Await))]
+
+
+def test_the_session_parts_are_composed_not_inherited() -> None:
+    """The actor holds its gate, paging, scoring, placement and generation; none of them
+    is a base class of another (an inheritance tower hides who calls whom)."""
+    trees = {p: ast.parse(p.read_text()) for p in modules("kvrt/_session")}
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    assert {"Actor", "EngineGate", "Paging", "Placement", "Generation"} <= classes
+    wrong = {
+        f"{p.stem}.{n.name}({ast.unparse(base)})"
+        for p, t in trees.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.ClassDef)
+        for base in n.bases
+        if ast.unparse(base).split(".")[-1] in classes
+    }
+    assert not wrong
 
 
 def test_the_cold_store_stands_below_the_sessions() -> None:

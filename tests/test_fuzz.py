@@ -53,11 +53,11 @@ def with_kv(s: kvrt.Session) -> Held:
     """The blocks that have KV now (hot in the window, or in the cold store), by the key
     their KV is stored under (a partial-window block's is its own)."""
     a = s._actor
-    resident = a.resident()
+    resident = a.gate.resident()
     held: Held = {}
     for b in a.window.blocks:
         state = a.window.residency(b, resident, a.cold)
-        key = a.stored_key(b) if state is Residency.HOT else a._restorable_key(b)
+        key = a.gate.stored_key(b) if state is Residency.HOT else a.paging.restorable_key(b)
         if state is not Residency.DROPPED and key is not None:
             held[key] = (b.prefix, b.start, tuple(b.tokens))
     return held

@@ -12,6 +12,7 @@ context's record while a worker thread may be changing it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +33,12 @@ from .._errors import (
 )
 from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
-from .gate import SessionParts, Tally
+from .gate import EngineGate, SessionParts, Tally
 from .generation import Generate, Generation
 from .layout import Block, Segment
-from .placement import Prepared
+from .paging import Paging
+from .placement import Placement, Prepared
+from .scoring import Scoring
 
 __all__ = [
     "Actor",
@@ -104,16 +107,37 @@ class Call:
             self.scope.cancel()
 
 
-class Actor(Generation):
-    """Owns one engine context and one hot window; runs commands from its mailbox."""
+class Actor:
+    """Owns one engine context and one hot window; runs commands from its mailbox.
+
+    Composed, not inherited: the engine gate (every engine call, the KV's provenance,
+    the counters), paging (every block move), scoring, placement (the planner's steps
+    run by paging) and generation, each handed the parts it uses."""
 
     def __init__(self, parts: SessionParts) -> None:
-        super().__init__(parts)
+        self.gate = gate = EngineGate(parts)
+        self.paging = Paging(gate)
+        self.scoring = Scoring(gate)
+        self.placement = Placement(gate, self.paging, self.scoring)
+        self.generation = Generation(gate, self.paging, self.placement)
+        self.engine, self.ctx, self.window = parts.engine, parts.ctx, parts.window
+        self.cold, self.limiter = parts.cold, parts.limiter
+        self.policies, self.config, self.replies = parts.policies, parts.config, parts.replies
+        self.tokenize = self.placement.tokenize
         self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
         self.finished = anyio.Event()
         self.current: Call | None = None
         self._view = self._build_view()
         """What the session looked like after its last command (see :meth:`report`)."""
+
+    @property
+    def fault(self) -> Callable[[str], None] | None:
+        """Test hook, called with a label before every await point of a command."""
+        return self.gate.fault
+
+    @fault.setter
+    def fault(self, hook: Callable[[str], None] | None) -> None:
+        self.gate.fault = hook
 
     # -- the task --
 
@@ -134,7 +158,7 @@ class Actor(Generation):
         admission policy allows), so the next session with this context restores it."""
         # A failed engine context's KV goes anyway: nothing else is at stake.
         with anyio.move_on_after(CLOSE_OFFER_SECONDS), suppress(KvrtError):
-            await self._write_back(self.window.blocks)
+            await self.paging.write_back(self.window.blocks)
 
     async def _run_one(self, call: Call) -> None:
         try:
@@ -145,7 +169,7 @@ class Actor(Generation):
 
     async def _run_call(self, call: Call) -> None:
         if call.abandoned is not None:
-            self.counters.cancelled_calls += 1
+            self.gate.counters.cancelled_calls += 1
             call.error = call.abandoned
             call.done.set()
             return
@@ -163,11 +187,11 @@ class Actor(Generation):
                 finally:
                     with anyio.CancelScope(shield=True):
                         try:
-                            await self._tidy()
+                            await self.gate.tidy()
                         except KvrtError as exc:
                             call.error = call.error or exc
             if scope.cancelled_caught:
-                self.counters.cancelled_calls += 1
+                self.gate.counters.cancelled_calls += 1
                 call.error = call.abandoned or OperationCancelledError("the call was cancelled")
         finally:
             self.current = None
@@ -177,9 +201,9 @@ class Actor(Generation):
     async def _dispatch(self, command: Command) -> Any:
         match command:
             case Ensure(segments, prepared, require):
-                return await self._ensure(segments, prepared, require=require)
+                return await self.placement.ensure(segments, prepared, require=require)
             case Generate():
-                return await self._generate(command)
+                return await self.generation.generate(command)
             case Evict(target):
                 return await self._evict_target(target)
             case Admit(target):
@@ -190,10 +214,10 @@ class Actor(Generation):
                 return await self._next_logits()
 
     async def _next_logits(self) -> npt.NDArray[np.float32]:
-        self._check_placed()
-        await self._last_logits()
-        held = self._override
-        logits = held if held is not None else await self._engine("logits", self.ctx.logits)
+        self.generation.check_placed()
+        await self.placement.last_logits()
+        held = self.gate.override
+        logits = held if held is not None else await self.gate.call("logits", self.ctx.logits)
         return np.array(logits, dtype=np.float32, copy=True)
 
     async def _snapshot(
@@ -201,7 +225,7 @@ class Actor(Generation):
     ) -> tuple[list[tuple[str, CacheClass, float | None, list[int]]], list[ColdKey]]:
         """The context as segments (name, class, score, tokens) and its blocks' keys, once
         every hot block has a cold copy (as the cold admission policy allows)."""
-        await self._write_back(self.window.blocks, spare=True)
+        await self.paging.write_back(self.window.blocks, spare=True)
         segments: list[tuple[str, CacheClass, float | None, list[int]]] = []
         for b in self.window.blocks:
             if segments and segments[-1][0] == b.segment:
@@ -228,31 +252,31 @@ class Actor(Generation):
                 f"{target!r} holds the context's last token, which generation continues from; "
                 "it stays hot"
             )
-        self._tally = tally = Tally()
-        await self._evict_blocks(blocks, strict=True)
-        self._status(tally)
+        self.gate.tally = tally = Tally()
+        await self.paging.evict_blocks(blocks, strict=True)
+        self.gate.status(tally)
         return tally.evicted
 
     async def _admit_target(self, target: str | tuple[int, int]) -> int:
         blocks = self._target_blocks(target)
-        self._tally = tally = Tally()
+        self.gate.tally = tally = Tally()
         for block in blocks:
-            if self.state(block) is Residency.DROPPED:
+            if self.gate.state(block) is Residency.DROPPED:
                 raise NotInColdStoreError(
                     f"block {block.index} of {block.segment!r} has no KV bytes left; "
                     "send it again with ensure_context to recompute it"
                 )
         runs: list[list[Block]] = []
         for block in blocks:
-            if self.state(block) is not Residency.COLD:
+            if self.gate.state(block) is not Residency.COLD:
                 continue
             if runs and runs[-1][-1].end == block.start:
                 runs[-1].append(block)
             else:
                 runs.append([block])
         for run in runs:
-            await self._restore_run(run, set())
-        self._status(tally)
+            await self.paging.restore_run(run, set())
+        self.gate.status(tally)
         return tally.restored
 
     # -- explain --
@@ -279,7 +303,7 @@ class Actor(Generation):
         """The session's state now, its counters copied: run by the actor between engine
         calls only."""
         window = self.window
-        resident = self.resident()
+        resident = self.gate.resident()
         protected = window.protected()
         states = {b.id: window.residency(b, resident, self.cold) for b in window.blocks}
         blocks = [
@@ -292,12 +316,12 @@ class Actor(Generation):
                 residency=states[b.id],
                 protected=b.id in protected,
                 last_used=b.last_used,
-                choice=self.choices.get(b.id),
-                approximate=states[b.id] is Residency.HOT and self.is_approximate(b, resident),
+                choice=self.gate.choices.get(b.id),
+                approximate=states[b.id] is Residency.HOT and self.gate.is_approximate(b, resident),
                 partial_window=(
-                    self.is_partial(b, resident)
+                    self.gate.is_partial(b, resident)
                     if states[b.id] is Residency.HOT
-                    else (key := self._restorable_key(b)) is not None and key.session_local
+                    else (key := self.paging.restorable_key(b)) is not None and key.session_local
                 ),
                 relevance=window.relevance.get(b.id),
                 cold_tier=(
@@ -331,15 +355,15 @@ class Actor(Generation):
             logical_tokens=window.length,
             blocks=blocks,
             segments=segment_reports(blocks, window.required),
-            residency_tokens=self.residency_tokens(),
+            residency_tokens=self.gate.residency_tokens(),
             cold_store=self.cold.stats(),
             mailbox={},
-            counters=copy.copy(self.counters),
+            counters=copy.copy(self.gate.counters),
             engine=copy.copy(self.ctx.counters),
             capabilities=self.ctx.capabilities,
             exact_restores=self.ctx.capabilities.exact_in_place,
-            approximate_tokens=self.approximate_context_tokens(),
-            partial_window_tokens=self.partial_window_tokens(),
+            approximate_tokens=self.gate.approximate_context_tokens(),
+            partial_window_tokens=self.gate.partial_window_tokens(),
             consistent=not problems,
             problems=problems,
         )

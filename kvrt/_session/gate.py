@@ -106,8 +106,9 @@ class Written(NamedTuple):
 
 
 class EngineGate:
-    """One session's engine context, hot window and cold store, and the state the layers
-    above share: policies, choices, the KV's provenance, counters, tallies."""
+    """One session's engine context, hot window and cold store, and the state the
+    session's components (paging, scoring, placement, generation; see :mod:`.actor`) share
+    through it: policies, choices, the KV's provenance, counters, the command's tally."""
 
     def __init__(self, parts: SessionParts) -> None:
         self.engine = parts.engine
@@ -123,15 +124,15 @@ class EngineGate:
         self.provenance = Provenance()
         """Which resident tokens hold approximate or partial-window KV (see
         :mod:`.provenance`)."""
-        self._recompute: set[int] = set()
-        self._refresh: set[int] = set()
+        self.recompute: set[int] = set()
+        self.refresh: set[int] = set()
         """While a context is placed: blocks whose partial-window KV the partial-window
         policy has computed again, now that their whole prefix fits hot."""
-        self._approximate_runs: dict[int, tuple[int, int]] = {}
+        self.approximate_runs: dict[int, tuple[int, int]] = {}
         """While a context is placed: block id -> (start, tokens) of its run of
         approximate-hit candidates."""
-        self._held: tuple[ColdKey, int, Logits] | None = None
-        self._override: Logits | None = None
+        self.held: tuple[ColdKey, int, Logits] | None = None
+        self.override: Logits | None = None
         self.counters = SessionCounters()
         self.placed = True
         """False from the moment an ``ensure_context`` adopts its layout until the
@@ -139,12 +140,12 @@ class EngineGate:
         generating from such a layout is refused."""
         self.fault: Callable[[str], None] | None = None
         """Test hook, called with a label before every await point of a command."""
-        self._tally = Tally()
+        self.tally = Tally()
         self._resident: dict[int, int] | None = None
 
     # -- engine access --
 
-    async def _engine(
+    async def call(
         self,
         label: str,
         fn: Callable[..., T],
@@ -161,7 +162,7 @@ class EngineGate:
             self.provenance.set(w.start, w.end, w.mark)
             places = [(w.start, w.end, w.place)] if w.place is not None else self._places()
             self.provenance.attend(w.start, w.end, places)
-            self._tally.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
+            self.tally.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
         self._resident = None
         try:
             return await anyio.to_thread.run_sync(
@@ -170,13 +171,13 @@ class EngineGate:
         finally:
             self._resident = None  # the engine's record may have changed
 
-    def _observed_restore(self, began: float, n_bytes: int) -> None:
+    def observed_restore(self, began: float, n_bytes: int) -> None:
         """Hand a restore measured since ``began`` to every policy that calibrates itself."""
         seconds = time.perf_counter() - began
         for policy in self.policies.learners():
             policy.observe_restore(n_bytes, seconds)
 
-    def _observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
+    def observed_prefill(self, began: float, start: int, n_tokens: int) -> None:
         """Hand a prefill measured since ``began`` to every policy that calibrates itself."""
         seconds = time.perf_counter() - began
         for policy in self.policies.learners():
@@ -204,9 +205,9 @@ class EngineGate:
             block, self.resident() if resident is None else resident, self.cold
         )
         if found is Residency.COLD:
-            if block.id in self._recompute:
+            if block.id in self.recompute:
                 return Residency.DROPPED  # the restore policy chose to compute it again
-            if block.id in self._refresh and block.key(self.window.fingerprint) not in self.cold:
+            if block.id in self.refresh and block.key(self.window.fingerprint) not in self.cold:
                 return Residency.DROPPED  # its only copy is partial-window KV: computed again
         return found
 
@@ -235,7 +236,7 @@ class EngineGate:
             return self.provenance.new_label(), missing
         return None, 0
 
-    async def _logits_after(self, block: Block) -> Logits | None:
+    async def logits_after(self, block: Block) -> Logits | None:
         """The engine's logits after ``block``'s last token, if it holds them and they were
         computed with exact KV (as that token's mark says), else None."""
         held = self.ctx.logits_position
@@ -243,7 +244,7 @@ class EngineGate:
             return None
         if self.provenance.inexact(held, held + 1, self.resident()):
             return None
-        return await self._engine("logits", self.ctx.logits)
+        return await self.call("logits", self.ctx.logits)
 
     def is_approximate(self, block: Block, resident: dict[int, int] | None = None) -> bool:
         """Whether resident tokens of ``block`` hold approximate KV."""
@@ -268,7 +269,7 @@ class EngineGate:
             return None
         return partial_key(exact, labels)
 
-    async def _tidy(self) -> None:
+    async def tidy(self) -> None:
         """Remove resident tokens that belong to no whole block (half-done work)."""
         for start, end in self.window.strays(self.resident()):
             try:
@@ -280,7 +281,7 @@ class EngineGate:
 
     # -- what the context holds (derived) --
 
-    def _status(self, tally: Tally) -> ContextStatus:
+    def status(self, tally: Tally) -> ContextStatus:
         c = self.counters
         c.reused_tokens += tally.reused
         c.restored_tokens += tally.restored

@@ -28,8 +28,9 @@ from .._sampling import Sampler, log_softmax
 from .._stops import TextTail
 from .._tools import ToolCall, ToolCallDelta
 from .._types import CacheClass, Residency
-from .gate import Tally, Written
+from .gate import EngineGate, Tally, Written
 from .layout import Segment
+from .paging import Paging
 from .placement import Placement, ReplyTokens
 
 __all__ = ["Generate", "Generated", "Generation"]
@@ -85,19 +86,23 @@ class Generated:
     ended: float
 
 
-class Generation(Placement):
+class Generation:
     """Continues the context, streaming pieces."""
 
-    async def _generate(self, cmd: Generate) -> Generated:
+    def __init__(self, gate: EngineGate, paging: Paging, placement: Placement) -> None:
+        self.gate, self.paging, self.placement = gate, paging, placement
+        self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
+
+    async def generate(self, cmd: Generate) -> Generated:
         began = time.perf_counter()
         placed = None
         placing: list[Tally] = []
         if cmd.context is not None:
-            placed = await self._ensure(cmd.context, replies=cmd.replies)
-            placing.append(self._tally)
+            placed = await self.placement.ensure(cmd.context, replies=cmd.replies)
+            placing.append(self.gate.tally)
         placed_at = time.perf_counter()
-        self.counters.generate_calls += 1
-        self._tally = tally = Tally()
+        self.gate.counters.generate_calls += 1
+        self.gate.tally = tally = Tally()
         sampler = Sampler(cmd.sampling)
         tail = TextTail(cmd.stop if cmd.calls is None else ())
         stream = cmd.calls.stream() if cmd.calls is not None else None
@@ -108,18 +113,18 @@ class Generation(Placement):
         produced, first_at, finish = 0, None, "length"
         pending: Piece | None = None
         async with cmd.out:
-            self._check_placed()
+            self.check_placed()
             start = self.window.length
-            await self._last_logits()
-            prompt = self.origins([*placing, tally], end=start)
-            visible = self.residency_tokens()[Residency.HOT]
-            invisible = self.invisible_segments()
-            if self._override is not None:
-                logits: Logits = self._override
+            await self.placement.last_logits()
+            prompt = self.gate.origins([*placing, tally], end=start)
+            visible = self.gate.residency_tokens()[Residency.HOT]
+            invisible = self.gate.invisible_segments()
+            if self.gate.override is not None:
+                logits: Logits = self.gate.override
             else:
-                logits = await self._engine("logits", self.ctx.logits)
-            self._override = None
-            label, evicted = self.label_at(self.window.length)[0], self._tally.evicted
+                logits = await self.gate.call("logits", self.ctx.logits)
+            self.gate.override = None
+            label, evicted = self.gate.label_at(self.window.length)[0], self.gate.tally.evicted
             while produced < cmd.max_tokens:
                 if constraint is not None:
                     logits = constraint.mask(logits)
@@ -135,12 +140,12 @@ class Generation(Placement):
                 if constraint is not None:
                     constraint.consume(token)
                 last = self.window.blocks[-1]
-                await self._make_room(1, {last.id})
+                await self.paging.make_room(1, {last.id})
                 at = self.window.length
-                if self._tally.evicted != evicted:  # the window lost earlier tokens
-                    label, evicted = self.label_at(at)[0], self._tally.evicted
+                if self.gate.tally.evicted != evicted:  # the window lost earlier tokens
+                    label, evicted = self.gate.label_at(at)[0], self.gate.tally.evicted
                 place = self.window.append_place(cmd.segment)
-                logits = await self._engine(
+                logits = await self.gate.call(
                     "step",
                     self.ctx.step,
                     token,
@@ -148,7 +153,7 @@ class Generation(Placement):
                 )
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
-                self.counters.generated_tokens += 1
+                self.gate.counters.generated_tokens += 1
                 if logprob is not None:
                     chosen.append(logprob)
                 text, calls = _split(stream, tail.feed(self.engine.token_bytes(token)))
@@ -156,8 +161,8 @@ class Generation(Placement):
                     text=text, token=token, index=produced - 1, tool_calls=calls, logprob=logprob
                 )
                 first_at = first_at or time.perf_counter()
-                if self.fault is not None:
-                    self.fault("stream")
+                if self.gate.fault is not None:
+                    self.gate.fault("stream")
                 # A piece whose text is partly held back waits for the next one, which may
                 # release the rest: the last piece then carries everything released.
                 if pending is not None and not await _send(cmd.out, pending):
@@ -198,7 +203,7 @@ class Generation(Placement):
                 content = stream.undecided(tail.text)
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
-        self.replies.remember(
+        self.gate.replies.remember(
             tail.text,
             list(tokens),
             tail.kept_text,
@@ -218,18 +223,18 @@ class Generation(Placement):
             visible_tokens=visible,
             invisible_segments=invisible,
             placed=placed,
-            status=self._status(tally),
+            status=self.gate.status(tally),
             began=began,
             placed_at=placed_at,
             first_token_at=first_at,
             ended=time.perf_counter(),
         )
 
-    def _check_placed(self) -> None:
+    def check_placed(self) -> None:
         """Refuse to continue a context that is empty or was not placed whole."""
         if self.window.length == 0:
             raise InvalidRangeError("nothing to continue: call ensure_context first")
-        if not self.placed:
+        if not self.gate.placed:
             raise ContextNotPlacedError(
                 "the last ensure_context was cancelled or failed before its context was in "
                 "place: send the context again (ensure_context, chat or complete)"
@@ -259,7 +264,7 @@ class Generation(Placement):
         self.window.truncate(position)
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
-            await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+            await self.gate.call("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
 
 
 def _split(stream: CallStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:

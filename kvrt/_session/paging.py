@@ -37,31 +37,37 @@ __all__ = ["Paging"]
 """Cache classes whose blocks go to the cold store as soon as they are computed."""
 
 
-class Paging(EngineGate):
-    """Moves blocks between the hot window and the cold store."""
+class Paging:
+    """Moves blocks between the hot window and the cold store: the executor of every
+    block move, through the session's engine gate."""
+
+    def __init__(self, gate: EngineGate) -> None:
+        self.gate = gate
+        self.ctx, self.window, self.cold = gate.ctx, gate.window, gate.cold
+        self.policies, self.config = gate.policies, gate.config
 
     # -- moving single blocks --
 
-    async def _evict_block(self, block: Block, *, strict: bool = False) -> None:
-        await self._evict_blocks([block], strict=strict)
+    async def evict_block(self, block: Block, *, strict: bool = False) -> None:
+        await self.evict_blocks([block], strict=strict)
 
     def _needs_export(self, block: Block) -> bool:
         """Whether ``block`` leaving the window should export its KV: it is storable (not
         approximate), the store lacks it, and the cold admission policy keeps it."""
-        key = self.stored_key(block)
+        key = self.gate.stored_key(block)
         return (
             key is not None
             and key not in self.cold
             and self.policies.cold_admission.admit(self.window.view(block))
         )
 
-    async def _evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
+    async def evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
         """Evict ``blocks`` (in order); adjacent hot blocks that all need a cold copy are
         exported in one engine call and leave the window in one."""
-        resident = self.resident()
+        resident = self.gate.resident()
         runs: list[list[Block]] = []
         for block in blocks:
-            if self.state(block, resident) is not Residency.HOT:
+            if self.gate.state(block, resident) is not Residency.HOT:
                 continue
             last = runs[-1][-1] if runs else None
             if (
@@ -87,89 +93,91 @@ class Paging(EngineGate):
         fingerprint = self.window.fingerprint
         logits = {}
         for block in run:
-            found = await self._logits_after(block)
+            found = await self.gate.logits_after(block)
             if found is not None:
                 # Keep the logits after the block's last token: restoring the block later
                 # (here, or in any session whose context ends there) needs no recompute,
                 # and the continuation stays bit-exact.
                 logits[block.id] = found
-                self._held = (block.key(fingerprint), block.end - 1, found)
-        keys = {b.id: self.stored_key(b) for b in run}
+                self.gate.held = (block.key(fingerprint), block.end - 1, found)
+        keys = {b.id: self.gate.stored_key(b) for b in run}
         wanted = [b for b in run if self._needs_export(b)]
         exported = {}
         if wanted:
             ranges = [(b.start, b.end) for b in wanted]
-            cold_blocks = await self._engine("export", self.ctx.export_run, ranges)
+            cold_blocks = await self.gate.call("export", self.ctx.export_run, ranges)
             exported = {b.id: c for b, c in zip(wanted, cold_blocks, strict=True)}
         for block in run:
             key = keys[block.id]
             local = key is not None and key.session_local
             if key is not None and block.id in exported:
-                if self.fault is not None:
-                    self.fault("cold put")
+                if self.gate.fault is not None:
+                    self.gate.fault("cold put")
                 entry = ColdEntry(key, block.cache_class, exported[block.id], logits.get(block.id))
                 try:
                     committed = await self.cold.put(entry, wait=self.config.cold_wait)
                 except ColdStoreFullError:
                     if strict:
                         raise
-                    self.choices[block.id] = (
+                    self.gate.choices[block.id] = (
                         f"evicted, tokens only (cold store full for {self.config.cold_wait:g} s)"
                     )
                 else:
                     if not committed:
-                        self.choices[block.id] = "evicted: too large for the cold store"
+                        self.gate.choices[block.id] = "evicted: too large for the cold store"
                     elif local:
                         self.window.partial_copies[block.key(fingerprint)] = key
-                        self.choices[block.id] = f"evicted to cold ({PARTIAL_KV})"
+                        self.gate.choices[block.id] = f"evicted to cold ({PARTIAL_KV})"
                     else:
-                        self.choices[block.id] = "evicted to cold"
+                        self.gate.choices[block.id] = "evicted to cold"
             elif key is not None and key in self.cold:
                 self.cold.keep(key)
                 if local:
                     self.window.partial_copies[block.key(fingerprint)] = key
-                self.choices[block.id] = "evicted: cold copy already held"
+                self.gate.choices[block.id] = "evicted: cold copy already held"
             elif key is None:
-                self.choices[block.id] = "evicted, tokens only (approximate KV is never stored)"
+                self.gate.choices[block.id] = (
+                    "evicted, tokens only (approximate KV is never stored)"
+                )
             else:
-                self.choices[block.id] = "evicted, tokens only (cold admission policy)"
-        await self._engine("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
-        self._tally.evicted += sum(b.n_tokens for b in run)
+                self.gate.choices[block.id] = "evicted, tokens only (cold admission policy)"
+        await self.gate.call("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
+        self.gate.tally.evicted += sum(b.n_tokens for b in run)
 
-    def _room(self, keep: set[int]) -> int:
+    def room(self, keep: set[int]) -> int:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
-        resident = self.resident()
+        resident = self.gate.resident()
         shielded = self.window.protected() | keep
         evictable = sum(
             b.n_tokens
             for b in self.window.blocks
-            if b.id not in shielded and self.state(b, resident) is Residency.HOT
+            if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
         )
         return self.ctx.n_ctx - (self.ctx.n_resident - evictable)
 
-    async def _make_room(self, need: int, keep: set[int]) -> None:
+    async def make_room(self, need: int, keep: set[int]) -> None:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
         while self.ctx.n_ctx - self.ctx.n_resident < need:
-            resident = self.resident()
+            resident = self.gate.resident()
             shielded = self.window.protected() | keep
             candidates = [
                 b
                 for b in self.window.blocks
-                if b.id not in shielded and self.state(b, resident) is Residency.HOT
+                if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
             ]
             if not candidates:
                 raise HotWindowFullError(
                     f"the hot window ({self.ctx.n_ctx} tokens) cannot make room for {need} more: "
                     "every resident block is protected (sinks, the recent window or in use)"
                 )
-            await self._evict_block(
+            await self.evict_block(
                 self.window.eviction_order(candidates, self.policies.hot_eviction.order)[0]
             )
 
-    async def _restore(self, block: Block, keep: set[int]) -> bool:
-        return await self._restore_run([block], keep) > 0
+    async def restore(self, block: Block, keep: set[int]) -> bool:
+        return await self.restore_run([block], keep) > 0
 
-    def _restorable_key(self, block: Block) -> ColdKey | None:
+    def restorable_key(self, block: Block) -> ColdKey | None:
         """The cold copy ``block`` comes back from: its exact key when the store holds it,
         else this session's own partial-window copy (unless the partial-window policy has
         it computed again), else None."""
@@ -177,18 +185,18 @@ class Paging(EngineGate):
         if key in self.cold:
             return key
         local = self.window.partial_copies.get(key)
-        if local is not None and local in self.cold and block.id not in self._refresh:
+        if local is not None and local in self.cold and block.id not in self.gate.refresh:
             return local
         return None
 
-    async def _restore_run(self, blocks: list[Block], keep: set[int]) -> int:
+    async def restore_run(self, blocks: list[Block], keep: set[int]) -> int:
         """Restore adjacent cold blocks in place in one engine call; how many came back.
 
         Stops at the first block the store no longer holds.
         """
         entries, tiers = [], []
         for block in blocks:
-            key = self._restorable_key(block)
+            key = self.restorable_key(block)
             found = await self.cold.fetch(key) if key is not None else None
             if found is None:
                 break
@@ -197,7 +205,7 @@ class Paging(EngineGate):
         if not entries:
             return 0
         run = blocks[: len(entries)]
-        room = self._room(keep)
+        room = self.room(keep)
         while len(run) > 1 and sum(b.n_tokens for b in run) > room:
             run.pop()  # the rest come back in a later run, once earlier blocks can go
         entries = entries[: len(run)]
@@ -206,30 +214,30 @@ class Paging(EngineGate):
             for b, e in zip(run, entries, strict=True)
         ]
         with self.cold.pinned(e.key for e in entries):
-            await self._make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+            await self.make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
             if inside:  # leading tokens of a block kept at the tail: the copy replaces them
-                await self._engine(
+                await self.gate.call(
                     "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                 )
             began = time.perf_counter()
-            await self._engine(
+            await self.gate.call(
                 "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
             )
-            self._observed_restore(began, sum(e.n_bytes for e in entries))
-        self._tally.restored += sum(b.n_tokens for b in run)
+            self.gate.observed_restore(began, sum(e.n_bytes for e in entries))
+        self.gate.tally.restored += sum(b.n_tokens for b in run)
         for block, entry in zip(run, entries, strict=True):
             if entry.logits is not None and not entry.key.session_local:
-                self._held = (entry.key, block.end - 1, entry.logits)
+                self.gate.held = (entry.key, block.end - 1, entry.logits)
         for block, entry, tier in zip(run, entries, tiers, strict=False):
-            why = self._estimate(block, entry.n_bytes)
+            why = self.estimate(block, entry.n_bytes)
             where = "restored from cold" if tier == "ram" else f"restored from cold ({tier})"
             if entry.key.session_local:
                 why = f"{PARTIAL_KV}; {why}" if why else PARTIAL_KV
-            self.choices[block.id] = f"{where} ({why})" if why else where
+            self.gate.choices[block.id] = f"{where} ({why})" if why else where
         return len(run)
 
-    def _query(self, block: Block, n_bytes: int) -> RestoreQuery:
+    def query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
             cache_class=block.cache_class,
             start=block.start,
@@ -237,25 +245,25 @@ class Paging(EngineGate):
             n_bytes=n_bytes,
         )
 
-    def _estimate(self, block: Block, n_bytes: int) -> str:
+    def estimate(self, block: Block, n_bytes: int) -> str:
         """The restore policy's cost estimates for ``block``, as text ("" if it has none)."""
         restorer = self.policies.restore
         if not isinstance(restorer, Estimating):
             return ""
-        restore_s, recompute_s = restorer.estimate(self._query(block, n_bytes))
+        restore_s, recompute_s = restorer.estimate(self.query(block, n_bytes))
         return (
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    def _find_approximate_runs(self, layout: Sequence[Block]) -> None:
+    def find_approximate_runs(self, layout: Sequence[Block]) -> None:
         """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
         their tokens after another prefix: block id -> (run start, run tokens)."""
-        self._approximate_runs = {}
+        self.gate.approximate_runs = {}
         run: list[Block] = []
         for block in [*layout, None]:
             candidate = (
                 block is not None
-                and self.state(block) is Residency.DROPPED
+                and self.gate.state(block) is Residency.DROPPED
                 and self.cold.similar(block.key(self.window.fingerprint), count=False) is not None
             )
             if candidate and block is not None:
@@ -263,16 +271,16 @@ class Paging(EngineGate):
                 continue
             size = sum(b.n_tokens for b in run)
             for b in run:
-                self._approximate_runs[b.id] = (run[0].start, size)
+                self.gate.approximate_runs[b.id] = (run[0].start, size)
             run = []
 
-    def _approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
+    def approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
         """The cold copy of ``block``'s tokens after another prefix that the session's
         approximate-hit policy accepts, if any, with what the policy was asked."""
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
             return None
-        run_start, run_tokens = self._approximate_runs.get(block.id, (None, None))
+        run_start, run_tokens = self.gate.approximate_runs.get(block.id, (None, None))
         query = ApproximateQuery(
             cache_class=block.cache_class,
             start=block.start,
@@ -286,13 +294,13 @@ class Paging(EngineGate):
             return None
         return (entry, query) if self.policies.approximate.accept(query) else None
 
-    async def _approximate_hit(self, block: Block, keep: set[int]) -> bool:
+    async def approximate_hit(self, block: Block, keep: set[int]) -> bool:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
         approximate-hit policy accepts it; the window must end right before the block. A
         blending policy has the block's first tokens computed afresh, the rest restored."""
         if self.ctx.next_position != block.start:
             return False
-        found = self._approximate_entry(block)
+        found = self.approximate_entry(block)
         if found is None:
             return False
         entry, query = found
@@ -303,12 +311,12 @@ class Paging(EngineGate):
         self.cold.count_approximate(entry.key)
         with self.cold.pinned([entry.key]):
             # The engine holds the whole block in scratch while splicing its tail in.
-            await self._make_room(block.n_tokens + fresh, keep | {block.id})
+            await self.make_room(block.n_tokens + fresh, keep | {block.id})
             if self.ctx.next_position != block.start:
                 return False
             if fresh:
                 began = time.perf_counter()
-                await self._engine(
+                await self.gate.call(
                     "prefill",
                     self.ctx.prefill,
                     block.tokens[:fresh],
@@ -316,9 +324,9 @@ class Paging(EngineGate):
                     checkpoint=anyio.from_thread.check_cancelled,
                     writes=[Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")],
                 )
-                self._observed_prefill(began, block.start, fresh)
+                self.gate.observed_prefill(began, block.start, fresh)
             began = time.perf_counter()
-            await self._engine(
+            await self.gate.call(
                 "admit",
                 self.ctx.admit,
                 entry.block,
@@ -326,21 +334,21 @@ class Paging(EngineGate):
                 skip=fresh,
                 writes=[Written(block.start + fresh, block.end, APPROXIMATE, "approximate")],
             )
-            self._observed_restore(began, entry.n_bytes)
-        self._tally.approximate += block.n_tokens - fresh
-        self._tally.prefilled += fresh
+            self.gate.observed_restore(began, entry.n_bytes)
+        self.gate.tally.approximate += block.n_tokens - fresh
+        self.gate.tally.prefilled += fresh
         shift = block.start - entry.key.start
         how = f"keys re-rotated by {shift:+d}" if shift else ""
         if fresh:
             how = f"first {fresh} tokens computed afresh" + (f", {how}" if how else "")
-        self.choices[block.id] = (
+        self.gate.choices[block.id] = (
             f"restored approximately (same tokens after another prefix; {how})"
             if how
             else "restored approximately (same tokens after another prefix)"
         )
         return True
 
-    async def _prefill(self, blocks: list[Block], keep: set[int]) -> None:
+    async def prefill(self, blocks: list[Block], keep: set[int]) -> None:
         """Compute adjacent blocks in one engine call (batched: many small segments cost
         one call, not one each).
 
@@ -358,28 +366,28 @@ class Paging(EngineGate):
             # The first block may already hold its leading tokens at the window's tail (a
             # block that grew): computing resumes after them.
             first = blocks[0]
-            done = self.window.resident_prefix(first, self.resident())
+            done = self.window.resident_prefix(first, self.gate.resident())
             if first.start + done != self.ctx.next_position:
                 done = 0
             tokens = [t for b in blocks for t in b.tokens][done:]
-            label, missing = await self._compute(tokens, first.start + done, keep | ids)
+            label, missing = await self.compute(tokens, first.start + done, keep | ids)
             if stable:
-                await self._write_back(stable, spare=True)
+                await self.write_back(stable, spare=True)
         # Leading tokens already resident were reused, or restored from a block that
         # diverges from this one later on (counted as restored when they came back).
-        sources = self._tally.sources
+        sources = self.gate.tally.sources
         leading = sum(sources.get(p) == "restored" for p in range(first.start, first.start + done))
-        self._tally.reused += done - leading
-        self._tally.prefilled -= done
+        self.gate.tally.reused += done - leading
+        self.gate.tally.prefilled -= done
         for block in blocks:
-            self._tally.prefilled += block.n_tokens
-            if block.id in self._recompute:
+            self.gate.tally.prefilled += block.n_tokens
+            if block.id in self.gate.recompute:
                 size = self.cold.size(block.key(self.window.fingerprint))
-                why = self._estimate(block, size) if size is not None else ""
+                why = self.estimate(block, size) if size is not None else ""
                 choice = (
                     f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
                 )
-            elif block.id in self._refresh:
+            elif block.id in self.gate.refresh:
                 choice = (
                     "recomputed: its whole prefix is hot again, so its partial-window KV was "
                     "replaced (partial-window policy)"
@@ -397,12 +405,12 @@ class Paging(EngineGate):
                 choice += (
                     f" under a partial window ({missing} earlier tokens not hot): {PARTIAL_KV}"
                 )
-            self.choices[block.id] = choice
+            self.gate.choices[block.id] = choice
 
-    async def _compute(self, tokens: list[int], at: int, keep: set[int]) -> tuple[str | None, int]:
+    async def compute(self, tokens: list[int], at: int, keep: set[int]) -> tuple[str | None, int]:
         """Prefill ``tokens`` from position ``at``, the window's tail, within the budget
         (never evicting ``keep``); the provenance label the KV got and how many earlier
-        context tokens were not hot (see :meth:`label_at`).
+        context tokens were not hot (see :meth:`.EngineGate.label_at`).
 
         Never as a one-token batch when it can be helped: a lone token is computed
         together with the resident token before it (on some CPUs — x86-64 without
@@ -410,7 +418,7 @@ class Paging(EngineGate):
         ones, and their logits differ from what computing the context in any other cut
         gives; batches of two tokens or more agree with each other bit for bit).
         """
-        resident = self.resident()
+        resident = self.gate.resident()
         if (
             len(tokens) == 1
             and at > 0
@@ -420,13 +428,13 @@ class Paging(EngineGate):
         ):
             holder = next(b for b in self.window.blocks if b.start <= at - 1 < b.end)
             keep = keep | {holder.id}
-            await self._engine("evict", self.ctx.evict, at - 1, at, EvictMode.GAP)
+            await self.gate.call("evict", self.ctx.evict, at - 1, at, EvictMode.GAP)
             tokens, at = [before, *tokens], at - 1
-            self._tally.prefilled += 1
-        await self._make_room(len(tokens), keep)
-        label, missing = self.label_at(at)
+            self.gate.tally.prefilled += 1
+        await self.make_room(len(tokens), keep)
+        label, missing = self.gate.label_at(at)
         began = time.perf_counter()
-        await self._engine(
+        await self.gate.call(
             "prefill",
             self.ctx.prefill,
             tokens,
@@ -434,10 +442,10 @@ class Paging(EngineGate):
             checkpoint=anyio.from_thread.check_cancelled,
             writes=[Written(at, at + len(tokens), label, "prefilled")],
         )
-        self._observed_prefill(began, at, len(tokens))
+        self.gate.observed_prefill(began, at, len(tokens))
         return label, missing
 
-    async def _write_back(
+    async def write_back(
         self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
     ) -> int:
         """Copy hot blocks the cold store lacks into it (as the cold admission policy
@@ -446,13 +454,13 @@ class Paging(EngineGate):
         (blocks that stay hot) only use free room, never dropping another entry.
         Partial-window KV is copied only when ``local`` (for this session itself: it is
         of no use to another, nor once this session has closed)."""
-        resident = self.resident()
+        resident = self.gate.resident()
         fingerprint = self.window.fingerprint
         runs: list[list[tuple[Block, ColdKey]]] = []
         for block in blocks:
-            if self.state(block, resident) is not Residency.HOT:
+            if self.gate.state(block, resident) is not Residency.HOT:
                 continue
-            key = self.stored_key(block)
+            key = self.gate.stored_key(block)
             if key is None or (key.session_local and not local):
                 continue  # approximate KV, or partial-window KV nobody else can use
             if not self._needs_export(block):
@@ -466,9 +474,9 @@ class Paging(EngineGate):
         copied = 0
         for run in runs:
             ranges = [(b.start, b.end) for b, _ in run]
-            exported = await self._engine("export", self.ctx.export_run, ranges)
+            exported = await self.gate.call("export", self.ctx.export_run, ranges)
             for (block, key), cold_block in zip(run, exported, strict=True):
-                logits = await self._logits_after(block) if not key.session_local else None
+                logits = await self.gate.logits_after(block) if not key.session_local else None
                 try:
                     entry = ColdEntry(key, block.cache_class, cold_block, logits)
                     if await self.cold.put(entry, wait=0, spare=spare):
@@ -479,10 +487,10 @@ class Paging(EngineGate):
                     return copied
         return copied
 
-    async def _truncate_from(self, position: int) -> None:
+    async def truncate_from(self, position: int) -> None:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""
-        await self._evict_blocks([b for b in self.window.blocks if b.start >= position])
-        await self._tidy()
+        await self.evict_blocks([b for b in self.window.blocks if b.start >= position])
+        await self.gate.tidy()
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
-            await self._engine("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+            await self.gate.call("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)

@@ -20,8 +20,9 @@ from .._errors import (
 )
 from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
-from .gate import Tally, Written
+from .gate import EngineGate, Tally, Written
 from .layout import Block, Segment
+from .paging import Paging
 from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
 from .scoring import Scoring
 
@@ -110,8 +111,14 @@ class Prepared:
         self.cancel = cancel
 
 
-class Placement(Scoring):
-    """Makes the hot window hold a context the way the eviction policy plans it."""
+class Placement:
+    """Makes the hot window hold a context the way the eviction policy plans it: the
+    planner (:mod:`.planner`) decides each step, paging runs it."""
+
+    def __init__(self, gate: EngineGate, paging: Paging, scoring: Scoring) -> None:
+        self.gate, self.paging, self.scoring = gate, paging, scoring
+        self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
+        self.cold, self.policies = gate.cold, gate.policies
 
     # -- commands --
 
@@ -146,15 +153,15 @@ class Placement(Scoring):
             raise InvalidContextError("the context is empty: every segment's text is empty")
         return [(seg, toks) for seg, toks in out if toks]
 
-    async def _ensure(
+    async def ensure(
         self,
         segments: Sequence[Segment],
         prepared: Prepared | None = None,
         replies: Mapping[str, ReplyTokens] | None = None,
         require: tuple[str, ...] = (),
     ) -> ContextStatus:
-        self.counters.ensure_calls += 1
-        self._tally = tally = Tally()
+        self.gate.counters.ensure_calls += 1
+        self.gate.tally = tally = Tally()
         known = None
         if prepared is not None:
             known = prepared.tokens
@@ -162,9 +169,9 @@ class Placement(Scoring):
                 prepared.cancel()  # not ready when its call began: of no more use
         tokenize = partial(self.tokenize, segments, known=known, replies=replies)
         tokenized = await anyio.to_thread.run_sync(tokenize)
-        return await self._ensure_placed(tokenized, tally, require)
+        return await self.ensure_placed(tokenized, tally, require)
 
-    async def _ensure_placed(
+    async def ensure_placed(
         self,
         tokenized: list[tuple[Segment, list[int]]],
         tally: Tally,
@@ -175,7 +182,7 @@ class Placement(Scoring):
         copies = self.window.partial_copies  # forget the copies the store let go
         self.window.partial_copies = {k: v for k, v in copies.items() if v in self.cold}
         await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
-        resident = self.resident(layout)  # as the new layout's blocks see the engine
+        resident = self.gate.resident(layout)  # as the new layout's blocks see the engine
         tally.reused = sum(
             b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
         )
@@ -185,23 +192,25 @@ class Placement(Scoring):
         kept = self.window.kept_positions(layout, resident)
         stale.sort(key=lambda b: b.start)
         superseded = [b for b in stale if any(p in kept for p in range(b.start, b.end))]
-        await self._write_back(superseded, local=True)
-        await self._evict_blocks([b for b in stale if b not in superseded])
-        self.placed = False
+        await self.paging.write_back(superseded, local=True)
+        await self.paging.evict_blocks([b for b in stale if b not in superseded])
+        self.gate.placed = False
         self.window.adopt(layout)
         self.window.required = frozenset(require)
-        await self._tidy()
+        await self.gate.tidy()
         await self._place(layout)
-        await self._last_logits()
-        self.placed = True
+        await self.last_logits()
+        self.gate.placed = True
         unseen = [
-            b.segment for b in layout if b.segment in require and self.state(b) is not Residency.HOT
+            b.segment
+            for b in layout
+            if b.segment in require and self.gate.state(b) is not Residency.HOT
         ]
         if unseen:  # the plan keeps them hot, so this means a block could not come back
             raise NotVisibleError(
                 f"segment {unseen[0]!r} is required visible but not all of it is hot"
             )
-        return self._status(tally)
+        return self.gate.status(tally)
 
     def _check_visible(
         self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...]
@@ -227,24 +236,24 @@ class Placement(Scoring):
         applied to the whole context) keeps them hot, dropped ones are computed in order.
         """
         policy = self.policies.hot_eviction
-        await self._score()
+        await self.scoring.score()
         planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)
-        self._recompute = set()
-        resident = self.resident()
+        self.gate.recompute = set()
+        resident = self.gate.resident()
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
                 size = self.cold.size(block.key(self.window.fingerprint))
-                query = self._query(block, size or 0)
+                query = self.paging.query(block, size or 0)
                 if not self.policies.restore.restore(query):
-                    self._recompute.add(block.id)
-        self._find_approximate_runs(layout)
+                    self.gate.recompute.add(block.id)
+        self.paging.find_approximate_runs(layout)
         try:
             await self._refresh_partial(layout, planned)
             await self._run_plan(layout, planned)
         finally:
-            self._recompute = set()
-            self._refresh = set()
-            self._approximate_runs = {}
+            self.gate.recompute = set()
+            self.gate.refresh = set()
+            self.gate.approximate_runs = {}
 
     async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> None:
         """Blocks holding partial-window KV whose whole prefix the plan keeps hot (with
@@ -256,10 +265,10 @@ class Placement(Scoring):
         for block in layout:
             if block.id not in planned:
                 return  # from here on, the prefix is not all hot
-            resident = self.resident()
+            resident = self.gate.resident()
             hot = self.window.residency(block, resident, ()) is Residency.HOT
             # Resident partial-window KV: the whole block, or its leading tokens at the tail.
-            resident_partial = self.is_partial(block, resident)
+            resident_partial = self.gate.is_partial(block, resident)
             key = block.key(fingerprint)
             local = self.window.partial_copies.get(key)
             only_copy = not hot and local in self.cold and key not in self.cold
@@ -273,13 +282,13 @@ class Placement(Scoring):
             )
             if self.policies.partial_window.recompute(query):
                 if hot:
-                    await self._evict_blocks([block])
+                    await self.paging.evict_blocks([block])
                 elif resident_partial:  # a fragment, not a block: no copy to keep of it
                     inside = [p for p in self.ctx.positions if block.start <= p < block.end]
-                    await self._engine(
+                    await self.gate.call(
                         "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                     )
-                self._refresh.add(block.id)
+                self.gate.refresh.add(block.id)
 
     async def _run_plan(self, layout: list[Block], planned: set[int]) -> None:
         """Run the planner's steps (:mod:`.planner`) until the context is in place, each
@@ -290,8 +299,8 @@ class Placement(Scoring):
 
     def _scene(self, layout: list[Block], planned: set[int]) -> Scene:
         """What the planner sees of the window now (``layout`` is the window's blocks)."""
-        resident = self.resident()
-        states = tuple(self.state(b, resident) for b in layout)
+        resident = self.gate.resident()
+        states = tuple(self.gate.state(b, resident) for b in layout)
         dropped = [(i, b) for i, b in enumerate(layout) if states[i] is Residency.DROPPED]
         fingerprint = self.window.fingerprint
         protected = self.window.protected()
@@ -302,7 +311,9 @@ class Placement(Scoring):
             resumes=tuple(self.window.resident_prefix(b, resident) for b in layout),
             planned=frozenset(i for i, b in enumerate(layout) if b.id in planned),
             protected=frozenset(i for i, b in enumerate(layout) if b.id in protected),
-            approximate=frozenset(i for i, b in dropped if self._approximate_entry(b) is not None),
+            approximate=frozenset(
+                i for i, b in dropped if self.paging.approximate_entry(b) is not None
+            ),
             elsewhere=frozenset(
                 i for i, b in dropped if self.cold.computed(b.key(fingerprint)) is not None
             ),
@@ -319,15 +330,15 @@ class Placement(Scoring):
         match step:
             case Restore(blocks=blocks, keep=keep, required=required):
                 try:
-                    return await self._restore_run([layout[k] for k in blocks], ids(keep))
+                    return await self.paging.restore_run([layout[k] for k in blocks], ids(keep))
                 except HotWindowFullError:
                     if required:
                         raise
                     return None  # no room beside what must stay: these blocks stay cold
             case Begin(index=i, clear_from=clear_from, keep=keep):
-                await self._truncate_from(clear_from)
+                await self.paging.truncate_from(clear_from)
                 if step.restore_before:
-                    await self._restore(layout[i - 1], set())
+                    await self.paging.restore(layout[i - 1], set())
                 if step.leading:
                     await self._restore_leading(layout[i], ids(keep))
                 return 0
@@ -337,11 +348,11 @@ class Placement(Scoring):
             case Compute(index=i, blocks=blocks, keep=keep):
                 # The tail must end right before it: if the block before could not come
                 # back (the store let it go), plan again (it is computed first then).
-                if step.restore_before and not await self._restore(layout[i - 1], set()):
+                if step.restore_before and not await self.paging.restore(layout[i - 1], set()):
                     return 0
-                if step.approximate and await self._approximate_hit(layout[i], ids(keep)):
+                if step.approximate and await self.paging.approximate_hit(layout[i], ids(keep)):
                     return 1
-                await self._prefill([layout[k] for k in blocks], ids(keep))
+                await self.paging.prefill([layout[k] for k in blocks], ids(keep))
                 return len(blocks)
 
     async def _restore_leading(self, block: Block, keep: set[int]) -> None:
@@ -363,24 +374,24 @@ class Placement(Scoring):
         query = RestoreQuery(
             cache_class=block.cache_class, start=block.start, n_tokens=shared, n_bytes=entry.n_bytes
         )
-        if held > self._room(keep) or not self.policies.restore.restore(query):
+        if held > self.paging.room(keep) or not self.policies.restore.restore(query):
             return
         start = block.start
         with self.cold.pinned([entry.key]):
-            await self._make_room(held, keep | {block.id})
+            await self.paging.make_room(held, keep | {block.id})
             began = time.perf_counter()
-            await self._engine(
+            await self.gate.call(
                 "admit",
                 self.ctx.admit_run,
                 [entry.block],
                 writes=[Written(start, start + held, None, "restored")],
             )
-            self._observed_restore(began, entry.n_bytes)
+            self.gate.observed_restore(began, entry.n_bytes)
             if shared < held:  # the cold block may also be this one's prefix (it grew)
-                await self._engine(
+                await self.gate.call(
                     "evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP
                 )
-        self._tally.restored += shared
+        self.gate.tally.restored += shared
 
     async def _computed_elsewhere(self, block: Block) -> bool:
         """Wait while another session computes ``block`` (the same tokens after the same
@@ -391,34 +402,34 @@ class Placement(Scoring):
         if done is None:
             return False
         await done.wait()
-        return self.state(block) is Residency.COLD
+        return self.gate.state(block) is Residency.COLD
 
-    async def _last_logits(self) -> None:
+    async def last_logits(self) -> None:
         """Make sure logits follow the context's last token.
 
         They are the engine's own when it computed that token last; the ones kept with
         its block when the block left a window with exact KV (in this session, or with the
         cold copy any session restores); otherwise the token is computed again, with the
-        one before it (see :meth:`_compute`).
+        one before it (see :meth:`.Paging.compute`).
         """
-        self._override = None
+        self.gate.override = None
         last = self.window.length - 1
         if last < 0 or self.ctx.logits_position == last:
             return
         token = self.window.blocks[-1].tokens[-1]
-        held = self._held
+        held = self.gate.held
         tail = self.window.blocks[-1]
-        resident = self.resident()
+        resident = self.gate.resident()
         if (
             held is not None
             and held[0] == tail.key(self.window.fingerprint)
             and held[1] == last
             and resident.get(last) == token
-            and not self.provenance.inexact(tail.start, tail.end, resident)
+            and not self.gate.provenance.inexact(tail.start, tail.end, resident)
         ):
-            self._override = held[2]  # kept only while the whole context was exact
+            self.gate.override = held[2]  # kept only while the whole context was exact
             return
         if resident.get(last) == token:
-            await self._engine("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
-        await self._compute([token], last, {tail.id})
-        self._tally.prefilled += 1
+            await self.gate.call("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
+        await self.paging.compute([token], last, {tail.id})
+        self.gate.tally.prefilled += 1

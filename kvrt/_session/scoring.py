@@ -14,22 +14,23 @@ from .._backend import KeySketching
 from .._cold import ColdKey
 from .._types import Residency
 from ..policy import KeyScoring, Relevance
-from .gate import SessionParts
+from .gate import EngineGate
 from .layout import Block
-from .paging import Paging
 
 __all__ = ["Scoring"]
 
 
-class Scoring(Paging):
+class Scoring:
     """Keeps the window's relevance scores current before a context is placed."""
 
-    def __init__(self, parts: SessionParts) -> None:
-        super().__init__(parts)
+    def __init__(self, gate: EngineGate) -> None:
+        self.gate = gate
+        self.ctx, self.window, self.cold = gate.ctx, gate.window, gate.cold
+        self.policies = gate.policies
         self._sketches: dict[ColdKey, object] = {}
         self._query_sketch: tuple[tuple[int, ...], object | None] | None = None
 
-    async def _score(self) -> None:
+    async def score(self) -> None:
         policy = self.policies.hot_eviction
         if not isinstance(policy, Relevance):
             return
@@ -46,7 +47,7 @@ class Scoring(Paging):
         assert isinstance(self.ctx, KeySketching)
         tokens = tuple(self.window.query_tokens())
         if self._query_sketch is None or self._query_sketch[0] != tokens:
-            sketch = await self._engine("sketch query", self.ctx.query_sketch, tokens)
+            sketch = await self.gate.call("sketch query", self.ctx.query_sketch, tokens)
             self._query_sketch = (tokens, sketch)
         return self._query_sketch[1]
 
@@ -57,7 +58,7 @@ class Scoring(Paging):
         fingerprint = self.window.fingerprint
         keys = [b.key(fingerprint) for b in self.window.blocks]
         known = {k: self._sketches[k] for k in keys if k in self._sketches}
-        resident = self.resident()
+        resident = self.gate.resident()
         hot: list[tuple[ColdKey, Block]] = []
         for key, block in zip(keys, self.window.blocks, strict=True):
             if key in known:
@@ -66,12 +67,12 @@ class Scoring(Paging):
             if state is Residency.HOT:
                 hot.append((key, block))
             elif state is Residency.COLD and (entry := self.cold.peek(key)) is not None:
-                sketch = await self._engine("sketch cold", ctx.cold_key_sketch, entry.block)
+                sketch = await self.gate.call("sketch cold", ctx.cold_key_sketch, entry.block)
                 if sketch is not None:
                     known[key] = sketch
         if hot:
             ranges = [(b.start, b.end) for _, b in hot]
-            sketches = await self._engine("sketch hot", ctx.key_sketches, ranges)
+            sketches = await self.gate.call("sketch hot", ctx.key_sketches, ranges)
             for (key, _), sketch in zip(hot, sketches, strict=True):
                 if sketch is not None:
                     known[key] = sketch
