@@ -33,7 +33,7 @@ from .._errors import (
 )
 from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
-from .gate import EngineGate, SessionParts, Tally
+from .gate import EngineGate, SessionParts
 from .generation import Generate, Generation
 from .layout import Block, Segment
 from .paging import Paging
@@ -252,14 +252,14 @@ class Actor:
                 f"{target!r} holds the context's last token, which generation continues from; "
                 "it stays hot"
             )
-        self.gate.tally = tally = Tally()
+        tally = self.gate.new_tally()
         await self.paging.evict_blocks(blocks, strict=True)
         self.gate.status(tally)
         return tally.evicted
 
     async def _admit_target(self, target: str | tuple[int, int]) -> int:
         blocks = self._target_blocks(target)
-        self.gate.tally = tally = Tally()
+        tally = self.gate.new_tally()
         for block in blocks:
             if self.gate.state(block) is Residency.DROPPED:
                 raise NotInColdStoreError(

@@ -102,7 +102,7 @@ class Generation:
             placing.append(self.gate.tally)
         placed_at = time.perf_counter()
         self.gate.counters.generate_calls += 1
-        self.gate.tally = tally = Tally()
+        tally = self.gate.new_tally()
         sampler = Sampler(cmd.sampling)
         tail = TextTail(cmd.stop if cmd.calls is None else ())
         stream = cmd.calls.stream() if cmd.calls is not None else None

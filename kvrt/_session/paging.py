@@ -185,7 +185,7 @@ class Paging:
         if key in self.cold:
             return key
         local = self.window.partial_copies.get(key)
-        if local is not None and local in self.cold and block.id not in self.gate.refresh:
+        if local is not None and local in self.cold and block.id not in self.gate.placing.refresh:
             return local
         return None
 
@@ -258,7 +258,7 @@ class Paging:
     def find_approximate_runs(self, layout: Sequence[Block]) -> None:
         """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
         their tokens after another prefix: block id -> (run start, run tokens)."""
-        self.gate.approximate_runs = {}
+        self.gate.placing.approximate_runs = {}
         run: list[Block] = []
         for block in [*layout, None]:
             candidate = (
@@ -271,7 +271,7 @@ class Paging:
                 continue
             size = sum(b.n_tokens for b in run)
             for b in run:
-                self.gate.approximate_runs[b.id] = (run[0].start, size)
+                self.gate.placing.approximate_runs[b.id] = (run[0].start, size)
             run = []
 
     def approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
@@ -280,7 +280,7 @@ class Paging:
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
             return None
-        run_start, run_tokens = self.gate.approximate_runs.get(block.id, (None, None))
+        run_start, run_tokens = self.gate.placing.approximate_runs.get(block.id, (None, None))
         query = ApproximateQuery(
             cache_class=block.cache_class,
             start=block.start,
@@ -381,13 +381,13 @@ class Paging:
         self.gate.tally.prefilled -= done
         for block in blocks:
             self.gate.tally.prefilled += block.n_tokens
-            if block.id in self.gate.recompute:
+            if block.id in self.gate.placing.recompute:
                 size = self.cold.size(block.key(self.window.fingerprint))
                 why = self.estimate(block, size) if size is not None else ""
                 choice = (
                     f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
                 )
-            elif block.id in self.gate.refresh:
+            elif block.id in self.gate.placing.refresh:
                 choice = (
                     "recomputed: its whole prefix is hot again, so its partial-window KV was "
                     "replaced (partial-window policy)"

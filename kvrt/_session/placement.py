@@ -20,7 +20,7 @@ from .._errors import (
 )
 from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
-from .gate import EngineGate, Tally, Written
+from .gate import EngineGate, Placing, Tally, Written
 from .layout import Block, Segment
 from .paging import Paging
 from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
@@ -161,7 +161,7 @@ class Placement:
         require: tuple[str, ...] = (),
     ) -> ContextStatus:
         self.gate.counters.ensure_calls += 1
-        self.gate.tally = tally = Tally()
+        tally = self.gate.new_tally()
         known = None
         if prepared is not None:
             known = prepared.tokens
@@ -238,22 +238,20 @@ class Placement:
         policy = self.policies.hot_eviction
         await self.scoring.score()
         planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)
-        self.gate.recompute = set()
+        self.gate.placing = placing = Placing()
         resident = self.gate.resident()
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
                 size = self.cold.size(block.key(self.window.fingerprint))
                 query = self.paging.query(block, size or 0)
                 if not self.policies.restore.restore(query):
-                    self.gate.recompute.add(block.id)
+                    placing.recompute.add(block.id)
         self.paging.find_approximate_runs(layout)
         try:
             await self._refresh_partial(layout, planned)
             await self._run_plan(layout, planned)
         finally:
-            self.gate.recompute = set()
-            self.gate.refresh = set()
-            self.gate.approximate_runs = {}
+            self.gate.placing = Placing()
 
     async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> None:
         """Blocks holding partial-window KV whose whole prefix the plan keeps hot (with
@@ -288,7 +286,7 @@ class Placement:
                     await self.gate.call(
                         "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                     )
-                self.gate.refresh.add(block.id)
+                self.gate.placing.refresh.add(block.id)
 
     async def _run_plan(self, layout: list[Block], planned: set[int]) -> None:
         """Run the planner's steps (:mod:`.planner`) until the context is in place, each
