@@ -22,6 +22,10 @@ import anyio
 import kvrt
 from kvrt.tools.bench import own_disk_tier
 
+LLAMA_SERVER = [sys.executable, str(Path(__file__).with_name("_llama_server.py"))]
+"""Starts ``llama_cpp.server`` as the benchmark's peer (its arguments follow), its weights
+in the buffers kvrt loads them into."""
+
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 QUESTIONS = [
     "What is a lighthouse for?",
@@ -68,10 +72,10 @@ async def kvrt_chat(turns: int) -> list[dict[str, float]]:
 def llama_chat(turns: int) -> list[dict[str, float]]:
     import llama_cpp
 
+    from kvrt.adapters.llama import reference_llama
+
     engine: Any = llama_cpp
-    llm = engine.Llama(
-        str(kvrt.embedded_model_path()), n_ctx=4096, verbose=False, flash_attn=True
-    )  # as kvrt by default
+    llm: Any = reference_llama(str(kvrt.embedded_model_path()), n_ctx=4096, verbose=False)
     llm.set_cache(engine.LlamaRAMCache())
     evaluated: list[int] = []
     original = llm.eval
@@ -311,9 +315,7 @@ def compare(args: argparse.Namespace, turns: int) -> None:
     )
     other, _ = over_http(
         [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
+            *LLAMA_SERVER,
             "--model",
             model,
             "--n_ctx",

@@ -94,10 +94,9 @@ def _greedy(ctx: EngineContext, logits: object) -> list[int]:
 def _reference(path: str, config: Config, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
     import llama_cpp
 
-    from kvrt.adapters.llama import same_settings
+    from kvrt.adapters.llama import reference_llama
 
-    settings = same_settings(config.engine)
-    llm = llama_cpp.Llama(path, n_ctx=2 * len(prompt) + 64, verbose=False, **settings)
+    llm = reference_llama(path, config.engine, n_ctx=2 * len(prompt) + 64, verbose=False)
     try:
         llm.eval(prompt)
         # Llama keeps no logits of its own unless built with logits_all: read llama.cpp's.

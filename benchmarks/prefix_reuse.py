@@ -93,10 +93,11 @@ async def kvrt_trace(
 
 
 def ram_cache_trace(prompts: list[list[int]]) -> dict[str, Any]:
-    import llama_cpp
     from llama_cpp.llama_cache import LlamaRAMCache
 
-    llm = llama_cpp.Llama(
+    from kvrt.adapters.llama import reference_llama
+
+    llm = reference_llama(
         str(kvrt.embedded_model_path()),
         n_ctx=max(len(p) for p in prompts) + 16,
         verbose=False,

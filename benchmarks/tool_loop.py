@@ -25,11 +25,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 import kvrt
+
+LLAMA_SERVER = [sys.executable, str(Path(__file__).with_name("_llama_server.py"))]
+"""Starts ``llama_cpp.server`` as the benchmark's peer (its arguments follow), its weights
+in the buffers kvrt loads them into."""
 
 WEATHER = {
     "type": "function",
@@ -243,7 +248,7 @@ def llama_server_loop(steps: int) -> list[dict[str, float]]:
     model = str(kvrt.embedded_model_path())
     with tempfile.NamedTemporaryFile() as log:
         command = [
-            sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port),
+            *LLAMA_SERVER, "--model", model, "--port", str(port),
             "--n_ctx", "4096", "--chat_format", "chatml-function-calling", "--cache", "true",
             "--verbose", "true",
         ]  # fmt: skip

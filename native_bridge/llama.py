@@ -32,7 +32,10 @@ __all__ = [
     "SCRATCH_SEQ",
     "LlamaContext",
     "LlamaModel",
+    "cpu_features",
+    "extra_buffers_safe",
     "kv_type_row_bytes",
+    "model_params_for_llama_cpp",
     "recent_log",
 ]
 
@@ -121,6 +124,52 @@ def _failure(what: str) -> BridgeCallError:
 _LOAD_LOCK = threading.Lock()
 
 
+def cpu_features() -> frozenset[str]:
+    """The CPU features this llama.cpp build uses here (``AVX512``, ``AMX_INT8``, ...), as
+    its system info lists them."""
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    return frozenset(
+        name.strip()
+        for part in info.split("|")
+        if "=" in part
+        for name, value in [part.rsplit("=", 1)]
+        if value.strip() == "1"
+    )
+
+
+def extra_buffers_safe() -> bool:
+    """Whether llama.cpp may repack weights into the CPU's extra buffer types without
+    risking the process. Not where its build uses AMX: on a Xeon with ``AMX_INT8`` this
+    llama.cpp dies with a segmentation fault in ``ggml_backend_amx_mul_mat`` on the first
+    batch of more than one token (``llama_cpp.Llama`` as well; llama.cpp issue 20824).
+    There weights stay in llama.cpp's plain CPU buffers (measured on that machine: SmolLM2
+    prefill 296 tokens/s on two threads, no crash)."""
+    return "AMX_INT8" not in cpu_features()
+
+
+@contextmanager
+def model_params_for_llama_cpp(*, extra_buffers: bool | None = None) -> Iterator[None]:
+    """While open, ``llama_cpp.Llama`` loads weights as :class:`LlamaModel` does
+    (``extra_buffers``; its constructor has no argument for it): a reference that runs the
+    same kernels, and does not crash where those buffers would."""
+    from llama_cpp import llama_cpp as bindings
+
+    default = bindings.llama_model_default_params
+    use = extra_buffers_safe() if extra_buffers is None else extra_buffers
+
+    def params() -> Any:
+        found = default()
+        found.use_extra_bufts = use
+        return found
+
+    with _LOAD_LOCK:
+        bindings.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            bindings.llama_model_default_params = default
+
+
 def _print_info(lines: list[str]) -> dict[str, str]:
     info: dict[str, str] = {}
     for line in lines:
@@ -136,12 +185,23 @@ TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 class LlamaModel:
     """Loaded weights and vocabulary, shared by every context opened on them."""
 
-    def __init__(self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        n_gpu_layers: int = 0,
+        use_mmap: bool = True,
+        extra_buffers: bool | None = None,
+    ) -> None:
+        """``extra_buffers``: let llama.cpp repack weights into the CPU's extra buffer
+        types (its AMX and repacked-quantization kernels); by default where that is safe
+        (:func:`extra_buffers_safe`)."""
         if not os.path.isfile(path):
             raise BridgeLoadError(f"model file not found: {path}")
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
+        params.use_extra_bufts = extra_buffers_safe() if extra_buffers is None else extra_buffers
         global _CAPTURE
         _LOG.clear()
         with _LOAD_LOCK:

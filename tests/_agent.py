@@ -69,11 +69,9 @@ def llama_cpp_greedy(
 ) -> list[int]:
     """``n`` greedy tokens of ``llama_cpp.Llama`` itself after ``prompt``, with the KV type
     and flash-attention setting kvrt uses under ``config``: the independent reference."""
-    import llama_cpp
+    from kvrt.adapters.llama import reference_llama
 
-    from kvrt.adapters.llama import same_settings
-
-    llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, verbose=False, **same_settings(config))
+    llm = reference_llama(path, config, n_ctx=n_ctx, n_batch=512, verbose=False)
     out: list[int] = []
     try:
         for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):

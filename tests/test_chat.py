@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-import llama_cpp
 import pytest
 
 import kvrt
-from kvrt.adapters.llama import same_settings
+from kvrt.adapters.llama import reference_llama
 
 from ._agent import loaded
 
@@ -80,9 +79,7 @@ async def test_chat_matches_llama_cpp_chat_completion_over_two_turns() -> None:
         kvrt.open_runtime(engine=loaded("llama")) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
-        llm = llama_cpp.Llama(
-            rt.engine.facts.path, n_ctx=1024, verbose=False, **same_settings(rt.engine.config)
-        )
+        llm = reference_llama(rt.engine.facts.path, rt.engine.config, n_ctx=1024, verbose=False)
         try:
             for question in (QUESTIONS[1], None):
                 ours = await s.chat(messages, max_tokens=40)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from kvrt.backend import EngineConfig
 
-__all__ = ["REFERENCE_NAME", "reference_greedy_tps", "reference_trace", "same_settings"]
+if TYPE_CHECKING:
+    import llama_cpp
+
+__all__ = [
+    "REFERENCE_NAME",
+    "reference_greedy_tps",
+    "reference_llama",
+    "reference_trace",
+    "same_settings",
+    "same_weights",
+]
 
 REFERENCE_NAME = "llama_cpp.Llama"
 
@@ -27,13 +38,31 @@ def same_settings(config: EngineConfig | None) -> dict[str, Any]:
     }
 
 
+def same_weights() -> AbstractContextManager[None]:
+    """While open, ``llama_cpp.Llama`` (and ``llama_cpp.server``) load weights into the
+    buffers kvrt loads them into (see :func:`kvrt.native_bridge.llama.extra_buffers_safe`)."""
+    from kvrt.native_bridge.llama import model_params_for_llama_cpp
+
+    return model_params_for_llama_cpp()
+
+
+def reference_llama(
+    path: str, config: EngineConfig | None = None, **kwargs: Any
+) -> llama_cpp.Llama:
+    """``llama_cpp.Llama(path, **kwargs)`` running the kernels kvrt runs under ``config``:
+    its KV type and flash attention (:func:`same_settings`) and its weights' buffers
+    (:func:`same_weights`)."""
+    import llama_cpp
+
+    with same_weights():
+        return llama_cpp.Llama(path, **{**same_settings(config), **kwargs})
+
+
 def reference_greedy_tps(
     path: str, prompt: list[int], n: int, config: EngineConfig | None = None
 ) -> float:
     """Greedy decode tokens/s of ``llama_cpp.Llama`` itself after ``prompt``."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + n + 8, verbose=False, **same_settings(config))
+    llm = reference_llama(path, config, n_ctx=len(prompt) + n + 8, verbose=False)
     llm.eval(prompt)  # prefill first: generate() then finds the prompt cached and only decodes
     got = 0
     started = time.perf_counter()
@@ -67,13 +96,8 @@ def reference_trace(
     threads = config.threads or physical_cores()
     out: dict[str, list[tuple[float, float]]] = {}
     for name in TRACE_NAMES:
-        llm = llama_cpp.Llama(
-            path,
-            n_ctx=n_ctx,
-            n_batch=config.batch,
-            n_threads=threads,
-            verbose=False,
-            **same_settings(config),
+        llm = reference_llama(
+            path, config, n_ctx=n_ctx, n_batch=config.batch, n_threads=threads, verbose=False
         )
         if name.endswith("LlamaRAMCache"):
             llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))  # type: ignore[attr-defined]
