@@ -33,7 +33,7 @@ from .._errors import (
 )
 from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
-from .gate import EngineGate, SessionParts
+from .gate import EngineGate, SessionParts, Tally
 from .generation import Generate, Generation
 from .layout import Block, Segment
 from .paging import Paging
@@ -201,7 +201,8 @@ class Actor:
     async def _dispatch(self, command: Command) -> Any:
         match command:
             case Ensure(segments, prepared, require):
-                return await self.placement.ensure(segments, prepared, require=require)
+                status, _ = await self.placement.ensure(segments, prepared, require=require)
+                return status
             case Generate():
                 return await self.generation.generate(command)
             case Evict(target):
@@ -215,7 +216,7 @@ class Actor:
 
     async def _next_logits(self) -> npt.NDArray[np.float32]:
         self.generation.check_placed()
-        await self.placement.last_logits()
+        await self.placement.last_logits()  # reported by no status: its tally goes
         held = self.gate.override
         logits = held if held is not None else await self.gate.call("logits", self.ctx.logits)
         return np.array(logits, dtype=np.float32, copy=True)
@@ -252,14 +253,13 @@ class Actor:
                 f"{target!r} holds the context's last token, which generation continues from; "
                 "it stays hot"
             )
-        tally = self.gate.new_tally()
-        await self.paging.evict_blocks(blocks, strict=True)
+        tally = await self.paging.evict_blocks(blocks, strict=True)
         self.gate.status(tally)
         return tally.evicted
 
     async def _admit_target(self, target: str | tuple[int, int]) -> int:
         blocks = self._target_blocks(target)
-        tally = self.gate.new_tally()
+        tally = Tally()
         for block in blocks:
             if self.gate.state(block) is Residency.DROPPED:
                 raise NotInColdStoreError(
@@ -275,7 +275,7 @@ class Actor:
             else:
                 runs.append([block])
         for run in runs:
-            await self.paging.restore_run(run, set())
+            tally += (await self.paging.restore_run(run, set()))[1]
         self.gate.status(tally)
         return tally.restored
 

@@ -79,8 +79,13 @@ class SessionParts:
 
 @dataclass(slots=True)
 class Tally:
-    """What one command did, in tokens (work: a block computed, pushed out and brought
-    back counts twice), and where the KV of each position it wrote came from."""
+    """What a move, a step or a whole command did, in tokens (work: a block computed,
+    pushed out and brought back counts twice), and where the KV of each position it wrote
+    came from.
+
+    Every move of the executor (:mod:`.paging`) returns the tally of what it did; a
+    command adds up the tallies of its moves (``tally += moved``) and reports the sum.
+    Nothing else writes one."""
 
     reused: int = 0
     restored: int = 0
@@ -89,7 +94,22 @@ class Tally:
     evicted: int = 0
     sources: dict[int, str] = field(default_factory=dict)
     """Position -> ``prefilled``, ``restored``, ``approximate`` or ``generated``: the last
-    engine call of the command that wrote its KV."""
+    engine call that wrote its KV."""
+
+    def __iadd__(self, later: Tally) -> Tally:
+        """Add what ``later`` did (its sources win where both wrote a position)."""
+        self.reused += later.reused
+        self.restored += later.restored
+        self.approximate += later.approximate
+        self.prefilled += later.prefilled
+        self.evicted += later.evicted
+        self.sources.update(later.sources)
+        return self
+
+    def wrote(self, writes: Iterable[Written]) -> None:
+        """Record where the KV of the positions an engine call wrote came from."""
+        for w in writes:
+            self.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
 
 
 @dataclass(slots=True)
@@ -122,7 +142,7 @@ class Written(NamedTuple):
 class EngineGate:
     """One session's engine context, hot window and cold store, and the state the
     session's components (paging, scoring, placement, generation; see :mod:`.actor`) share
-    through it: policies, choices, the KV's provenance, counters, the command's tally."""
+    through it: policies, choices, the KV's provenance, counters."""
 
     def __init__(self, parts: SessionParts) -> None:
         self.engine = parts.engine
@@ -150,13 +170,7 @@ class EngineGate:
         generating from such a layout is refused."""
         self.fault: Callable[[str], None] | None = None
         """Test hook, called with a label before every await point of a command."""
-        self.tally = Tally()
         self._resident: dict[int, int] | None = None
-
-    def new_tally(self) -> Tally:
-        """A fresh tally for the command that begins now (the one place it is reset)."""
-        self.tally = Tally()
-        return self.tally
 
     # -- engine access --
 
@@ -170,14 +184,14 @@ class EngineGate:
     ) -> T:
         """Run ``fn`` in a worker thread behind the limiter. ``writes`` are the positions
         the call makes resident: their marks are set right before it runs (see
-        :mod:`.provenance`)."""
+        :mod:`.provenance`); the caller's tally records their sources
+        (:meth:`Tally.wrote`)."""
         if self.fault is not None:
             self.fault(label)
         for w in writes:
             self.provenance.set(w.start, w.end, w.mark)
             places = [(w.start, w.end, w.place)] if w.place is not None else self._places()
             self.provenance.attend(w.start, w.end, places)
-            self.tally.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
         self._resident = None
         try:
             return await anyio.to_thread.run_sync(

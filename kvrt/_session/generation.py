@@ -96,13 +96,12 @@ class Generation:
     async def generate(self, cmd: Generate) -> Generated:
         began = time.perf_counter()
         placed = None
-        placing: list[Tally] = []
+        placing = Tally()
         if cmd.context is not None:
-            placed = await self.placement.ensure(cmd.context, replies=cmd.replies)
-            placing.append(self.gate.tally)
+            placed, placing = await self.placement.ensure(cmd.context, replies=cmd.replies)
         placed_at = time.perf_counter()
         self.gate.counters.generate_calls += 1
-        tally = self.gate.new_tally()
+        tally = Tally()
         sampler = Sampler(cmd.sampling)
         tail = TextTail(cmd.stop if cmd.calls is None else ())
         stream = cmd.calls.stream() if cmd.calls is not None else None
@@ -115,8 +114,8 @@ class Generation:
         async with cmd.out:
             self.check_placed()
             start = self.window.length
-            await self.placement.last_logits()
-            prompt = self.gate.origins([*placing, tally], end=start)
+            tally += await self.placement.last_logits()
+            prompt = self.gate.origins([placing, tally], end=start)
             visible = self.gate.residency_tokens()[Residency.HOT]
             invisible = self.gate.invisible_segments()
             if self.gate.override is not None:
@@ -124,7 +123,7 @@ class Generation:
             else:
                 logits = await self.gate.call("logits", self.ctx.logits)
             self.gate.override = None
-            label, evicted = self.gate.label_at(self.window.length)[0], self.gate.tally.evicted
+            label = self.gate.label_at(self.window.length)[0]
             while produced < cmd.max_tokens:
                 if constraint is not None:
                     logits = constraint.mask(logits)
@@ -140,17 +139,15 @@ class Generation:
                 if constraint is not None:
                     constraint.consume(token)
                 last = self.window.blocks[-1]
-                await self.paging.make_room(1, {last.id})
+                moved = await self.paging.make_room(1, {last.id})
+                tally += moved
                 at = self.window.length
-                if self.gate.tally.evicted != evicted:  # the window lost earlier tokens
-                    label, evicted = self.gate.label_at(at)[0], self.gate.tally.evicted
+                if moved.evicted:  # the window lost earlier tokens
+                    label = self.gate.label_at(at)[0]
                 place = self.window.append_place(cmd.segment)
-                logits = await self.gate.call(
-                    "step",
-                    self.ctx.step,
-                    token,
-                    writes=[Written(at, at + 1, label, "generated", place)],
-                )
+                marks = [Written(at, at + 1, label, "generated", place)]
+                logits = await self.gate.call("step", self.ctx.step, token, writes=marks)
+                tally.wrote(marks)
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
                 self.gate.counters.generated_tokens += 1

@@ -1,6 +1,6 @@
 """Paging: blocks out of the hot window (exported to the cold store in runs, or kept as
 tokens only) and back in (exact restore runs, approximate hits, prefill), room made by
-the eviction policy.
+the eviction policy. Every move returns the :class:`~.gate.Tally` of what it did.
 
 Ordering rules that make cancellation safe: a block leaves the hot window only after its
 cold copy is committed (or the cold store refused it, which makes it "dropped": tokens
@@ -11,7 +11,7 @@ all-or-nothing).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 
@@ -26,15 +26,13 @@ from ..policy import (
     Blending,
     Estimating,
 )
-from .gate import EngineGate, Written
+from .gate import EngineGate, Tally, Written
 from .layout import Block
 from .provenance import APPROXIMATE
 
 PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
 
 __all__ = ["Paging"]
-
-"""Cache classes whose blocks go to the cold store as soon as they are computed."""
 
 
 class Paging:
@@ -48,8 +46,8 @@ class Paging:
 
     # -- moving single blocks --
 
-    async def evict_block(self, block: Block, *, strict: bool = False) -> None:
-        await self.evict_blocks([block], strict=strict)
+    async def evict_block(self, block: Block, *, strict: bool = False) -> Tally:
+        return await self.evict_blocks([block], strict=strict)
 
     def _needs_export(self, block: Block) -> bool:
         """Whether ``block`` leaving the window should export its KV: it is storable (not
@@ -61,7 +59,7 @@ class Paging:
             and self.policies.cold_admission.admit(self.window.view(block))
         )
 
-    async def evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> None:
+    async def evict_blocks(self, blocks: Sequence[Block], *, strict: bool = False) -> Tally:
         """Evict ``blocks`` (in order); adjacent hot blocks that all need a cold copy are
         exported in one engine call and leave the window in one."""
         resident = self.gate.resident()
@@ -79,10 +77,12 @@ class Paging:
                 runs[-1].append(block)
             else:
                 runs.append([block])
+        moved = Tally()
         for run in runs:
-            await self._evict_run(run, strict=strict)
+            moved += await self._evict_run(run, strict=strict)
+        return moved
 
-    async def _evict_run(self, run: list[Block], *, strict: bool) -> None:
+    async def _evict_run(self, run: list[Block], *, strict: bool) -> Tally:
         """Commit the run's KV to the cold store, then drop it from the window.
 
         A cold store that stays full for ``session.cold_wait`` seconds leaves a block with
@@ -142,7 +142,7 @@ class Paging:
             else:
                 self.gate.choices[block.id] = "evicted, tokens only (cold admission policy)"
         await self.gate.call("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
-        self.gate.tally.evicted += sum(b.n_tokens for b in run)
+        return Tally(evicted=sum(b.n_tokens for b in run))
 
     def room(self, keep: set[int]) -> int:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
@@ -155,8 +155,9 @@ class Paging:
         )
         return self.ctx.n_ctx - (self.ctx.n_resident - evictable)
 
-    async def make_room(self, need: int, keep: set[int]) -> None:
+    async def make_room(self, need: int, keep: set[int]) -> Tally:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
+        moved = Tally()
         while self.ctx.n_ctx - self.ctx.n_resident < need:
             resident = self.gate.resident()
             shielded = self.window.protected() | keep
@@ -170,12 +171,14 @@ class Paging:
                     f"the hot window ({self.ctx.n_ctx} tokens) cannot make room for {need} more: "
                     "every resident block is protected (sinks, the recent window or in use)"
                 )
-            await self.evict_block(
+            moved += await self.evict_block(
                 self.window.eviction_order(candidates, self.policies.hot_eviction.order)[0]
             )
+        return moved
 
-    async def restore(self, block: Block, keep: set[int]) -> bool:
-        return await self.restore_run([block], keep) > 0
+    async def restore(self, block: Block, keep: set[int]) -> Tally:
+        """Restore one cold block in place (``restored`` is 0 if the store let it go)."""
+        return (await self.restore_run([block], keep))[1]
 
     def restorable_key(self, block: Block) -> ColdKey | None:
         """The cold copy ``block`` comes back from: its exact key when the store holds it,
@@ -189,7 +192,7 @@ class Paging:
             return local
         return None
 
-    async def restore_run(self, blocks: list[Block], keep: set[int]) -> int:
+    async def restore_run(self, blocks: list[Block], keep: set[int]) -> tuple[int, Tally]:
         """Restore adjacent cold blocks in place in one engine call; how many came back.
 
         Stops at the first block the store no longer holds.
@@ -203,7 +206,7 @@ class Paging:
             entries.append(found.entry)
             tiers.append(found.tier)
         if not entries:
-            return 0
+            return 0, Tally()
         run = blocks[: len(entries)]
         room = self.room(keep)
         while len(run) > 1 and sum(b.n_tokens for b in run) > room:
@@ -214,7 +217,7 @@ class Paging:
             for b, e in zip(run, entries, strict=True)
         ]
         with self.cold.pinned(e.key for e in entries):
-            await self.make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
+            moved = await self.make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
             if inside:  # leading tokens of a block kept at the tail: the copy replaces them
                 await self.gate.call(
@@ -225,7 +228,8 @@ class Paging:
                 "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
             )
             self.gate.observed_restore(began, sum(e.n_bytes for e in entries))
-        self.gate.tally.restored += sum(b.n_tokens for b in run)
+        moved.wrote(marks)
+        moved.restored += sum(b.n_tokens for b in run)
         for block, entry in zip(run, entries, strict=True):
             if entry.logits is not None and not entry.key.session_local:
                 self.gate.held = (entry.key, block.end - 1, entry.logits)
@@ -235,7 +239,7 @@ class Paging:
             if entry.key.session_local:
                 why = f"{PARTIAL_KV}; {why}" if why else PARTIAL_KV
             self.gate.choices[block.id] = f"{where} ({why})" if why else where
-        return len(run)
+        return len(run), moved
 
     def query(self, block: Block, n_bytes: int) -> RestoreQuery:
         return RestoreQuery(
@@ -254,25 +258,6 @@ class Paging:
         return (
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
-
-    def find_approximate_runs(self, layout: Sequence[Block]) -> None:
-        """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
-        their tokens after another prefix: block id -> (run start, run tokens)."""
-        self.gate.placing.approximate_runs = {}
-        run: list[Block] = []
-        for block in [*layout, None]:
-            candidate = (
-                block is not None
-                and self.gate.state(block) is Residency.DROPPED
-                and self.cold.similar(block.key(self.window.fingerprint), count=False) is not None
-            )
-            if candidate and block is not None:
-                run.append(block)
-                continue
-            size = sum(b.n_tokens for b in run)
-            for b in run:
-                self.gate.placing.approximate_runs[b.id] = (run[0].start, size)
-            run = []
 
     def approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
         """The cold copy of ``block``'s tokens after another prefix that the session's
@@ -294,49 +279,50 @@ class Paging:
             return None
         return (entry, query) if self.policies.approximate.accept(query) else None
 
-    async def approximate_hit(self, block: Block, keep: set[int]) -> bool:
+    async def approximate_hit(self, block: Block, keep: set[int]) -> tuple[bool, Tally]:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
-        approximate-hit policy accepts it; the window must end right before the block. A
-        blending policy has the block's first tokens computed afresh, the rest restored."""
+        approximate-hit policy accepts it (whether it did); the window must end right
+        before the block. A blending policy has the block's first tokens computed afresh,
+        the rest restored."""
+        moved = Tally()
         if self.ctx.next_position != block.start:
-            return False
+            return False, moved
         found = self.approximate_entry(block)
         if found is None:
-            return False
+            return False, moved
         entry, query = found
         policy = self.policies.approximate
         fresh = policy.recompute_tokens(query) if isinstance(policy, Blending) else 0
         if fresh >= block.n_tokens:
-            return False  # all of it computed afresh: an ordinary prefill
+            return False, moved  # all of it computed afresh: an ordinary prefill
         self.cold.count_approximate(entry.key)
         with self.cold.pinned([entry.key]):
             # The engine holds the whole block in scratch while splicing its tail in.
-            await self.make_room(block.n_tokens + fresh, keep | {block.id})
+            moved += await self.make_room(block.n_tokens + fresh, keep | {block.id})
             if self.ctx.next_position != block.start:
-                return False
+                return False, moved
             if fresh:
                 began = time.perf_counter()
+                marks = [Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")]
                 await self.gate.call(
                     "prefill",
                     self.ctx.prefill,
                     block.tokens[:fresh],
                     start=block.start,
                     checkpoint=anyio.from_thread.check_cancelled,
-                    writes=[Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")],
+                    writes=marks,
                 )
                 self.gate.observed_prefill(began, block.start, fresh)
+                moved.wrote(marks)
             began = time.perf_counter()
+            marks = [Written(block.start + fresh, block.end, APPROXIMATE, "approximate")]
             await self.gate.call(
-                "admit",
-                self.ctx.admit,
-                entry.block,
-                AdmitMode.TAIL,
-                skip=fresh,
-                writes=[Written(block.start + fresh, block.end, APPROXIMATE, "approximate")],
+                "admit", self.ctx.admit, entry.block, AdmitMode.TAIL, skip=fresh, writes=marks
             )
             self.gate.observed_restore(began, entry.n_bytes)
-        self.gate.tally.approximate += block.n_tokens - fresh
-        self.gate.tally.prefilled += fresh
+            moved.wrote(marks)
+        moved.approximate += block.n_tokens - fresh
+        moved.prefilled += fresh
         shift = block.start - entry.key.start
         how = f"keys re-rotated by {shift:+d}" if shift else ""
         if fresh:
@@ -346,11 +332,15 @@ class Paging:
             if how
             else "restored approximately (same tokens after another prefix)"
         )
-        return True
+        return True, moved
 
-    async def prefill(self, blocks: list[Block], keep: set[int]) -> None:
+    async def prefill(
+        self, blocks: list[Block], keep: set[int], earlier: Mapping[int, str]
+    ) -> Tally:
         """Compute adjacent blocks in one engine call (batched: many small segments cost
-        one call, not one each).
+        one call, not one each). ``earlier``: where the command computing them got the KV
+        of the positions it wrote before (:attr:`.Tally.sources`), to tell leading tokens
+        it restored from ones it reused.
 
         Blocks the write-through policy picks (by default the stable classes,
         ``task_pinned`` and ``repo_map``) are written through to the cold store as soon as
@@ -370,17 +360,15 @@ class Paging:
             if first.start + done != self.ctx.next_position:
                 done = 0
             tokens = [t for b in blocks for t in b.tokens][done:]
-            label, missing = await self.compute(tokens, first.start + done, keep | ids)
+            label, missing, moved = await self.compute(tokens, first.start + done, keep | ids)
             if stable:
                 await self.write_back(stable, spare=True)
         # Leading tokens already resident were reused, or restored from a block that
         # diverges from this one later on (counted as restored when they came back).
-        sources = self.gate.tally.sources
-        leading = sum(sources.get(p) == "restored" for p in range(first.start, first.start + done))
-        self.gate.tally.reused += done - leading
-        self.gate.tally.prefilled -= done
+        leading = sum(earlier.get(p) == "restored" for p in range(first.start, first.start + done))
+        moved.reused += done - leading
+        moved.prefilled += sum(b.n_tokens for b in blocks) - done
         for block in blocks:
-            self.gate.tally.prefilled += block.n_tokens
             if block.id in self.gate.placing.recompute:
                 size = self.cold.size(block.key(self.window.fingerprint))
                 why = self.estimate(block, size) if size is not None else ""
@@ -406,11 +394,15 @@ class Paging:
                     f" under a partial window ({missing} earlier tokens not hot): {PARTIAL_KV}"
                 )
             self.gate.choices[block.id] = choice
+        return moved
 
-    async def compute(self, tokens: list[int], at: int, keep: set[int]) -> tuple[str | None, int]:
+    async def compute(
+        self, tokens: list[int], at: int, keep: set[int]
+    ) -> tuple[str | None, int, Tally]:
         """Prefill ``tokens`` from position ``at``, the window's tail, within the budget
-        (never evicting ``keep``); the provenance label the KV got and how many earlier
-        context tokens were not hot (see :meth:`.EngineGate.label_at`).
+        (never evicting ``keep``); the provenance label the KV got, how many earlier
+        context tokens were not hot (see :meth:`.EngineGate.label_at`) and what it did
+        besides computing ``tokens`` (room made; a token before them computed again).
 
         Never as a one-token batch when it can be helped: a lone token is computed
         together with the resident token before it (on some CPUs — x86-64 without
@@ -419,6 +411,7 @@ class Paging:
         gives; batches of two tokens or more agree with each other bit for bit).
         """
         resident = self.gate.resident()
+        moved = Tally()
         if (
             len(tokens) == 1
             and at > 0
@@ -430,20 +423,22 @@ class Paging:
             keep = keep | {holder.id}
             await self.gate.call("evict", self.ctx.evict, at - 1, at, EvictMode.GAP)
             tokens, at = [before, *tokens], at - 1
-            self.gate.tally.prefilled += 1
-        await self.make_room(len(tokens), keep)
+            moved.prefilled += 1
+        moved += await self.make_room(len(tokens), keep)
         label, missing = self.gate.label_at(at)
         began = time.perf_counter()
+        marks = [Written(at, at + len(tokens), label, "prefilled")]
         await self.gate.call(
             "prefill",
             self.ctx.prefill,
             tokens,
             start=at,
             checkpoint=anyio.from_thread.check_cancelled,
-            writes=[Written(at, at + len(tokens), label, "prefilled")],
+            writes=marks,
         )
         self.gate.observed_prefill(began, at, len(tokens))
-        return label, missing
+        moved.wrote(marks)
+        return label, missing, moved
 
     async def write_back(
         self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
@@ -487,10 +482,11 @@ class Paging:
                     return copied
         return copied
 
-    async def truncate_from(self, position: int) -> None:
+    async def truncate_from(self, position: int) -> Tally:
         """Clear every resident token at ``position`` or later, committing whole blocks first."""
-        await self.evict_blocks([b for b in self.window.blocks if b.start >= position])
+        moved = await self.evict_blocks([b for b in self.window.blocks if b.start >= position])
         await self.gate.tidy()
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
             await self.gate.call("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+        return moved

@@ -159,9 +159,9 @@ class Placement:
         prepared: Prepared | None = None,
         replies: Mapping[str, ReplyTokens] | None = None,
         require: tuple[str, ...] = (),
-    ) -> ContextStatus:
+    ) -> tuple[ContextStatus, Tally]:
+        """Place ``segments``: what the context is now, and what placing it did."""
         self.gate.counters.ensure_calls += 1
-        tally = self.gate.new_tally()
         known = None
         if prepared is not None:
             known = prepared.tokens
@@ -169,22 +169,23 @@ class Placement:
                 prepared.cancel()  # not ready when its call began: of no more use
         tokenize = partial(self.tokenize, segments, known=known, replies=replies)
         tokenized = await anyio.to_thread.run_sync(tokenize)
-        return await self.ensure_placed(tokenized, tally, require)
+        return await self.ensure_placed(tokenized, require)
 
     async def ensure_placed(
-        self,
-        tokenized: list[tuple[Segment, list[int]]],
-        tally: Tally,
-        require: tuple[str, ...] = (),
-    ) -> ContextStatus:
+        self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...] = ()
+    ) -> tuple[ContextStatus, Tally]:
         self._check_visible(tokenized, require)
         layout, stale = self.window.plan_layout(tokenized)
         copies = self.window.partial_copies  # forget the copies the store let go
         self.window.partial_copies = {k: v for k, v in copies.items() if v in self.cold}
         await self.cold.discover(b.key(self.window.fingerprint) for b in layout)
         resident = self.gate.resident(layout)  # as the new layout's blocks see the engine
-        tally.reused = sum(
-            b.n_tokens for b in layout if self.window.residency(b, resident, ()) is Residency.HOT
+        tally = Tally(
+            reused=sum(
+                b.n_tokens
+                for b in layout
+                if self.window.residency(b, resident, ()) is Residency.HOT
+            )
         )
         # A replaced block whose tokens the new context starts with the same (a reply that
         # grew, the same question asked again) stays where it is for them: it is copied to
@@ -193,13 +194,13 @@ class Placement:
         stale.sort(key=lambda b: b.start)
         superseded = [b for b in stale if any(p in kept for p in range(b.start, b.end))]
         await self.paging.write_back(superseded, local=True)
-        await self.paging.evict_blocks([b for b in stale if b not in superseded])
+        tally += await self.paging.evict_blocks([b for b in stale if b not in superseded])
         self.gate.placed = False
         self.window.adopt(layout)
         self.window.required = frozenset(require)
         await self.gate.tidy()
-        await self._place(layout)
-        await self.last_logits()
+        tally += await self._place(layout)
+        tally += await self.last_logits()
         self.gate.placed = True
         unseen = [
             b.segment
@@ -210,7 +211,7 @@ class Placement:
             raise NotVisibleError(
                 f"segment {unseen[0]!r} is required visible but not all of it is hot"
             )
-        return self.gate.status(tally)
+        return self.gate.status(tally), tally
 
     def _check_visible(
         self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...]
@@ -230,7 +231,7 @@ class Placement:
                 "require fewer segments, shorten them, or open the session with more hot_tokens"
             )
 
-    async def _place(self, layout: list[Block]) -> None:
+    async def _place(self, layout: list[Block]) -> Tally:
         """Bring the layout's blocks in, keeping the window within budget, as the
         planner (:mod:`.planner`) says: cold blocks come back when the plan (the policy
         applied to the whole context) keeps them hot, dropped ones are computed in order.
@@ -246,23 +247,44 @@ class Placement:
                 query = self.paging.query(block, size or 0)
                 if not self.policies.restore.restore(query):
                     placing.recompute.add(block.id)
-        self.paging.find_approximate_runs(layout)
+        self._find_approximate_runs(layout)
         try:
-            await self._refresh_partial(layout, planned)
-            await self._run_plan(layout, planned)
+            moved = await self._refresh_partial(layout, planned)
+            moved += await self._run_plan(layout, planned)
         finally:
             self.gate.placing = Placing()
+        return moved
 
-    async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> None:
+    def _find_approximate_runs(self, layout: Sequence[Block]) -> None:
+        """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
+        their tokens after another prefix: block id -> (run start, run tokens)."""
+        self.gate.placing.approximate_runs = {}
+        run: list[Block] = []
+        for block in [*layout, None]:
+            candidate = (
+                block is not None
+                and self.gate.state(block) is Residency.DROPPED
+                and self.cold.similar(block.key(self.window.fingerprint), count=False) is not None
+            )
+            if candidate and block is not None:
+                run.append(block)
+                continue
+            size = sum(b.n_tokens for b in run)
+            for b in run:
+                self.gate.placing.approximate_runs[b.id] = (run[0].start, size)
+            run = []
+
+    async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> Tally:
         """Blocks holding partial-window KV whose whole prefix the plan keeps hot (with
         themselves) are computed again where the partial-window policy says so: the
         session's context is exact again once it fits. A hot one leaves the window first,
         its KV kept in this session's own cold copy until the exact KV replaces it (a
         cancelled call loses nothing)."""
         fingerprint = self.window.fingerprint
+        moved = Tally()
         for block in layout:
             if block.id not in planned:
-                return  # from here on, the prefix is not all hot
+                break  # from here on, the prefix is not all hot
             resident = self.gate.resident()
             hot = self.window.residency(block, resident, ()) is Residency.HOT
             # Resident partial-window KV: the whole block, or its leading tokens at the tail.
@@ -280,20 +302,24 @@ class Placement:
             )
             if self.policies.partial_window.recompute(query):
                 if hot:
-                    await self.paging.evict_blocks([block])
+                    moved += await self.paging.evict_blocks([block])
                 elif resident_partial:  # a fragment, not a block: no copy to keep of it
                     inside = [p for p in self.ctx.positions if block.start <= p < block.end]
                     await self.gate.call(
                         "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                     )
                 self.gate.placing.refresh.add(block.id)
+        return moved
 
-    async def _run_plan(self, layout: list[Block], planned: set[int]) -> None:
+    async def _run_plan(self, layout: list[Block], planned: set[int]) -> Tally:
         """Run the planner's steps (:mod:`.planner`) until the context is in place, each
-        planned on a fresh snapshot of the window."""
-        cursor = Cursor()
+        planned on a fresh snapshot of the window; what they did."""
+        cursor, tally = Cursor(), Tally()
         while (step := plan(self._scene(layout, planned), cursor)) is not None:
-            cursor = advance(cursor, step, await self._run_step(step, layout))
+            outcome, moved = await self._run_step(step, layout, tally.sources)
+            tally += moved
+            cursor = advance(cursor, step, outcome)
+        return tally
 
     def _scene(self, layout: list[Block], planned: set[int]) -> Scene:
         """What the planner sees of the window now (``layout`` is the window's blocks)."""
@@ -319,8 +345,11 @@ class Placement:
             resident=self.ctx.n_resident,
         )
 
-    async def _run_step(self, step: Step, layout: list[Block]) -> int | None:
-        """Run one planned step; its outcome for :func:`~.planner.advance`."""
+    async def _run_step(
+        self, step: Step, layout: list[Block], earlier: dict[int, str]
+    ) -> tuple[int | None, Tally]:
+        """Run one planned step: its outcome for :func:`~.planner.advance`, and what it
+        did. ``earlier``: the sources of what the placement wrote before it."""
 
         def ids(indices: frozenset[int]) -> set[int]:
             return {layout[k].id for k in indices}
@@ -332,78 +361,83 @@ class Placement:
                 except HotWindowFullError:
                     if required:
                         raise
-                    return None  # no room beside what must stay: these blocks stay cold
+                    return None, Tally()  # no room beside what must stay: they stay cold
             case Begin(index=i, clear_from=clear_from, keep=keep):
-                await self.paging.truncate_from(clear_from)
+                moved = await self.paging.truncate_from(clear_from)
                 if step.restore_before:
-                    await self.paging.restore(layout[i - 1], set())
+                    moved += await self.paging.restore(layout[i - 1], set())
                 if step.leading:
-                    await self._restore_leading(layout[i], ids(keep))
-                return 0
+                    moved += await self._restore_leading(layout[i], ids(keep))
+                return 0, moved
             case WaitFor(index=i):
                 await self._computed_elsewhere(layout[i])
-                return 0
+                return 0, Tally()
             case Compute(index=i, blocks=blocks, keep=keep):
-                # The tail must end right before it: if the block before could not come
-                # back (the store let it go), plan again (it is computed first then).
-                if step.restore_before and not await self.paging.restore(layout[i - 1], set()):
-                    return 0
-                if step.approximate and await self.paging.approximate_hit(layout[i], ids(keep)):
-                    return 1
-                await self.paging.prefill([layout[k] for k in blocks], ids(keep))
-                return len(blocks)
+                moved = Tally()
+                if step.restore_before:
+                    moved += await self.paging.restore(layout[i - 1], set())
+                    if not moved.restored:
+                        # The tail must end right before the block: the block before could
+                        # not come back (the store let it go), so plan again (it is
+                        # computed first then).
+                        return 0, moved
+                if step.approximate:
+                    hit, tried = await self.paging.approximate_hit(layout[i], ids(keep))
+                    moved += tried
+                    if hit:
+                        return 1, moved
+                earlier = {**earlier, **moved.sources}
+                moved += await self.paging.prefill([layout[k] for k in blocks], ids(keep), earlier)
+                return len(blocks), moved
 
-    async def _restore_leading(self, block: Block, keep: set[int]) -> None:
+    async def _restore_leading(self, block: Block, keep: set[int]) -> Tally:
         """Where the context diverges inside ``block``, restore the leading tokens it
         shares with a cold block at its place (the same tokens before it, so the same KV):
         the whole block comes back in place, then its tokens after the divergence go, and
         computing resumes there. Exact reuse reaches the longest shared prefix, not the
         last whole block. Only when the restore policy would restore those tokens."""
+        moved = Tally()
         if self.ctx.capabilities.sliding_window:
-            return  # not measured exact there: windowed layers keep only the window's KV
+            return moved  # not measured exact there: windowed layers keep only the window's KV
         found = self.cold.leading(self.window.fingerprint, block.prefix, block.start, block.tokens)
         if found is None:
-            return
+            return moved
         entry, shared = found
         shared = min(shared, block.n_tokens - 1)  # a whole match is an exact hit, not this
         if shared < LEADING_MIN_TOKENS:
-            return
+            return moved
         held = entry.meta.n_tokens
         query = RestoreQuery(
             cache_class=block.cache_class, start=block.start, n_tokens=shared, n_bytes=entry.n_bytes
         )
         if held > self.paging.room(keep) or not self.policies.restore.restore(query):
-            return
+            return moved
         start = block.start
         with self.cold.pinned([entry.key]):
-            await self.paging.make_room(held, keep | {block.id})
+            moved += await self.paging.make_room(held, keep | {block.id})
             began = time.perf_counter()
-            await self.gate.call(
-                "admit",
-                self.ctx.admit_run,
-                [entry.block],
-                writes=[Written(start, start + held, None, "restored")],
-            )
+            marks = [Written(start, start + held, None, "restored")]
+            await self.gate.call("admit", self.ctx.admit_run, [entry.block], writes=marks)
             self.gate.observed_restore(began, entry.n_bytes)
+            moved.wrote(marks)
             if shared < held:  # the cold block may also be this one's prefix (it grew)
                 await self.gate.call(
                     "evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP
                 )
-        self.gate.tally.restored += shared
+        moved.restored += shared
+        return moved
 
-    async def _computed_elsewhere(self, block: Block) -> bool:
+    async def _computed_elsewhere(self, block: Block) -> None:
         """Wait while another session computes ``block`` (the same tokens after the same
-        prefix); True if its copy is now in the cold store. The wait cannot deadlock: a
-        session computing blocks waits for no other session meanwhile, and lets go of
-        them when it is done, fails or is cancelled."""
+        prefix); the next plan sees whether its copy is in the cold store now. The wait
+        cannot deadlock: a session computing blocks waits for no other session meanwhile,
+        and lets go of them when it is done, fails or is cancelled."""
         done = self.cold.computed(block.key(self.window.fingerprint))
-        if done is None:
-            return False
-        await done.wait()
-        return self.gate.state(block) is Residency.COLD
+        if done is not None:
+            await done.wait()
 
-    async def last_logits(self) -> None:
-        """Make sure logits follow the context's last token.
+    async def last_logits(self) -> Tally:
+        """Make sure logits follow the context's last token; what that did.
 
         They are the engine's own when it computed that token last; the ones kept with
         its block when the block left a window with exact KV (in this session, or with the
@@ -413,7 +447,7 @@ class Placement:
         self.gate.override = None
         last = self.window.length - 1
         if last < 0 or self.ctx.logits_position == last:
-            return
+            return Tally()
         token = self.window.blocks[-1].tokens[-1]
         held = self.gate.held
         tail = self.window.blocks[-1]
@@ -426,8 +460,9 @@ class Placement:
             and not self.gate.provenance.inexact(tail.start, tail.end, resident)
         ):
             self.gate.override = held[2]  # kept only while the whole context was exact
-            return
+            return Tally()
         if resident.get(last) == token:
             await self.gate.call("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
-        await self.paging.compute([token], last, {tail.id})
-        self.gate.tally.prefilled += 1
+        moved = (await self.paging.compute([token], last, {tail.id}))[2]
+        moved.prefilled += 1
+        return moved
