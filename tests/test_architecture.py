@@ -261,6 +261,31 @@ def test_the_session_parts_are_composed_not_inherited() -> None:
     assert not wrong
 
 
+def test_tallies_are_returned_never_shared() -> None:
+    """What a command did is the sum of what its moves return: no part of a session holds
+    a tally for others to write into, and every move of the executor returns its own."""
+    trees = {p: ast.parse(p.read_text()) for p in modules("kvrt/_session")}
+    shared = [
+        f"{p.stem}:{n.lineno}"
+        for p, t in trees.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.Attribute) and n.attr == "tally"
+    ]
+    assert not shared
+    paging = next(
+        n
+        for n in trees[ROOT / "kvrt" / "_session" / "paging.py"].body
+        if isinstance(n, ast.ClassDef) and n.name == "Paging"
+    )
+    moves = {
+        n.name: ast.unparse(n.returns) if n.returns else ""
+        for n in paging.body
+        if isinstance(n, ast.AsyncFunctionDef)
+    }
+    assert len(moves) >= 8
+    assert {name for name, returns in moves.items() if "Tally" not in returns} == {"write_back"}
+
+
 def test_the_cold_store_stands_below_the_sessions() -> None:
     """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime;
     inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrt._session.gate import Tally, Written
 from kvrt._session.planner import (
     Begin,
     Compute,
@@ -429,3 +430,18 @@ def place(world: World) -> None:
     assert {i for i in planned if world.states[i] is not H} <= world.dropped_once
     # Every block is computed at most once in a placement.
     assert len(world.computed) == len(set(world.computed))
+
+
+def test_a_command_adds_up_the_tallies_its_moves_return() -> None:
+    """Counts add up; where two moves wrote a position, the later one says where its KV
+    came from (a block restored, then computed again, was computed)."""
+    tally = Tally(reused=3)
+    restored = Tally(restored=4, evicted=2)
+    restored.wrote([Written(0, 4, None, "restored")])
+    computed = Tally(prefilled=2)
+    computed.wrote([Written(2, 6, None, "prefilled")])
+    tally += restored
+    tally += computed
+    assert (tally.reused, tally.restored, tally.prefilled, tally.evicted) == (3, 4, 2, 2)
+    assert tally.sources == {0: "restored", 1: "restored"} | dict.fromkeys(range(2, 6), "prefilled")
+    assert restored.sources == dict.fromkeys(range(4), "restored")  # the parts stay as they were
