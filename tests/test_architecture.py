@@ -201,6 +201,7 @@ SESSION_LAYERS = [
     "actor",
     "generation",
     "placement",
+    "tokens",
     "scoring",
     "paging",
     "gate",

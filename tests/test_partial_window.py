@@ -26,7 +26,7 @@ import pytest
 
 import kvrt
 from kvrt import Residency, Segment
-from kvrt._session.placement import context_tokens
+from kvrt._session.tokens import context_tokens
 from kvrt.adapters.llama import LlamaEngine
 
 from ._agent import NO_DISK, loaded, next_logits

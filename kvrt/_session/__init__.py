@@ -20,11 +20,11 @@ from .gate import SessionPolicies as SessionPolicies
 from .handle import Session as Session
 from .layout import HotWindow as HotWindow
 from .layout import Segment as Segment
-from .placement import context_tokens as context_tokens
-from .placement import segment_tokens as segment_tokens
 from .prefetch import Prefetch as Prefetch
 from .reply import Reply as Reply
 from .saving import SavedSegment as SavedSegment
 from .saving import SavedSession as SavedSession
 from .saving import read_saved as read_saved
 from .saving import resume_session as resume_session
+from .tokens import context_tokens as context_tokens
+from .tokens import segment_tokens as segment_tokens

@@ -37,8 +37,9 @@ from .gate import EngineGate, SessionParts, Tally
 from .generation import Generate, Generation
 from .layout import Block, Segment
 from .paging import Paging
-from .placement import Placement, Prepared
+from .placement import Placement
 from .scoring import Scoring
+from .tokens import Prepared
 
 __all__ = [
     "Actor",

@@ -35,7 +35,7 @@ from ..policy import (
 from .layout import Block, HotWindow
 from .provenance import APPROXIMATE, Place, Provenance, partial_key
 
-__all__ = ["EngineGate", "Placing", "SessionParts", "SessionPolicies", "Tally", "Written"]
+__all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
 
 T = TypeVar("T")
 
@@ -112,20 +112,6 @@ class Tally:
             self.sources.update(dict.fromkeys(range(w.start, w.end), w.source))
 
 
-@dataclass(slots=True)
-class Placing:
-    """What one placement chose before it moved anything, for its steps to read; empty
-    between placements."""
-
-    recompute: set[int] = field(default_factory=set)
-    """Cold blocks the restore policy chose to compute again rather than restore."""
-    refresh: set[int] = field(default_factory=set)
-    """Blocks whose partial-window KV the partial-window policy has computed again, now
-    that their whole prefix fits hot."""
-    approximate_runs: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Block id -> (start, tokens) of its run of approximate-hit candidates."""
-
-
 class Written(NamedTuple):
     """Positions an engine call makes resident: the provenance mark their KV gets (see
     :mod:`.provenance`; None: exact), where it comes from (a :class:`Tally` source) and,
@@ -158,9 +144,6 @@ class EngineGate:
         self.provenance = Provenance()
         """Which resident tokens hold approximate or partial-window KV (see
         :mod:`.provenance`)."""
-        self.placing = Placing()
-        """What the placement in progress chose before moving anything (see
-        :class:`Placing`)."""
         self.held: tuple[ColdKey, int, Logits] | None = None
         self.override: Logits | None = None
         self.counters = SessionCounters()
@@ -230,18 +213,10 @@ class EngineGate:
         return [(b.start, b.end, (b.start, b.prefix)) for b in blocks]
 
     def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
-        found = self.window.residency(
+        """Where ``block``'s KV is now."""
+        return self.window.residency(
             block, self.resident() if resident is None else resident, self.cold
         )
-        if found is Residency.COLD:
-            if block.id in self.placing.recompute:
-                return Residency.DROPPED  # the restore policy chose to compute it again
-            if (
-                block.id in self.placing.refresh
-                and block.key(self.window.fingerprint) not in self.cold
-            ):
-                return Residency.DROPPED  # its only copy is partial-window KV: computed again
-        return found
 
     # -- what the KV attended to --
 

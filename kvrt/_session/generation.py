@@ -31,7 +31,8 @@ from .._types import CacheClass, Residency
 from .gate import EngineGate, Tally, Written
 from .layout import Segment
 from .paging import Paging
-from .placement import Placement, ReplyTokens
+from .placement import Placement
+from .tokens import ReplyTokens
 
 __all__ = ["Generate", "Generated", "Generation"]
 

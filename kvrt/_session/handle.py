@@ -31,10 +31,10 @@ from .chat import ChatTemplate, Message, messages_of, with_tools
 from .generation import Generate
 from .layout import Segment
 from .mailbox import Mailbox
-from .placement import ReplyTokens
 from .prefetch import Prefetch
 from .reply import Reply
 from .saving import SavedSession, save_session
+from .tokens import ReplyTokens
 
 __all__ = ["Prefetch", "Session"]
 

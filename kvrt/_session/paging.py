@@ -182,15 +182,12 @@ class Paging:
 
     def restorable_key(self, block: Block) -> ColdKey | None:
         """The cold copy ``block`` comes back from: its exact key when the store holds it,
-        else this session's own partial-window copy (unless the partial-window policy has
-        it computed again), else None."""
+        else this session's own partial-window copy, else None."""
         key = block.key(self.window.fingerprint)
         if key in self.cold:
             return key
         local = self.window.partial_copies.get(key)
-        if local is not None and local in self.cold and block.id not in self.gate.placing.refresh:
-            return local
-        return None
+        return local if local is not None and local in self.cold else None
 
     async def restore_run(self, blocks: list[Block], keep: set[int]) -> tuple[int, Tally]:
         """Restore adjacent cold blocks in place in one engine call; how many came back.
@@ -259,13 +256,16 @@ class Paging:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    def approximate_entry(self, block: Block) -> tuple[ColdEntry, ApproximateQuery] | None:
+    def approximate_entry(
+        self, block: Block, run: tuple[int, int] | None = None
+    ) -> tuple[ColdEntry, ApproximateQuery] | None:
         """The cold copy of ``block``'s tokens after another prefix that the session's
-        approximate-hit policy accepts, if any, with what the policy was asked."""
+        approximate-hit policy accepts, if any, with what the policy was asked. ``run``:
+        the (start, tokens) of the run of approximate-hit candidates ``block`` is in."""
         entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
         if entry is None:
             return None
-        run_start, run_tokens = self.gate.placing.approximate_runs.get(block.id, (None, None))
+        run_start, run_tokens = run if run is not None else (None, None)
         query = ApproximateQuery(
             cache_class=block.cache_class,
             start=block.start,
@@ -279,15 +279,17 @@ class Paging:
             return None
         return (entry, query) if self.policies.approximate.accept(query) else None
 
-    async def approximate_hit(self, block: Block, keep: set[int]) -> tuple[bool, Tally]:
+    async def approximate_hit(
+        self, block: Block, keep: set[int], run: tuple[int, int] | None = None
+    ) -> tuple[bool, Tally]:
         """Restore ``block`` from a cold copy of its tokens after another prefix, if the
-        approximate-hit policy accepts it (whether it did); the window must end right
-        before the block. A blending policy has the block's first tokens computed afresh,
-        the rest restored."""
+        approximate-hit policy accepts it (whether it did; ``run`` as for
+        :meth:`approximate_entry`); the window must end right before the block. A blending
+        policy has the block's first tokens computed afresh, the rest restored."""
         moved = Tally()
         if self.ctx.next_position != block.start:
             return False, moved
-        found = self.approximate_entry(block)
+        found = self.approximate_entry(block, run)
         if found is None:
             return False, moved
         entry, query = found
@@ -335,12 +337,17 @@ class Paging:
         return True, moved
 
     async def prefill(
-        self, blocks: list[Block], keep: set[int], earlier: Mapping[int, str]
+        self,
+        blocks: list[Block],
+        keep: set[int],
+        earlier: Mapping[int, str],
+        why: Mapping[int, str] | None = None,
     ) -> Tally:
         """Compute adjacent blocks in one engine call (batched: many small segments cost
         one call, not one each). ``earlier``: where the command computing them got the KV
         of the positions it wrote before (:attr:`.Tally.sources`), to tell leading tokens
-        it restored from ones it reused.
+        it restored from ones it reused; ``why``: block id -> why a block with a cold copy
+        is computed again, for ``explain()``.
 
         Blocks the write-through policy picks (by default the stable classes,
         ``task_pinned`` and ``repo_map``) are written through to the cold store as soon as
@@ -368,18 +375,10 @@ class Paging:
         leading = sum(earlier.get(p) == "restored" for p in range(first.start, first.start + done))
         moved.reused += done - leading
         moved.prefilled += sum(b.n_tokens for b in blocks) - done
+        why = why or {}
         for block in blocks:
-            if block.id in self.gate.placing.recompute:
-                size = self.cold.size(block.key(self.window.fingerprint))
-                why = self.estimate(block, size) if size is not None else ""
-                choice = (
-                    f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
-                )
-            elif block.id in self.gate.placing.refresh:
-                choice = (
-                    "recomputed: its whole prefix is hot again, so its partial-window KV was "
-                    "replaced (partial-window policy)"
-                )
+            if block.id in why:
+                choice = why[block.id]
             elif block is first and leading:
                 choice = (
                     f"{leading} leading tokens restored from a cold block that diverges after "

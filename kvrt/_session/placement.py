@@ -6,109 +6,46 @@ within the hot budget (place), and planned blocks pushed out meanwhile come back
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
 
-from .._backend import Engine, EvictMode
+from .._backend import EvictMode
 from .._errors import (
-    ContextTooLargeError,
     HotWindowFullError,
     InvalidContextError,
     NotVisibleError,
 )
 from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
-from .gate import EngineGate, Placing, Tally, Written
+from .gate import EngineGate, Tally, Written
 from .layout import Block, Segment
 from .paging import Paging
 from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
 from .scoring import Scoring
+from .tokens import Prepared, ReplyTokens, TokenKey, check_fits, segment_tokens
 
-__all__ = [
-    "LEADING_MIN_TOKENS",
-    "Placement",
-    "Prepared",
-    "ReplyTokens",
-    "TokenKey",
-    "context_tokens",
-    "segment_tokens",
-]
+__all__ = ["LEADING_MIN_TOKENS", "Placement"]
 
 LEADING_MIN_TOKENS = 8
 """The fewest leading tokens of a block worth restoring from a cold block that diverges
 after them (a whole block comes back to keep them): fewer are computed with the rest."""
 
-TokenKey = tuple[str, bool, bool, tuple[tuple[int, int], ...]]
-"""What a segment's tokens depend on: its text, whether it opens the context, whether it
-parses special tokens, and its markup ranges."""
 
+@dataclass(slots=True)
+class Placing:
+    """What one placement chose before it moved anything: a value of that placement,
+    handed to what reads it."""
 
-ReplyTokens = tuple[str, list[int], str]
-"""A reply placed with its generated tokens: its text, the tokens, and the text after
-them still to tokenize (a stop sequence may have cut the last token short)."""
-
-
-def segment_tokens(
-    engine: Engine, segment: Segment, *, first: bool, reply: ReplyTokens | None = None
-) -> list[int]:
-    """A segment's tokens as a session places them: special tokens (BOS) only before the
-    context's first segment; special-token markup read only where the segment says so;
-    a plain piece holding ``reply``'s text placed with the reply's generated tokens."""
-    out: list[int] = []
-    for text, special in segment.pieces():
-        if reply is not None and out and not special and text == reply[0]:
-            out += reply[1]
-            if reply[2]:
-                out += engine.tokenize(reply[2], add_special=False, parse_special=False)
-            continue
-        out += engine.tokenize(text, add_special=first and not out, parse_special=special)
-    return out
-
-
-LONG_TEXT = 1 << 16
-"""Characters past which a piece of text is first counted in chunks against the planner
-context, so a text far too large is refused after reading a little of it."""
-
-
-def check_fits(engine: Engine, segments: Sequence[Segment], limit: int) -> None:
-    """Refuse, cheaply, a context whose text holds more tokens than ``limit``: long
-    pieces are tokenized a chunk at a time, stopping as soon as the count passes the
-    limit (a 10 MB prompt is refused after tokenizing about the planner context's worth,
-    not all of it). Short contexts cost nothing here: placing them counts exactly."""
-    if sum(len(seg.text) for seg in segments) <= LONG_TEXT:
-        return
-    count = 0
-    for seg in segments:
-        for text, special in seg.pieces():
-            for at in range(0, len(text), LONG_TEXT):
-                piece = text[at : at + LONG_TEXT]
-                # A cut may split a token in two: one extra per chunk at most.
-                count += len(engine.tokenize(piece, add_special=False, parse_special=special)) - 1
-                if count > limit:
-                    raise ContextTooLargeError(
-                        f"the context needs more than {limit} tokens (the session's planner "
-                        f"context): segment {seg.name!r} alone holds {len(seg.text)} characters"
-                    )
-
-
-def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
-    """The tokens of a whole context, as a session lays them out."""
-    return [t for i, seg in enumerate(segments) for t in segment_tokens(engine, seg, first=i == 0)]
-
-
-class Prepared:
-    """A prefetch's hand-over to the ``ensure_context`` it prepares, carried by that call's
-    command through the mailbox: its tokenizations once they are done, and ``cancel`` to
-    stop it when the call begins before they are (it is of no more use then)."""
-
-    __slots__ = ("cancel", "tokens")
-
-    def __init__(self, cancel: Callable[[], None]) -> None:
-        self.tokens: dict[TokenKey, list[int]] | None = None
-        """Set by the prefetch when its tokenizations are done; ``None`` until then."""
-        self.cancel = cancel
+    recompute: set[int] = field(default_factory=set)
+    """Cold blocks the restore policy chose to compute again rather than restore."""
+    refresh: set[int] = field(default_factory=set)
+    """Blocks whose partial-window KV the partial-window policy has computed again, now
+    that their whole prefix fits hot."""
+    approximate_runs: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Block id -> (start, tokens) of its run of approximate-hit candidates."""
 
 
 class Placement:
@@ -239,7 +176,7 @@ class Placement:
         policy = self.policies.hot_eviction
         await self.scoring.score()
         planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)
-        self.gate.placing = placing = Placing()
+        placing = Placing()
         resident = self.gate.resident()
         for block in layout:
             if self.window.residency(block, resident, self.cold) is Residency.COLD:
@@ -247,23 +184,34 @@ class Placement:
                 query = self.paging.query(block, size or 0)
                 if not self.policies.restore.restore(query):
                     placing.recompute.add(block.id)
-        self._find_approximate_runs(layout)
-        try:
-            moved = await self._refresh_partial(layout, planned)
-            moved += await self._run_plan(layout, planned)
-        finally:
-            self.gate.placing = Placing()
+        placing.approximate_runs = self._approximate_runs(layout, placing)
+        moved = await self._refresh_partial(layout, planned, placing)
+        moved += await self._run_plan(layout, planned, placing)
         return moved
 
-    def _find_approximate_runs(self, layout: Sequence[Block]) -> None:
+    def _state(self, block: Block, resident: dict[int, int], placing: Placing) -> Residency:
+        """Where ``block``'s KV is, as this placement treats it: a cold block it computes
+        again (the restore policy's choice, or partial-window KV it refreshes) is dropped."""
+        found = self.gate.state(block, resident)
+        if found is Residency.COLD:
+            if block.id in placing.recompute:
+                return Residency.DROPPED  # the restore policy chose to compute it again
+            if block.id in placing.refresh and block.key(self.window.fingerprint) not in self.cold:
+                return Residency.DROPPED  # its only copy is partial-window KV: computed again
+        return found
+
+    def _approximate_runs(
+        self, layout: Sequence[Block], placing: Placing
+    ) -> dict[int, tuple[int, int]]:
         """Runs of adjacent blocks that are neither hot nor cold but have a cold copy of
         their tokens after another prefix: block id -> (run start, run tokens)."""
-        self.gate.placing.approximate_runs = {}
+        runs: dict[int, tuple[int, int]] = {}
+        resident = self.gate.resident()
         run: list[Block] = []
         for block in [*layout, None]:
             candidate = (
                 block is not None
-                and self.gate.state(block) is Residency.DROPPED
+                and self._state(block, resident, placing) is Residency.DROPPED
                 and self.cold.similar(block.key(self.window.fingerprint), count=False) is not None
             )
             if candidate and block is not None:
@@ -271,10 +219,27 @@ class Placement:
                 continue
             size = sum(b.n_tokens for b in run)
             for b in run:
-                self.gate.placing.approximate_runs[b.id] = (run[0].start, size)
+                runs[b.id] = (run[0].start, size)
             run = []
+        return runs
 
-    async def _refresh_partial(self, layout: list[Block], planned: set[int]) -> Tally:
+    def _why_computed(self, block: Block, placing: Placing) -> str | None:
+        """Why this placement computes ``block`` though it has a cold copy (for
+        ``explain()``), if it does."""
+        if block.id in placing.recompute:
+            size = self.cold.size(block.key(self.window.fingerprint))
+            why = self.paging.estimate(block, size) if size is not None else ""
+            return f"recomputed (restore policy: {why})" if why else "recomputed (restore policy)"
+        if block.id in placing.refresh:
+            return (
+                "recomputed: its whole prefix is hot again, so its partial-window KV was "
+                "replaced (partial-window policy)"
+            )
+        return None
+
+    async def _refresh_partial(
+        self, layout: list[Block], planned: set[int], placing: Placing
+    ) -> Tally:
         """Blocks holding partial-window KV whose whole prefix the plan keeps hot (with
         themselves) are computed again where the partial-window policy says so: the
         session's context is exact again once it fits. A hot one leaves the window first,
@@ -308,23 +273,23 @@ class Placement:
                     await self.gate.call(
                         "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
                     )
-                self.gate.placing.refresh.add(block.id)
+                placing.refresh.add(block.id)
         return moved
 
-    async def _run_plan(self, layout: list[Block], planned: set[int]) -> Tally:
+    async def _run_plan(self, layout: list[Block], planned: set[int], placing: Placing) -> Tally:
         """Run the planner's steps (:mod:`.planner`) until the context is in place, each
         planned on a fresh snapshot of the window; what they did."""
         cursor, tally = Cursor(), Tally()
-        while (step := plan(self._scene(layout, planned), cursor)) is not None:
-            outcome, moved = await self._run_step(step, layout, tally.sources)
+        while (step := plan(self._scene(layout, planned, placing), cursor)) is not None:
+            outcome, moved = await self._run_step(step, layout, tally.sources, placing)
             tally += moved
             cursor = advance(cursor, step, outcome)
         return tally
 
-    def _scene(self, layout: list[Block], planned: set[int]) -> Scene:
+    def _scene(self, layout: list[Block], planned: set[int], placing: Placing) -> Scene:
         """What the planner sees of the window now (``layout`` is the window's blocks)."""
         resident = self.gate.resident()
-        states = tuple(self.gate.state(b, resident) for b in layout)
+        states = tuple(self._state(b, resident, placing) for b in layout)
         dropped = [(i, b) for i, b in enumerate(layout) if states[i] is Residency.DROPPED]
         fingerprint = self.window.fingerprint
         protected = self.window.protected()
@@ -336,7 +301,9 @@ class Placement:
             planned=frozenset(i for i, b in enumerate(layout) if b.id in planned),
             protected=frozenset(i for i, b in enumerate(layout) if b.id in protected),
             approximate=frozenset(
-                i for i, b in dropped if self.paging.approximate_entry(b) is not None
+                i
+                for i, b in dropped
+                if self.paging.approximate_entry(b, placing.approximate_runs.get(b.id)) is not None
             ),
             elsewhere=frozenset(
                 i for i, b in dropped if self.cold.computed(b.key(fingerprint)) is not None
@@ -346,7 +313,7 @@ class Placement:
         )
 
     async def _run_step(
-        self, step: Step, layout: list[Block], earlier: dict[int, str]
+        self, step: Step, layout: list[Block], earlier: dict[int, str], placing: Placing
     ) -> tuple[int | None, Tally]:
         """Run one planned step: its outcome for :func:`~.planner.advance`, and what it
         did. ``earlier``: the sources of what the placement wrote before it."""
@@ -382,12 +349,15 @@ class Placement:
                         # computed first then).
                         return 0, moved
                 if step.approximate:
-                    hit, tried = await self.paging.approximate_hit(layout[i], ids(keep))
+                    run = placing.approximate_runs.get(layout[i].id)
+                    hit, tried = await self.paging.approximate_hit(layout[i], ids(keep), run)
                     moved += tried
                     if hit:
                         return 1, moved
+                computing = [layout[k] for k in blocks]
+                why = {b.id: r for b in computing if (r := self._why_computed(b, placing))}
                 earlier = {**earlier, **moved.sources}
-                moved += await self.paging.prefill([layout[k] for k in blocks], ids(keep), earlier)
+                moved += await self.paging.prefill(computing, ids(keep), earlier, why)
                 return len(blocks), moved
 
     async def _restore_leading(self, block: Block, keep: set[int]) -> Tally:

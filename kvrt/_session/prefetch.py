@@ -11,7 +11,7 @@ import anyio
 from .._reports import PrefetchReport
 from .actor import Actor
 from .layout import Segment
-from .placement import Prepared, TokenKey
+from .tokens import Prepared, TokenKey
 
 __all__ = ["Prefetch"]
 

@@ -31,7 +31,7 @@ from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
 from .layout import Segment
-from .placement import Prepared
+from .tokens import Prepared
 
 Request = Callable[[Command], Awaitable[Any]]
 """A session handle's way to run a command on its actor and await the result."""
