@@ -255,7 +255,7 @@ class Actor:
                 "it stays hot"
             )
         tally = await self.paging.evict_blocks(blocks, strict=True)
-        self.gate.status(tally)
+        self.gate.record(tally)
         return tally.evicted
 
     async def _admit_target(self, target: str | tuple[int, int]) -> int:
@@ -277,7 +277,7 @@ class Actor:
                 runs.append([block])
         for run in runs:
             tally += (await self.paging.restore_run(run, set()))[1]
-        self.gate.status(tally)
+        self.gate.record(tally)
         return tally.restored
 
     # -- explain --

@@ -288,13 +288,17 @@ class EngineGate:
 
     # -- what the context holds (derived) --
 
-    def status(self, tally: Tally) -> ContextStatus:
+    def record(self, tally: Tally) -> None:
+        """Add what a command did to the session's counters (once per command)."""
         c = self.counters
         c.reused_tokens += tally.reused
         c.restored_tokens += tally.restored
         c.approximate_tokens += tally.approximate
         c.prefilled_tokens += tally.prefilled
         c.evicted_tokens += tally.evicted
+
+    def status(self, tally: Tally) -> ContextStatus:
+        """What a command did (``tally``) and the context it left."""
         sizes = self.residency_tokens()
         exact_restores = self.ctx.capabilities.exact_in_place
         approximate_context = self.approximate_context_tokens()

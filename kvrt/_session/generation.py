@@ -208,6 +208,8 @@ class Generation:
             content=content if stream is not None and content != tail.text else None,
             calls=[call.id for call in tool_calls],
         )
+        self.gate.record(tally)
+        status = self.gate.status(tally)
         return Generated(
             text=content,
             raw_text=tail.text,
@@ -221,7 +223,7 @@ class Generation:
             visible_tokens=visible,
             invisible_segments=invisible,
             placed=placed,
-            status=self.gate.status(tally),
+            status=status,
             began=began,
             placed_at=placed_at,
             first_token_at=first_at,

@@ -28,6 +28,7 @@ from ..policy import (
 )
 from .gate import EngineGate, Tally, Written
 from .layout import Block
+from .planner import room
 from .provenance import APPROXIMATE
 
 PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
@@ -148,12 +149,15 @@ class Paging:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
         resident = self.gate.resident()
         shielded = self.window.protected() | keep
-        evictable = sum(
-            b.n_tokens
-            for b in self.window.blocks
-            if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
+        return room(
+            self.ctx.n_ctx,
+            self.ctx.n_resident,
+            (
+                b.n_tokens
+                for b in self.window.blocks
+                if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
+            ),
         )
-        return self.ctx.n_ctx - (self.ctx.n_resident - evictable)
 
     async def make_room(self, need: int, keep: set[int]) -> Tally:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""

@@ -148,6 +148,7 @@ class Placement:
             raise NotVisibleError(
                 f"segment {unseen[0]!r} is required visible but not all of it is hot"
             )
+        self.gate.record(tally)
         return self.gate.status(tally), tally
 
     def _check_visible(
@@ -179,7 +180,7 @@ class Placement:
         placing = Placing()
         resident = self.gate.resident()
         for block in layout:
-            if self.window.residency(block, resident, self.cold) is Residency.COLD:
+            if self.gate.state(block, resident) is Residency.COLD:
                 size = self.cold.size(block.key(self.window.fingerprint))
                 query = self.paging.query(block, size or 0)
                 if not self.policies.restore.restore(query):

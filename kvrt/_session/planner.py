@@ -40,6 +40,7 @@ __all__ = [
     "WaitFor",
     "advance",
     "plan",
+    "room",
 ]
 
 
@@ -76,12 +77,21 @@ class Scene:
     def room(self, keep: Iterable[int] = ()) -> int:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
         shielded = self.protected | set(keep)
-        evictable = sum(
-            n
-            for i, n in enumerate(self.sizes)
-            if i not in shielded and self.states[i] is Residency.HOT
+        return room(
+            self.budget,
+            self.resident,
+            (
+                n
+                for i, n in enumerate(self.sizes)
+                if i not in shielded and self.states[i] is Residency.HOT
+            ),
         )
-        return self.budget - (self.resident - evictable)
+
+
+def room(budget: int, resident: int, evictable: Iterable[int]) -> int:
+    """Tokens a window of ``budget`` holding ``resident`` tokens can make room for: what is
+    free, and what the hot blocks that may be evicted (their sizes, ``evictable``) hold."""
+    return budget - (resident - sum(evictable))
 
 
 @dataclass(frozen=True, slots=True)
