@@ -157,6 +157,13 @@ class KvWindow(abc.ABC):
         return self._counters
 
     @property
+    def fingerprint(self) -> str:
+        """The identity of the KV this context computes, which its cold blocks carry: the
+        model's fingerprint, unless a setting of this context changes what the engine
+        computes (an adapter adds it then)."""
+        return self._facts.fingerprint
+
+    @property
     def facts(self) -> ModelFacts:
         return self._facts
 
@@ -310,7 +317,7 @@ class KvWindow(abc.ABC):
     def _cold_block(self, data: npt.NDArray[np.uint8], i: int, j: int, s: int) -> ColdBlock:
         data.flags.writeable = False
         meta = ColdBlockMeta(
-            fingerprint=self._facts.fingerprint,
+            fingerprint=self.fingerprint,
             kv_type=self._facts.kv_type,
             start=s,
             tokens=tuple(self._tokens[i:j]),
@@ -349,10 +356,10 @@ class KvWindow(abc.ABC):
 
     def _check_block(self, block: ColdBlock) -> None:
         meta = block.meta
-        if meta.fingerprint != self._facts.fingerprint:
+        if meta.fingerprint != self.fingerprint:
             raise ColdBlockMismatchError(
                 f"cold block belongs to another model or KV layout "
-                f"(block {meta.fingerprint[:12]}, engine {self._facts.fingerprint[:12]})"
+                f"(block {meta.fingerprint[:12]}, context {self.fingerprint[:12]})"
             )
         if meta.kv_type != self._facts.kv_type:
             raise ColdBlockMismatchError(

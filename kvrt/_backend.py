@@ -114,6 +114,23 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     rope_freq_base_swa: float | None = None
     """RoPE base frequency of the windowed layers where it differs by layer kind (Gemma 3:
     10,000 there, 1,000,000 in global layers); shifts re-rotate each layer by its own."""
+    rope: str | None = None
+    """The model's RoPE in words: pair layout, base, scaling (linear, YaRN, LongRoPE,
+    Llama 3 frequency factors) and the magnitude it scales keys by."""
+    layer_kinds: tuple[str, ...] = ()
+    """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
+    sliding window) or ``recurrent``, where the engine lets kvrt tell them apart."""
+    context_dependent_kv: str | None = None
+    """A context setting that changes what the engine computes for the same tokens at
+    the same positions (Phi-3's LongRoPE tables by context size), if any: blocks computed
+    under one setting never serve a context under another."""
+    key_shift: str = "engine"
+    """Who turns keys when a block moves to other positions: ``engine`` (its own shift),
+    ``kvrt`` (kvrt turns the keys in the state bytes, where the engine's shift would scale
+    them again or crash) or ``none`` (blocks come back at their own positions only)."""
+    exact_in_place: bool = True
+    """A block restored at its own positions is bit-identical to recomputing it (false
+    where the KV cache re-quantizes on import)."""
 
 
 class TemplateSource(msgspec.Struct, frozen=True, kw_only=True):
@@ -247,6 +264,12 @@ class EngineContext(Protocol):
     def counters(self) -> Counters: ...
     @property
     def capabilities(self) -> Capabilities: ...
+    @property
+    def fingerprint(self) -> str:
+        """The identity of the KV this context computes (what its cold blocks carry and
+        what a block must carry to come back): the model's fingerprint, plus any setting
+        of this context that changes what the engine computes for a token at a position."""
+        ...
 
     def prefill(
         self,

@@ -237,7 +237,7 @@ class Runtime(metaclass=NoPublicConstructor):
             self._engine.open_context, hot, limiter=self.engine_limiter
         )
         window = HotWindow(
-            fingerprint=facts.fingerprint,
+            fingerprint=getattr(ctx, "fingerprint", facts.fingerprint),
             planner_context=planner,
             block_tokens=cfg.block_tokens,
             sink_tokens=cfg.sink_tokens,

@@ -228,6 +228,10 @@ class LlamaModel:
         self.n_swa: int = llama_cpp.llama_model_n_swa(ptr)
         self.size_bytes: int = llama_cpp.llama_model_size(ptr)
         self.rope_type: int = llama_cpp.llama_model_rope_type(ptr)
+        self.is_recurrent = bool(llama_cpp.llama_model_is_recurrent(ptr))
+        """Every layer keeps a recurrent state (Mamba, RWKV): no attention KV at all."""
+        self.is_hybrid = bool(llama_cpp.llama_model_is_hybrid(ptr))
+        """Attention layers and recurrent ones (Granite 4, LFM2, Jamba ...)."""
         self.has_chat_template = bool(llama_cpp.llama_model_chat_template(ptr, None))
         self.info: dict[str, str] = _print_info(lines)
         """What llama.cpp printed about the model while loading it (``print_info: key =
@@ -456,6 +460,9 @@ class LlamaContext:
         self.kv_type = kv_type
         self.flash_attn = flash_attn
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
+        self.n_ctx_seq: int = llama_cpp.llama_n_ctx_seq(ptr)
+        """Cells per sequence as llama.cpp sized them (``n_ctx`` rounded up to 256 here):
+        what it compares with a model's original context to pick LongRoPE factors."""
         self.n_batch: int = min(n_batch, llama_cpp.llama_n_batch(ptr))
         self.can_shift: bool = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 2)

@@ -1,5 +1,5 @@
-"""llama.cpp's sequence state bytes read: their keys, with RoPE undone, and their cells
-put in position order.
+"""llama.cpp's sequence state bytes read and rewritten: their keys with RoPE undone, their
+cells put in position order, and their cells moved to other positions with the keys turned.
 
 ``llama_state_seq_get_data`` writes, for one sequence of a unified (single-stream) KV
 cache: an 8-byte header, the stream count (``u32``, 1 here), the cell count, one record
@@ -7,41 +7,42 @@ per cell (position ``i32``, sequence count ``u32``, that many sequence ids ``i32
 the data: ``v_trans`` and the layer count (``u32`` each) and, per layer, the key type
 (``i32``), the key row size (``u64``) and one key row per cell; the values follow. A model
 with sliding-window layers writes two such parts after the header, one per KV cache (the
-global layers', then the windowed layers'). Every length is checked before a byte is interpreted, and the lengths must
-add up to the whole buffer, so foreign or truncated bytes raise
-:class:`BridgeArgumentError` instead of yielding garbage.
+global layers', then the windowed layers'). Every length is checked before a byte is
+interpreted, and the lengths must add up to the whole buffer, so foreign or truncated
+bytes raise :class:`BridgeArgumentError` instead of yielding garbage.
 
-Keys sit in the cache after RoPE: a key at position ``p`` is rotated by angles ``p *
-base**(-2i/n_rot)``. :func:`unrotate` turns them back, so keys computed at different
-positions can be compared directly.
+Keys sit in the cache after RoPE (see :mod:`.rope`), and quantized keys after a Hadamard
+rotation llama.cpp applies to spread their outliers (:func:`key_rotation`).
+:func:`unrotate` turns keys back to position 0, so keys computed at different positions
+can be compared; :func:`shift_cells` moves cells to other positions as a key shift does.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import BridgeArgumentError
+from .rope import ROPE_NEOX, ROPE_NORM, Rope, hadamard, turn
 
 __all__ = [
     "ROPE_NEOX",
     "ROPE_NORM",
+    "TURNABLE_KEY_TYPES",
     "KeyRows",
     "LayerRows",
     "StatePart",
+    "key_rotation",
     "order_cells",
     "read_keys",
+    "shift_cells",
     "state_parts",
     "unrotate",
 ]
-
-ROPE_NORM: Final = 0
-"""llama.cpp's rope type for adjacent pairs (x[2i], x[2i+1]) (LLaMA-style GGUFs)."""
-ROPE_NEOX: Final = 2
-"""llama.cpp's rope type for split halves (x[i], x[i + n_rot/2])."""
 
 _HEADER: Final = 8
 _GGML_F32: Final = 0
@@ -156,7 +157,9 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
             parts.append(StatePart(positions, False, ()))
             continue
         v_trans, n_layer = take("<II")
-        if not 0 < n_layer <= 4096:
+        # 0 layers: a cache with no layers of its kind (every layer of the model windowed
+        # leaves the global cache empty of layers; its cells are still listed).
+        if not 0 <= n_layer <= 4096:
             raise BridgeArgumentError(f"state bytes claim {n_layer} layers")
         keys: list[tuple[int, int, int]] = []
         for _ in range(n_layer):
@@ -239,8 +242,13 @@ def _v_width(buf: npt.NDArray[np.uint8], at: int) -> int:
     return int(width)
 
 
-def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> KeyRows:
+def read_keys(
+    data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int, k_rotation: int | None = None
+) -> KeyRows:
     """The keys in sequence state bytes of a single-stream cache of ``n_layer`` layers.
+
+    ``k_rotation``: the Hadamard block llama.cpp rotated quantized keys by before storing
+    them (see :func:`key_rotation`), undone here; None where keys are stored as computed.
 
     Raises :class:`BridgeArgumentError` when the bytes do not have that layout (another
     model, a multi-stream or sliding-window cache, an unreadable key type).
@@ -263,38 +271,161 @@ def read_keys(data: npt.NDArray[np.uint8], *, n_layer: int, n_embd_k: int) -> Ke
             raise BridgeArgumentError(f"layer {i}: key rows of {layer.k_row} bytes do not fit")
         start = layer.k_offset
         raw = buf[start : start + layer.k_row * n_cells]
-        keys[i] = _dequantize(raw, layer.k_type, n_cells, n_embd_k)
+        keys[i] = _rotated(_dequantize(raw, layer.k_type, n_cells, n_embd_k), k_rotation)
     return KeyRows(keys, part.positions)
+
+
+def key_rotation(k_type: int, head_dims: set[int]) -> int | None:
+    """The Hadamard block llama.cpp rotates keys of ``k_type`` by in a cache whose layers
+    have heads of ``head_dims`` (``attn_rot_k`` in its KV cache): quantized keys with one
+    head size, a multiple of 64, are rotated in blocks of that size's largest power-of-two
+    factor; other keys are stored as computed."""
+    if k_type in (_GGML_F32, _GGML_F16, _GGML_BF16) or len(head_dims) != 1:
+        return None
+    (size,) = head_dims
+    if size % 64:
+        return None
+    block = 64
+    while size % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def _rotated(rows: npt.NDArray[np.float32], block: int | None) -> npt.NDArray[np.float32]:
+    """Rows with each run of ``block`` values multiplied by the Hadamard matrix (its own
+    inverse: the same call stores and restores)."""
+    if block is None:
+        return rows
+    shape = rows.shape
+    if shape[-1] % block:
+        raise BridgeArgumentError(f"key rows of {shape[-1]} values do not split into {block}")
+    return (rows.reshape(-1, block) @ hadamard(block)).reshape(shape).astype(np.float32)
+
+
+def _encode(values: npt.NDArray[np.float32], k_type: int) -> npt.NDArray[np.uint8]:
+    """Key rows as llama.cpp stores ``k_type`` (rounding as ggml does)."""
+    if k_type == _GGML_F32:
+        return (
+            np.ascontiguousarray(values, dtype=np.float32)
+            .view(np.uint8)
+            .reshape(values.shape[0], -1)
+        )
+    if k_type == _GGML_F16:
+        return values.astype(np.float16).view(np.uint8).reshape(values.shape[0], -1)
+    if k_type == _GGML_BF16:  # round to nearest even, as ggml_compute_fp32_to_bf16
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> 16
+        return rounded.astype(np.uint16).view(np.uint8).reshape(values.shape[0], -1)
+    if k_type == _GGML_Q8_0:  # quantize_row_q8_0_ref: d = amax / 127, q = round(x / d)
+        n_cells, width = values.shape
+        blocks = values.reshape(-1, 32).astype(np.float32)
+        d = np.abs(blocks).max(axis=1) / 127.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        x = blocks * inv[:, None]
+        q = (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int8)
+        out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
+        out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        out[:, 2:] = q.view(np.uint8)
+        return out.reshape(n_cells, width // 32 * 34)
+    raise BridgeArgumentError(f"keys of ggml type {k_type} are not written here")
+
+
+TURNABLE_KEY_TYPES: Final = frozenset({_GGML_F32, _GGML_F16, _GGML_BF16, _GGML_Q8_0})
+"""ggml types of keys :func:`shift_cells` can turn (read, rotate, write back)."""
+
+
+def shift_cells(
+    data: npt.NDArray[np.uint8],
+    delta: int,
+    ropes: Sequence[Rope],
+    *,
+    head_dim: int,
+    k_rotations: Sequence[int | None],
+) -> npt.NDArray[np.uint8]:
+    """The same sequence state bytes with every cell ``delta`` positions later and its keys
+    turned to match: one :class:`Rope` and one key rotation (:func:`key_rotation`) per
+    KV cache in the bytes. Values are unchanged.
+
+    This is llama.cpp's key shift done outside it: the keys turn by ``delta`` and keep
+    their magnitude (its own shift multiplies YaRN and LongRoPE keys by the attention
+    factor once more each time), and quantized keys of any head size work (its shift of
+    those dereferences a missing rotation matrix unless heads are a multiple of 64).
+
+    Raises :class:`BridgeArgumentError` for bytes :func:`state_parts` refuses, key types
+    outside :data:`TURNABLE_KEY_TYPES`, or positions that would leave ``[0, 2**31)``.
+    """
+    parts = state_parts(data)
+    if len(ropes) != len(parts) or len(k_rotations) != len(parts):
+        raise BridgeArgumentError(f"{len(ropes)} ropes for {len(parts)} caches in the bytes")
+    out = np.array(data, dtype=np.uint8, copy=True)
+    off = _HEADER
+    for part, rope, rotation in zip(parts, ropes, k_rotations, strict=True):
+        n = part.positions.size
+        off += 8  # stream count, cell count
+        moved = part.positions + delta
+        if n and (moved.min() < 0 or moved.max() >= 1 << 31):
+            raise BridgeArgumentError(f"shifting by {delta} moves cells out of [0, 2**31)")
+        for k in range(n):
+            struct.pack_into("<i", out.data, off, int(moved[k]))
+            (n_seq,) = struct.unpack_from("<I", out.data, off + 4)
+            off += 8 + 4 * n_seq
+        if n == 0:
+            continue
+        steps = np.full(n, delta, dtype=np.int64)
+        for i, layer in enumerate(part.layers):
+            if layer.k_type not in TURNABLE_KEY_TYPES:
+                raise BridgeArgumentError(f"keys of ggml type {layer.k_type} are not turned here")
+            width = _row_width(layer.k_type, layer.k_row)
+            if width % head_dim:
+                raise BridgeArgumentError(f"layer {i}: {width} key values are not whole heads")
+            raw = out[layer.k_offset : layer.k_offset + layer.k_row * n]
+            keys = _rotated(_dequantize(raw, layer.k_type, n, width), rotation)
+            turned = turn(keys.reshape(n, width // head_dim, head_dim), steps, rope)
+            raw[:] = _encode(_rotated(turned.reshape(n, width), rotation), layer.k_type).reshape(-1)
+        off = _part_end(part, off)
+    if off != data.size:
+        raise BridgeArgumentError(f"state bytes hold {data.size} bytes, their layout says {off}")
+    out.flags.writeable = False
+    return out
+
+
+def _part_end(part: StatePart, records_end: int) -> int:
+    """Where a part's data ends, from the offset just past its cell records."""
+    off = records_end + 8  # v_trans, layer count
+    n = part.positions.size
+    for layer in part.layers:
+        off = layer.k_offset + layer.k_row * n
+    for layer in part.layers:
+        off += 12 + layer.v_row * n  # value type and row size (or element size, width)
+    return off
+
+
+def _row_width(k_type: int, k_row: int) -> int:
+    """Values in a key row of ``k_row`` bytes of ``k_type``."""
+    if k_type == _GGML_Q8_0:
+        return k_row // 34 * 32
+    return k_row // (4 if k_type == _GGML_F32 else 2)
 
 
 def unrotate(
     keys: npt.NDArray[np.float32],
     positions: npt.NDArray[np.int64],
+    rope: Rope,
     *,
     head_dim: int,
-    n_rot: int,
-    base: float,
-    rope_type: int,
 ) -> npt.NDArray[np.float32]:
-    """Keys ``[layer, token, heads * head_dim]`` rotated back to position 0, as
+    """Keys ``[layer, token, heads * head_dim]`` turned back to position 0 by ``rope``, as
     ``[layer, head, token, head_dim]``."""
-    if rope_type not in (ROPE_NORM, ROPE_NEOX):
-        raise BridgeArgumentError(f"rope type {rope_type} is not undone here")
-    if n_rot % 2 or not 0 < n_rot <= head_dim or keys.shape[-1] % head_dim:
-        raise BridgeArgumentError(f"rope over {n_rot} of {head_dim} dims does not fit the keys")
+    if keys.shape[-1] % head_dim:
+        raise BridgeArgumentError(
+            f"keys of {keys.shape[-1]} values are not whole heads of {head_dim}"
+        )
     n_layer, n_tok, width = keys.shape
-    k = keys.reshape(n_layer, n_tok, width // head_dim, head_dim).transpose(0, 2, 1, 3).copy()
-    inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    angle = -positions[:, None].astype(np.float64) * inv[None, :]
-    cos = np.cos(angle).astype(np.float32)
-    sin = np.sin(angle).astype(np.float32)
-    if rope_type == ROPE_NEOX:
-        half = n_rot // 2
-        x0, x1 = k[..., :half].copy(), k[..., half:n_rot].copy()
-        k[..., :half] = x0 * cos - x1 * sin
-        k[..., half:n_rot] = x0 * sin + x1 * cos
-    else:
-        x0, x1 = k[..., 0:n_rot:2].copy(), k[..., 1:n_rot:2].copy()
-        k[..., 0:n_rot:2] = x0 * cos - x1 * sin
-        k[..., 1:n_rot:2] = x0 * sin + x1 * cos
-    return k
+    back = -positions.astype(np.int64)
+    out = np.stack(
+        [
+            turn(keys[i].reshape(n_tok, width // head_dim, head_dim), back, rope)
+            for i in range(n_layer)
+        ]
+    )
+    return out.transpose(0, 2, 1, 3).copy()

@@ -21,7 +21,8 @@ from kvrt import CacheClass, Segment, policies
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import KeySketching
 from kvrt.native_bridge import BridgeError
-from kvrt.native_bridge.llama_keys import ROPE_NEOX, ROPE_NORM, read_keys, unrotate
+from kvrt.native_bridge.llama_keys import read_keys, unrotate
+from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
 from kvrt.policies.hot_eviction import KeyRelevance, LexicalRelevance
 from kvrt.policy import BlockView, KeyScoring, Relevance
 
@@ -109,9 +110,8 @@ def test_keys_read_from_kv_bytes_do_not_depend_on_their_position(engine: LlamaEn
         assert list(rows.positions) == list(range(600, 600 + len(tokens)))
         scale = float(np.abs(query).max())
         for rope_type, close in ((ROPE_NORM, True), (ROPE_NEOX, False)):
-            keys = unrotate(
-                rows.keys, rows.positions, head_dim=64, n_rot=64, base=1e5, rope_type=rope_type
-            )
+            rope = Rope(n_rot=64, rope_type=rope_type, base=1e5)
+            keys = unrotate(rows.keys, rows.positions, rope, head_dim=64)
             assert bool(np.abs(keys - query).max() < 0.03 * scale) is close
         ctx.query_sketch(tokens[:5])  # the probe then computes only the rest
         grown = np.asarray(ctx.query_sketch(tokens))

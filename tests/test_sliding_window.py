@@ -18,7 +18,8 @@ import kvrt
 from kvrt import AdmitMode, EngineConfig, EvictMode
 from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext
 from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext
-from kvrt.native_bridge.llama_keys import ROPE_NEOX, state_parts, unrotate
+from kvrt.native_bridge.llama_keys import state_parts, unrotate
+from kvrt.native_bridge.rope import ROPE_NEOX, Rope
 
 from ._agent import NO_DISK, greedy, llama_cpp_greedy
 from .conftest import STORY, slide_then_tail_admit, words
@@ -180,9 +181,8 @@ def test_a_shift_re_rotates_each_layer_by_its_own_base(gemma: LlamaEngine) -> No
     for kind, before, after in zip(bases, keys(0), keys(shift), strict=True):
         assert gap(before, after) > 0.1, kind  # the shift did rotate them (measured 0.18+)
         for name, base in bases.items():
-            turned = unrotate(
-                before, positions, head_dim=256, n_rot=256, base=base, rope_type=ROPE_NEOX
-            )
+            rope = Rope(n_rot=256, rope_type=ROPE_NEOX, base=base)
+            turned = unrotate(before, positions, rope, head_dim=256)
             rotated = turned.transpose(0, 2, 1, 3).reshape(before.shape)
             if name == kind:
                 assert gap(rotated, after) < 0.005, (kind, name, gap(rotated, after))

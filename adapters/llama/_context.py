@@ -12,11 +12,18 @@ last bits. So the window tracks whether its cells are known to be laid out as a 
 context's, and before computing tokens on a whole context (every position before them
 resident) whose cells are not, lays it out again: exports it, puts the cells in position
 order, clears the cache and loads them back (:meth:`LlamaEngineContext.relayout`).
+
+Moving a range to other positions (slide eviction, tail admission) turns its keys.
+llama.cpp's own shift (``llama_memory_seq_add``) does that where it is right; where it
+would scale YaRN or LongRoPE keys again, or crash on quantized keys, the window turns them
+itself: out as bytes, turned in numpy (:func:`~native_bridge.llama_keys.shift_cells`),
+back in at the new positions.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,13 +31,14 @@ import numpy.typing as npt
 
 from kvrt import ColdBlockMismatchError, InvalidRangeError
 from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
-from kvrt.native_bridge.llama import MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
-from kvrt.native_bridge.llama_keys import order_cells
+from kvrt.native_bridge.llama import KV_TYPES, MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama_keys import key_rotation, order_cells, shift_cells
 
 from .._errors import translate_errors
 from .._sketch import QUERY_TOKENS
 from .._window import KvWindow, check_tokens
 from ._keys import KeyReader
+from ._rope import ModelRope
 
 __all__ = ["LlamaEngineContext"]
 
@@ -42,15 +50,30 @@ class LlamaEngineContext(KvWindow):
         self,
         ctx: LlamaContext,
         facts: ModelFacts,
+        rope: ModelRope,
         budget: int,
         *,
-        keys: KeyReader | None = None,
         n_threads: int | None = None,
     ) -> None:
         super().__init__(facts, budget)
         self._ctx = ctx
         self._model: LlamaModel = ctx.model
-        self._keys = keys
+        self._rope = rope
+        windowed = bool(facts.sliding_window_live)
+        self._ropes = rope.ropes(ctx.n_ctx_seq, windowed=windowed)
+        """How this context rotates keys: one per KV cache (global, then windowed)."""
+        identity = rope.identity(ctx.n_ctx_seq)
+        self._fingerprint = (
+            hashlib.sha256(f"{facts.fingerprint}|rope={identity}".encode()).hexdigest()[:32]
+            if identity
+            else facts.fingerprint
+        )
+        self._turn = facts.key_shift == "kvrt"
+        """Turn keys in kvrt's own code when moving a range (llama.cpp's shift is wrong)."""
+        k_type = KV_TYPES[facts.kv_type][0]
+        heads = {facts.head_dim}
+        self._k_rotations = tuple(key_rotation(k_type, heads) for _ in self._ropes)
+        self._keys = KeyReader.for_model(facts, rope)
         self._n_threads = n_threads
         self._probe: LlamaContext | None = None
         self._probe_tokens: list[int] = []
@@ -62,7 +85,14 @@ class LlamaEngineContext(KvWindow):
 
     @classmethod
     def create(
-        cls, model: LlamaModel, facts: ModelFacts, *, n_ctx: int, n_batch: int, n_threads: int
+        cls,
+        model: LlamaModel,
+        facts: ModelFacts,
+        rope: ModelRope,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        n_threads: int,
     ) -> LlamaEngineContext:
         if not isinstance(n_ctx, int) or n_ctx < 1:
             raise InvalidRangeError(f"a hot window needs at least 1 token of room, got {n_ctx!r}")
@@ -80,11 +110,17 @@ class LlamaEngineContext(KvWindow):
                 kv_type=facts.kv_type,
                 flash_attn=facts.flash_attention,
             )
-        return cls(ctx, facts, n_ctx, keys=KeyReader.for_model(model, facts), n_threads=n_threads)
+        return cls(ctx, facts, rope, n_ctx, n_threads=n_threads)
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint, plus which LongRoPE table this context's size uses on
+        a model whose keys depend on it."""
+        return self._fingerprint
 
     @property
     def can_shift(self) -> bool:
-        return self._ctx.can_shift
+        return self._ctx.can_shift and self._facts.key_shift != "none"
 
     @property
     def chunk_tokens(self) -> int:
@@ -93,6 +129,13 @@ class LlamaEngineContext(KvWindow):
     @property
     def capabilities(self) -> Capabilities:
         notes = ["tail admission re-rotates keys (each layer by its own RoPE base): not bit-exact"]
+        if self._turn:
+            notes.append(
+                "keys are turned by kvrt when a range moves: llama.cpp's own shift would "
+                "scale YaRN or LongRoPE keys again, or crash on these quantized keys"
+            )
+        elif self._facts.key_shift == "none":
+            notes.append("ranges come back at their own positions only: no key shift fits")
         if self._facts.sliding_window_live:
             notes.append(
                 "windowed layers keep every position, so in-place restores inside and beyond "
@@ -100,7 +143,7 @@ class LlamaEngineContext(KvWindow):
             )
         return Capabilities(
             remove_middle=True,
-            position_shift=self._ctx.can_shift,
+            position_shift=self.can_shift,
             exact_in_place=True,
             exact_tail=False,
             sliding_window=self._facts.sliding_window_live,
@@ -137,26 +180,14 @@ class LlamaEngineContext(KvWindow):
             self._in_order = True
             return
         first, last = self._positions[0], self._positions[-1] + 1
-        step = self._facts.max_block_tokens or last - first
-        spans = [(s, min(s + step, last)) for s in range(first, last, step)]
         with translate_errors("laying the window out in position order"):
-            pieces = [
-                order_cells(self._cells(s, e))
-                for s, e in spans
-                if bisect.bisect_left(self._positions, s) < bisect.bisect_left(self._positions, e)
-            ]
+            pieces = [order_cells(self._cells(s, e)) for s, e in self._spans(first, last)]
             self._ctx.clear()
             try:
                 for piece in pieces:
-                    self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(piece))
-                    self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, last)
-                    self._ctx.seq_clear(SCRATCH_SEQ)
+                    self._load(piece, first, last)
             except BaseException:
-                self._ctx.clear()
-                self._positions.clear()
-                self._tokens.clear()
-                self._logits_pos = None
-                self._in_order = True
+                self._drop_all()
                 raise
         self._in_order = self._positions[-1] == len(self._positions) - 1
         self._counters.relayouts += 1
@@ -189,9 +220,58 @@ class LlamaEngineContext(KvWindow):
         with translate_errors(f"evicting [{start}, {end})"):
             last = self._positions[-1]
             self._in_order = self._in_order and j == len(self._positions) and not shift_tail
+            if shift_tail and self._turn:
+                self._slide_turning(start, end, last + 1)
+                return
             self._ctx.seq_rm(MAIN_SEQ, start, end)
             if shift_tail:
                 self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
+
+    def _slide_turning(self, start: int, end: int, stop: int) -> None:
+        """Remove [start, end) and move [end, stop) down to ``start``, the keys turned in
+        kvrt's code. The tail goes out in block-long pieces (windowed layers keep every
+        position) and comes back turned; if loading it back fails, the window is left
+        empty (the record too) and the error raised."""
+        delta = start - end
+        pieces = [self._turned(self._cells(s, e), delta) for s, e in self._spans(end, stop)]
+        self._ctx.seq_rm(MAIN_SEQ, start, stop)
+        try:
+            for piece in pieces:
+                self._load(piece, start, stop + delta)
+        except BaseException:
+            self._drop_all()
+            raise
+
+    def _turned(self, data: npt.NDArray[np.uint8], delta: int) -> npt.NDArray[np.uint8]:
+        return shift_cells(
+            data, delta, self._ropes, head_dim=self._facts.head_dim, k_rotations=self._k_rotations
+        )
+
+    def _spans(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """[first, stop) in pieces of at most a block on a windowed model, each holding
+        resident positions."""
+        step = self._facts.max_block_tokens or stop - first
+        spans = [(s, min(s + step, stop)) for s in range(first, stop, step)]
+        return [
+            (s, e)
+            for s, e in spans
+            if bisect.bisect_left(self._positions, s) < bisect.bisect_left(self._positions, e)
+        ]
+
+    def _load(self, data: npt.NDArray[np.uint8], first: int, stop: int) -> None:
+        """Load state bytes into the window through the scratch sequence."""
+        self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
+        try:
+            self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, stop)
+        finally:
+            self._ctx.seq_clear(SCRATCH_SEQ)
+
+    def _drop_all(self) -> None:
+        self._ctx.clear()
+        self._positions.clear()
+        self._tokens.clear()
+        self._logits_pos = None
+        self._in_order = True
 
     def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
         most = self._facts.max_block_tokens
@@ -207,16 +287,21 @@ class LlamaEngineContext(KvWindow):
     def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
         self._in_order = self._in_order and i == len(self._positions) == target + skip
+        moved = target != meta.start
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
-            self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(block.data))
+            data = block.data
+            if moved and self._turn:
+                data = self._turned(data, target - meta.start)
+            first = target if moved and self._turn else meta.start
+            self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
             try:
                 got = (self._ctx.pos_min(SCRATCH_SEQ), self._ctx.pos_max(SCRATCH_SEQ) + 1)
-                if got != (meta.start, meta.end):
+                if got != (first, first + meta.n_tokens):
                     raise ColdBlockMismatchError(
                         f"cold block bytes hold positions [{got[0]}, {got[1]}), "
                         f"its metadata says [{meta.start}, {meta.end})"
                     )
-                if target != meta.start:
+                if moved and not self._turn:
                     self._ctx.seq_add(SCRATCH_SEQ, meta.start, meta.end, target - meta.start)
                 self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target + skip, target + meta.n_tokens)
             finally:
@@ -231,13 +316,13 @@ class LlamaEngineContext(KvWindow):
             if self._keys is None or j - i != e - s:
                 out.append(None)
                 continue
-            out.append(self._keys.sketch(self._take(i, j, s, e)))
+            out.append(self._keys.sketch(self._take(i, j, s, e), self._ropes[0]))
         return out
 
     def cold_key_sketch(self, block: ColdBlock) -> object | None:
-        if self._keys is None or block.meta.fingerprint != self._facts.fingerprint:
+        if self._keys is None or block.meta.fingerprint != self.fingerprint:
             return None
-        return self._keys.sketch(block.data)
+        return self._keys.sketch(block.data, self._ropes[0])
 
     def query_sketch(self, tokens: Sequence[int]) -> object | None:
         """Keys of the last :data:`QUERY_TOKENS` of ``tokens``, computed alone in a small
@@ -266,7 +351,8 @@ class LlamaEngineContext(KvWindow):
             probe.decode(chunk[kept:], kept)
             data = probe.state_get(MAIN_SEQ)
             self._probe_tokens = chunk
-        return self._keys.keys(data)
+        # The probe is smaller than the window: on LongRoPE models it may use the other table.
+        return self._keys.keys(data, self._rope.ropes(probe.n_ctx_seq, windowed=False)[0])
 
     def _reset(self) -> None:
         with translate_errors("clearing the context"):

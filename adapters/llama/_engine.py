@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import gguf
 
 from kvrt import ConfigError, EngineError, ModelLoadError
 from kvrt.backend import (
@@ -30,6 +33,7 @@ from kvrt.native_bridge.llama_keys import StatePart, state_parts
 from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import LlamaEngineContext
+from ._rope import ModelRope, key_shift, model_rope
 
 __all__ = ["LlamaEngine"]
 
@@ -39,6 +43,64 @@ def _float(text: str | None) -> float | None:
         return float(text) if text else None
     except ValueError:
         return None
+
+
+def _attention_heads(model: LlamaModel) -> list[int]:
+    """KV heads of each layer as llama.cpp loaded them (0: a recurrent layer)."""
+    raw = model.info.get("n_head_kv", "")
+    try:
+        values = [int(x) for x in raw.strip("[]").split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values *= model.n_layer
+    return values if len(values) == model.n_layer else [model.n_head_kv] * model.n_layer
+
+
+def _head_dims(model: LlamaModel, windowed: bool) -> tuple[int, ...]:
+    """Key head size of each KV cache: the global layers', then the windowed ones'."""
+
+    def size(key: str, default: int) -> int:
+        try:
+            return int(model.info.get(key, default))
+        except ValueError:
+            return default
+
+    full = size("n_embd_head_k", model.n_embd // max(model.n_head, 1))
+    return (full, size("n_embd_head_k_swa", full)) if windowed else (full,)
+
+
+_WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6}
+"""Architectures whose loader assumes a window pattern when the file gives none."""
+
+
+def _layer_kinds(
+    model: LlamaModel, reader: Any, arch: str, cache_layers: list[int]
+) -> tuple[str, ...]:
+    """Each layer's kind where it can be told: recurrent from llama.cpp's per-layer KV
+    heads; windowed from the file's window pattern read as llama.cpp reads it, kept only
+    if it agrees with the number of layers llama.cpp put in the windowed cache."""
+    heads = _attention_heads(model)
+    kinds = ["recurrent" if n == 0 else "global" for n in heads]
+    n_windowed = sum(cache_layers[1:]) if model.n_swa else 0
+    if not n_windowed:
+        return tuple(kinds)
+    windowed = _window_pattern(reader, arch, model.n_layer)
+    if windowed is None or sum(windowed) != n_windowed:
+        return ()
+    return tuple("windowed" if w else kind for kind, w in zip(kinds, windowed, strict=True))
+
+
+def _window_pattern(reader: Any, arch: str, n: int) -> list[bool] | None:
+    field = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    value = field.contents() if field is not None else _WINDOW_PATTERN_DEFAULTS.get(arch)
+    if isinstance(value, list):  # one flag per layer
+        return [bool(x) for x in value] if len(value) == n else None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return None
+    period = value
+    # llama.cpp's set_swa_pattern: in each period the last layer is global
+    return [i % period < period - 1 for i in range(n)]
 
 
 def _header(model: LlamaModel, path: Path) -> GgufMetadata:
@@ -83,10 +145,13 @@ class LlamaEngine:
 
     backend = "llama"
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, facts: ModelFacts) -> None:
+    def __init__(
+        self, model: LlamaModel, config: EngineConfig, facts: ModelFacts, rope: ModelRope
+    ) -> None:
         self._model = model
         self.config = config
         self._facts = facts
+        self._rope = rope
 
     @classmethod
     def open(cls, config: EngineConfig) -> LlamaEngine:
@@ -104,11 +169,11 @@ class LlamaEngine:
         with translate_errors(f"loading {path}"):
             model = LlamaModel(str(path))
         try:
-            facts = cls._facts_for(model, _header(model, path), config, str(path))
+            facts, rope = cls._facts_for(model, _header(model, path), config, str(path))
         except BaseException:
             model.close()
             raise
-        return cls(model, config, facts)
+        return cls(model, config, facts, rope)
 
     @staticmethod
     def flash_attention(config: EngineConfig) -> bool:
@@ -141,11 +206,32 @@ class LlamaEngine:
             ctx.close()
 
     @staticmethod
+    def _refuse_unpageable(model: LlamaModel, arch: str, path: str) -> None:
+        """A :class:`ModelLoadError` naming the true reason a model has no KV kvrt can
+        page exactly, read from llama.cpp's own account of its layers."""
+        kinds = _attention_heads(model)
+        recurrent = sum(1 for n in kinds if n == 0)
+        if model.is_recurrent:
+            raise ModelLoadError(
+                f"{path} is a recurrent model ({arch}): its {model.n_layer} layers keep a "
+                "recurrent state and none holds attention KV, so there is no window to "
+                "page; kvrt does not run recurrent models yet"
+            )
+        if model.is_hybrid:
+            raise ModelLoadError(
+                f"{path} is a hybrid model ({arch}): {model.n_layer - recurrent} attention "
+                f"and {recurrent} recurrent layers; kvrt pages attention KV but not yet the "
+                "recurrent state, which has integrated every token and cannot be cut into "
+                "blocks, so it cannot restore this model's context exactly"
+            )
+        if model.n_layer <= 0 or model.n_head <= 0 or not any(kinds):
+            raise ModelLoadError(f"{path} has no attention layers kvrt can page")
+
+    @staticmethod
     def _facts_for(
         model: LlamaModel, meta: GgufMetadata, config: EngineConfig, path: str
-    ) -> ModelFacts:
-        if model.n_layer <= 0 or model.n_head_kv <= 0 or model.n_head <= 0:
-            raise ModelLoadError(f"{path} has no attention layers kvrt can page")
+    ) -> tuple[ModelFacts, ModelRope]:
+        LlamaEngine._refuse_unpageable(model, meta.architecture, path)
         head_dim_k = meta.head_dim_k or model.n_embd // model.n_head
         head_dim_v = meta.head_dim_v or head_dim_k
         try:
@@ -158,7 +244,16 @@ class LlamaEngine:
         with translate_errors(f"reading the KV layout of {path}"):
             flash = LlamaEngine.flash_attention(config)
             parts = LlamaEngine._cache_parts(model, config.kv_type, flash)
+            reader = gguf.GGUFReader(path, "r")
+            rope = model_rope(model, meta.architecture, reader)
         swa = parts[1:] if model.n_swa else ()
+        shift = key_shift(
+            rope,
+            config.kv_type,
+            _head_dims(model, bool(swa)),
+            empty_cache=any(not part.layers for part in parts),
+            path=path,
+        )
         digest = file_digest(Path(path))
         layout = (
             f"{digest}|{meta.architecture}|layers={model.n_layer}|kv_heads={model.n_head_kv}"
@@ -168,7 +263,7 @@ class LlamaEngine:
             + ("|swa_cells=all" if model.n_swa else "")
             + f"|v_trans={int(parts[0].v_trans)}"  # flash attention stores V untransposed
         )
-        return ModelFacts(
+        facts = ModelFacts(
             backend="llama",
             path=path,
             name=meta.name,
@@ -196,7 +291,19 @@ class LlamaEngine:
             n_swa_layers=sum(len(part.layers) for part in swa),
             kv_bytes_per_token_swa=sum(part.bytes_per_token for part in swa),
             rope_freq_base_swa=_float(model.info.get("freq_base_swa")) if model.n_swa else None,
+            rope=rope.describe(),
+            layer_kinds=_layer_kinds(
+                model, reader, meta.architecture, [len(p.layers) for p in parts]
+            ),
+            context_dependent_kv=(
+                f"LongRoPE: short factors in contexts of up to {rope.n_ctx_orig:,} tokens per "
+                "sequence, long ones in larger contexts"
+                if rope.identity(0)
+                else None
+            ),
+            key_shift=shift,
         )
+        return facts, rope
 
     @property
     def facts(self) -> ModelFacts:
@@ -261,6 +368,7 @@ class LlamaEngine:
         return LlamaEngineContext.create(
             self._model,
             self._facts,
+            self._rope,
             n_ctx=n_ctx,
             n_batch=n_batch or self.config.batch,
             n_threads=self.config.threads or physical_cores(),

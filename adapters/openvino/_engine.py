@@ -182,6 +182,7 @@ class OpenVinoEngine:
             ),
             weight_bytes=weights,
             file_bytes=weights + xml.stat().st_size,
+            exact_in_place=config.kv_type in EXACT_KV,
         )
 
     @property
