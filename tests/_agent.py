@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 
 import kvrt
+from kvrt.testing import zoo
 
 SYSTEM = "You are a careful code reviewer. Answer in one or two sentences."
 REPO_MAP = "Repository map:\n" + "".join(
@@ -52,6 +56,29 @@ def loaded(backend: str = "llama") -> kvrt.backend.Engine:
 def close_loaded() -> None:
     while _LOADED:
         _LOADED.popitem()[1].close()
+    if _ZOO:
+        shutil.rmtree(_ZOO.pop(), ignore_errors=True)
+
+
+_ZOO: list[str] = []
+
+
+def zoo_path(name: str) -> str:
+    """A tiny random-weight GGUF of the zoo's variant ``name`` (:mod:`kvrt.testing.zoo`),
+    written once per test run."""
+    if not _ZOO:
+        _ZOO.append(tempfile.mkdtemp(prefix="kvrt-zoo-"))
+    return str(zoo.write(name, _ZOO[0]))
+
+
+def tiny(name: str = "llama", kv_type: str = "f16") -> kvrt.backend.Engine:
+    """The zoo's ``name`` loaded once for the whole run, on llama.cpp: a 2-layer model that
+    computes ~100x faster than SmolLM2, for what needs an engine but no real text."""
+    key = f"zoo:{name}:{kv_type}"
+    if key not in _LOADED:
+        config = kvrt.Config(engine=kvrt.EngineConfig(model=zoo_path(name), kv_type=kv_type))
+        _LOADED[key] = kvrt.load_engine("llama", config=config)
+    return _LOADED[key]
 
 
 NO_DISK = kvrt.Config(disk=kvrt.DiskConfig(budget=0))

@@ -5,9 +5,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import gguf
 
 from kvrt import ConfigError, EngineError, ModelLoadError
 from kvrt.backend import (
@@ -33,6 +30,7 @@ from kvrt.native_bridge.llama_keys import StatePart, state_parts
 from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import LlamaEngineContext
+from ._gguf import GgufFile
 from ._rope import ModelRope, key_shift, model_rope
 
 __all__ = ["LlamaEngine"]
@@ -75,7 +73,7 @@ _WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6}
 
 
 def _layer_kinds(
-    model: LlamaModel, reader: Any, arch: str, cache_layers: list[int]
+    model: LlamaModel, header: GgufFile, arch: str, cache_layers: list[int]
 ) -> tuple[str, ...]:
     """Each layer's kind where it can be told: recurrent from llama.cpp's per-layer KV
     heads; windowed from the file's window pattern read as llama.cpp reads it, kept only
@@ -85,15 +83,16 @@ def _layer_kinds(
     n_windowed = sum(cache_layers[1:]) if model.n_swa else 0
     if not n_windowed:
         return tuple(kinds)
-    windowed = _window_pattern(reader, arch, model.n_layer)
+    windowed = _window_pattern(header, arch, model.n_layer)
     if windowed is None or sum(windowed) != n_windowed:
         return ()
     return tuple("windowed" if w else kind for kind, w in zip(kinds, windowed, strict=True))
 
 
-def _window_pattern(reader: Any, arch: str, n: int) -> list[bool] | None:
-    field = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    value = field.contents() if field is not None else _WINDOW_PATTERN_DEFAULTS.get(arch)
+def _window_pattern(header: GgufFile, arch: str, n: int) -> list[bool] | None:
+    value = header.fields.get(
+        f"{arch}.attention.sliding_window_pattern", _WINDOW_PATTERN_DEFAULTS.get(arch)
+    )
     if isinstance(value, list):  # one flag per layer
         return [bool(x) for x in value] if len(value) == n else None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -244,8 +243,8 @@ class LlamaEngine:
         with translate_errors(f"reading the KV layout of {path}"):
             flash = LlamaEngine.flash_attention(config)
             parts = LlamaEngine._cache_parts(model, config.kv_type, flash)
-            reader = gguf.GGUFReader(path, "r")
-            rope = model_rope(model, meta.architecture, reader)
+            header = GgufFile(path)
+            rope = model_rope(model, meta.architecture, header)
         swa = parts[1:] if model.n_swa else ()
         shift = key_shift(
             rope,
@@ -293,7 +292,7 @@ class LlamaEngine:
             rope_freq_base_swa=_float(model.info.get("freq_base_swa")) if model.n_swa else None,
             rope=rope.describe(),
             layer_kinds=_layer_kinds(
-                model, reader, meta.architecture, [len(p.layers) for p in parts]
+                model, header, meta.architecture, [len(p.layers) for p in parts]
             ),
             context_dependent_kv=(
                 f"LongRoPE: short factors in contexts of up to {rope.n_ctx_orig:,} tokens per "

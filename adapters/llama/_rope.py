@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from kvrt import ConfigError
 from kvrt.native_bridge.llama import FLOAT_KV_TYPES, KV_TYPES, LlamaModel
 from kvrt.native_bridge.llama_keys import TURNABLE_KEY_TYPES, key_rotation
 from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
+
+from ._gguf import GgufFile
 
 __all__ = ["ModelRope", "key_shift", "model_rope"]
 
@@ -145,21 +144,13 @@ class ModelRope:
         return text
 
 
-def _tensor(reader: Any, name: str) -> tuple[float, ...] | None:
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float64).ravel())
-    return None
-
-
 def _get_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def model_rope(model: LlamaModel, arch: str, reader: Any) -> ModelRope:
+def model_rope(model: LlamaModel, arch: str, header: GgufFile) -> ModelRope:
     """The model's RoPE as llama.cpp loaded it (its ``print_info`` lines and metadata, and
-    the factor tensors of the file ``reader`` reads), with the context-level factors
-    llama.cpp derives from it."""
+    the factor tensors of its file), with the context-level factors llama.cpp derives."""
     info = model.info
 
     def num(key: str, default: float) -> float:
@@ -210,9 +201,9 @@ def model_rope(model: LlamaModel, arch: str, reader: Any) -> ModelRope:
         beta_fast=(meta("rope.scaling.yarn_beta_fast") if yarn_keys else None) or 32.0,
         beta_slow=(meta("rope.scaling.yarn_beta_slow") if yarn_keys else None) or 1.0,
         attn_factor=attn,
-        freqs=_tensor(reader, "rope_freqs.weight"),
-        short=_tensor(reader, "rope_factors_short.weight"),
-        long=_tensor(reader, "rope_factors_long.weight"),
+        freqs=header.tensor_f32("rope_freqs.weight"),
+        short=header.tensor_f32("rope_factors_short.weight"),
+        long=header.tensor_f32("rope_factors_long.weight"),
     )
 
 

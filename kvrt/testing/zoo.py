@@ -104,8 +104,8 @@ def _attention(v: Variant, i: int, rng: np.random.Generator, *, qk_norm: bool) -
     kv = v.kv_heads_of(i) * v.head_dim
     q = v.heads * v.head_dim
     out = {
-        f"blk.{i}.attn_q.weight": _normal(rng, (q, WIDTH), 0.25),
-        f"blk.{i}.attn_k.weight": _normal(rng, (kv, WIDTH), 0.25),
+        f"blk.{i}.attn_q.weight": _normal(rng, (q, WIDTH), 0.1),
+        f"blk.{i}.attn_k.weight": _normal(rng, (kv, WIDTH), 0.1),
         f"blk.{i}.attn_v.weight": _normal(rng, (kv, WIDTH), 0.2),
         f"blk.{i}.attn_output.weight": _normal(rng, (WIDTH, q), 0.1),
     }
