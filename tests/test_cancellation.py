@@ -3,7 +3,8 @@
 A fault hook in the session's actor is called, with a label, before each await point of a
 command. An uninterrupted run lists the points it passes; the test then cancels a fresh
 call at the first and at the last pass of every distinct point, checks the session is
-consistent, and that the next call succeeds.
+consistent, and that the next call succeeds. The model is the zoo's tiny llama: what is
+checked is kvrt's own bookkeeping around its await points.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import kvrt
 from kvrt import Config, DiskConfig, Residency, SessionConfig
 
-from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy
+from ._agent import FILE_A, FILE_B, SYSTEM, context, greedy, tiny
 
 
 def short(*files: tuple[str, str], question: str) -> list[kvrt.Segment]:
@@ -92,12 +93,12 @@ async def _sweep(
     # A fresh runtime each time, with a disk tier of its own: a cold store shared with an
     # earlier run would already hold the blocks, hiding a block lost between its eviction
     # and its commit.
-    async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as probe:
+    async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as probe:
         await prepare(probe)
         points = _labels(probe)
         await step(probe)
     for k in _first_and_last(points):
-        async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
+        async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
             await prepare(s)
             with anyio.CancelScope() as scope:
                 _cancel_at(s, k, scope)
@@ -168,7 +169,7 @@ async def test_cancel_generate_at_every_await_point() -> None:
 
 
 async def test_cancelled_caller_while_queued_does_not_run() -> None:
-    async with kvrt.open_runtime(config=SMALL) as rt, rt.open_session(hot_tokens=HOT) as s:
+    async with kvrt.open_runtime(engine=tiny(), config=SMALL) as rt, rt.open_session(hot_tokens=HOT) as s:
         async with anyio.create_task_group() as tg:
             tg.start_soon(s.ensure_context, context(question="First?"))
             await anyio.sleep(0)
@@ -186,7 +187,7 @@ async def test_generate_after_a_cancelled_placement_says_to_send_the_context_aga
     error), and the next context call places it."""
     small = short(("file:a.py", FILE_A[:200]), question="Explain add_1.")
     big = short(("file:a.py", FILE_A[:600]), ("file:b.py", FILE_B[:600]), question="Compare.")
-    async with kvrt.open_runtime(config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
+    async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
         await s.ensure_context(small)
         seen: list[str] = []
         with anyio.CancelScope() as scope:
@@ -212,7 +213,7 @@ async def test_generate_after_a_cancelled_placement_says_to_send_the_context_aga
 
 async def test_admitting_a_block_with_no_kv_left_is_its_own_error() -> None:
     async with (
-        kvrt.open_runtime(config=fresh()) as rt,
+        kvrt.open_runtime(engine=tiny(), config=fresh()) as rt,
         rt.open_session(hot_tokens=HOT, cold_admission="skip_small_volatile") as s,
     ):
         await s.ensure_context(short(("note", "Keep it short."), question="Why?"))

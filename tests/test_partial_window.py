@@ -27,9 +27,8 @@ import pytest
 import kvrt
 from kvrt import Residency, Segment
 from kvrt._session.tokens import context_tokens
-from kvrt.adapters.llama import LlamaEngine
 
-from ._agent import NO_DISK, loaded, next_logits
+from ._agent import NO_DISK, loaded, next_logits, tiny, zoo_path
 from .test_remote_tier import Server, server
 
 __all__ = ["server"]
@@ -76,6 +75,17 @@ def files_context(seed: int = 7, n_files: int = 3, words: int = 260) -> list[Seg
 @pytest.fixture(scope="module", params=["llama", "openvino"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def model_for(backend: str) -> kvrt.backend.Engine:
+    """llama.cpp's runs take the zoo's tiny llama (what is checked needs no real text; every
+    architecture's turn is in test_architectures), OpenVINO's the embedded model."""
+    return tiny() if backend == "llama" else loaded(backend)
+
+
+def model_file(backend: str) -> str:
+    """The model a child process opens for ``backend`` ("" for the embedded one)."""
+    return zoo_path("llama") if backend == "llama" else ""
 
 
 async def reference(
@@ -126,7 +136,7 @@ async def test_another_session_gets_exact_kv_not_the_partial_window(
     """The issue's case: a 512-token window computes an 800-token context, a 2048-token
     one gets the same context. What the first computed with its whole prefix hot (its
     first batch, before anything was evicted) comes back; the rest is computed again."""
-    engine = loaded(backend)
+    engine = model_for(backend)
     context = files_context()
     fresh = await reference(engine, context)
     async with kvrt.open_runtime(engine=engine, config=NO_DISK) as rt:
@@ -169,7 +179,7 @@ import anyio, json, sys, kvrt
 from tests.test_partial_window import files_context
 
 async def main():
-    async with kvrt.open_runtime(sys.argv[1]) as rt:
+    async with kvrt.open_runtime(sys.argv[1], model=sys.argv[3] or None) as rt:
         async with rt.open_session(hot_tokens=256) as s:
             status = await s.ensure_context(files_context(words=130))
             saved = await s.save(sys.argv[2])
@@ -194,7 +204,7 @@ async def test_disk_redis_and_resume_hold_only_exact_kv(
     from Redis and by ``resume=``: exact, or labelled not exact where the window is small."""
     import anyio
 
-    engine = loaded(backend)
+    engine = model_for(backend)
     context = files_context(words=130)
     disk = tmp_path / "blocks"
     saved = tmp_path / "agent.json"
@@ -203,7 +213,9 @@ async def test_disk_redis_and_resume_hold_only_exact_kv(
     env.update(SMALL_BLOCKS)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     done = await anyio.run_process(
-        [sys.executable, "-c", CHILD, backend, str(saved)], check=False, env=env
+        [sys.executable, "-c", CHILD, backend, str(saved), model_file(backend)],
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     child = json.loads(done.stdout.decode().strip().splitlines()[-1])
@@ -261,7 +273,7 @@ async def test_a_session_whose_context_later_fits_is_exact_again(
 ) -> None:
     """A reply generated while a file was evicted saw a partial window; once the context
     fits again, the default policy computes it again (exact), ``keep`` keeps it (labelled)."""
-    engine = loaded(backend)
+    engine = loaded(backend)  # a real reply: its text must tokenize back to its tokens
     head = files_context(seed=3, n_files=1, words=120)
     for policy in ("recompute", "keep"):
         async with (
@@ -300,15 +312,14 @@ PIECES = {
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_random_windows_and_resends_match_fresh_contexts(
-    engine: LlamaEngine, anyio_backend: str
-) -> None:
+async def test_random_windows_and_resends_match_fresh_contexts(anyio_backend: str) -> None:
     """Random contexts (pieces in one order, so later ones hit earlier blocks) sent to
     sessions with random windows sharing one cold store: whenever a status says exact,
     the logits equal those of computing the context at once in a fresh engine context;
     otherwise it says why. On llama.cpp, batches of two tokens or more give the same bits
     whatever the cut (OpenVINO's do not), so any exact placement must equal that."""
     rng = random.Random(21)
+    engine = tiny()
     config = kvrt.Config(
         session=kvrt.SessionConfig(block_tokens=16, sink_tokens=4, recent_tokens=16),
         disk=kvrt.DiskConfig(budget=0),
