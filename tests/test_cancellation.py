@@ -93,12 +93,18 @@ async def _sweep(
     # A fresh runtime each time, with a disk tier of its own: a cold store shared with an
     # earlier run would already hold the blocks, hiding a block lost between its eviction
     # and its commit.
-    async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as probe:
+    async with (
+        kvrt.open_runtime(engine=tiny(), config=fresh()) as rt,
+        rt.open_session(hot_tokens=HOT) as probe,
+    ):
         await prepare(probe)
         points = _labels(probe)
         await step(probe)
     for k in _first_and_last(points):
-        async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
+        async with (
+            kvrt.open_runtime(engine=tiny(), config=fresh()) as rt,
+            rt.open_session(hot_tokens=HOT) as s,
+        ):
             await prepare(s)
             with anyio.CancelScope() as scope:
                 _cancel_at(s, k, scope)
@@ -169,7 +175,10 @@ async def test_cancel_generate_at_every_await_point() -> None:
 
 
 async def test_cancelled_caller_while_queued_does_not_run() -> None:
-    async with kvrt.open_runtime(engine=tiny(), config=SMALL) as rt, rt.open_session(hot_tokens=HOT) as s:
+    async with (
+        kvrt.open_runtime(engine=tiny(), config=SMALL) as rt,
+        rt.open_session(hot_tokens=HOT) as s,
+    ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(s.ensure_context, context(question="First?"))
             await anyio.sleep(0)
@@ -187,7 +196,10 @@ async def test_generate_after_a_cancelled_placement_says_to_send_the_context_aga
     error), and the next context call places it."""
     small = short(("file:a.py", FILE_A[:200]), question="Explain add_1.")
     big = short(("file:a.py", FILE_A[:600]), ("file:b.py", FILE_B[:600]), question="Compare.")
-    async with kvrt.open_runtime(engine=tiny(), config=fresh()) as rt, rt.open_session(hot_tokens=HOT) as s:
+    async with (
+        kvrt.open_runtime(engine=tiny(), config=fresh()) as rt,
+        rt.open_session(hot_tokens=HOT) as s,
+    ):
         await s.ensure_context(small)
         seen: list[str] = []
         with anyio.CancelScope() as scope:

@@ -15,6 +15,8 @@ import kvrt
 from benchmarks.blend import run_blend_bench
 from benchmarks.fidelity import plot_fidelity, print_fidelity, run_fidelity_bench
 
+from ._agent import zoo_path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.subprocess
@@ -89,9 +91,11 @@ def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
 def test_kvrt_bench_reports_every_section_and_plots(
     backend: str, turns: int, sessions: list[int], tmp_path: Path
 ) -> None:
-    """Every section on both engines (OpenVINO with fewer turns and sessions: suite time)."""
+    """Every section on both engines, on the zoo's tiny llama: the path, not the figures
+    (OpenVINO with fewer turns and sessions: suite time)."""
     png = tmp_path / "bench.png"
-    argv = ["-m", "kvrt", "bench", "--sizes", "16,64", "--turns", str(turns)]
+    argv = ["-m", "kvrt", "bench", "--model", zoo_path("llama")]
+    argv += ["--sizes", "16,64", "--turns", str(turns)]
     argv += ["--sessions", ",".join(map(str, sessions))]
     argv += ["--tokens", "256", "--decode", "8", "--json", "--plot", str(png)]
     report = json.loads(run(*argv, "--backend", backend))
@@ -145,7 +149,8 @@ def test_pytest_trio_suite_example() -> None:
 
 
 def test_the_tiers_benchmark_measures_every_tier() -> None:
-    argv = ["-m", "benchmarks.tiers", "--sizes", "64", "--tokens", "128", "--decode", "4"]
+    argv = ["-m", "benchmarks.tiers", "--model", zoo_path("llama"), "--sizes", "64"]
+    argv += ["--tokens", "128", "--decode", "4"]
     report = json.loads(run(*argv, "--json"))
     (row,) = report["rows"]
     assert row["tokens"] == 64 and row["bytes"] > 0
@@ -160,7 +165,8 @@ def test_the_tiers_benchmark_measures_every_tier() -> None:
 def test_the_flash_benchmark_compares_both_settings_with_llama_cpp() -> None:
     """Under either setting kvrt's logits equal ``llama_cpp.Llama``'s with the same one;
     without flash attention they do not depend on how the prompt was cut into batches."""
-    report = json.loads(run("-m", "benchmarks.flash", "--tokens", "512", "--json"))
+    argv = ["-m", "benchmarks.flash", "--model", zoo_path("llama"), "--tokens", "512"]
+    report = json.loads(run(*argv, "--json"))
     off, on = report["points"]
     assert (off["flash_attention"], on["flash_attention"]) == (False, True)
     for point in (off, on):
@@ -173,8 +179,9 @@ def test_the_flash_benchmark_compares_both_settings_with_llama_cpp() -> None:
 def test_the_fidelity_benchmark_reports_every_condition(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """One cell in process (its command's own path is checked by its refusal below)."""
-    config = kvrt.load_config()
+    """One cell in process on the zoo's tiny llama (its command's own path is checked by its
+    refusal below; the passkey test on the real model is its own, test_relevance)."""
+    config = kvrt.load_config(flags={"model": zoo_path("llama")})
     report = anyio.run(
         lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1, blend=False)
     )

@@ -446,6 +446,7 @@ def _metadata(v: Variant) -> Iterator[tuple[str, Any, Any, Any]]:
         gguf.GGUFValueType.STRING,
         None,
     )
+    yield "general.file_type", 1, u32, None  # mostly f16 (OpenVINO's GGUF reader needs it)
     yield f"{a}.block_count", v.layers, u32, None
     yield f"{a}.context_length", v.context, u32, None
     yield f"{a}.embedding_length", WIDTH, u32, None
@@ -499,6 +500,7 @@ def write(name: str, folder: str | os.PathLike[str]) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        os.chmod(temp, 0o644)
         os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
