@@ -120,6 +120,9 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     layer_kinds: tuple[str, ...] = ()
     """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
     sliding window) or ``recurrent``, where the engine lets kvrt tell them apart."""
+    rope_original_context: int | None = None
+    """The context YaRN or LongRoPE scaling starts from (LongRoPE: its short factors serve
+    contexts up to it), where the model scales RoPE."""
     context_dependent_kv: str | None = None
     """A context setting that changes what the engine computes for the same tokens at
     the same positions (Phi-3's LongRoPE tables by context size), if any: blocks computed

@@ -379,6 +379,11 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     :attr:`ContextStatus.partial_window_tokens`)."""
     consistent: bool
     """The bookkeeping matches what the engine holds (checked now)."""
+    relevance_scoring: str | None = None
+    """How the last placement scored blocks for a hot-eviction policy that asks for
+    relevance: ``keys`` (key vectors), ``lexical`` (the policy's token score), or
+    ``lexical: <why>`` where a key-scoring policy had to fall back (the engine cannot read
+    this model's keys); None where the policy scores nothing."""
     problems: list[str]
     """What does not match, if anything."""
 

@@ -392,3 +392,30 @@ def test_the_facts_say_each_layers_kind_and_the_rope() -> None:
     assert facts["llama3"].key_shift == "engine"
     assert "LongRoPE" in (facts["phi3-longrope"].context_dependent_kv or "")
     assert facts["llama3"].context_dependent_kv is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.parametrize(
+    ("name", "scored"),
+    [
+        ("llama3", "keys"),
+        ("qwen2-yarn", "keys"),
+        ("gemma3", "lexical: the engine cannot read this model's keys"),
+    ],
+)
+async def test_explain_says_how_relevance_was_scored(
+    name: str, scored: str, anyio_backend: str
+) -> None:
+    """Key relevance where the model's keys can be read back to position 0; where they
+    cannot (two caches with their own RoPE bases), the token score, and explain() says so."""
+    async with (
+        kvrt.open_runtime(engine=tiny(name), config=SMALL) as rt,
+        rt.open_session(hot_tokens=256, hot_eviction="relevance") as s,
+    ):
+        await s.ensure_context(CONTEXT)  # nothing computed yet: no block has keys
+        first = "lexical: no block has key vectors yet" if scored == "keys" else scored
+        assert s.explain().relevance_scoring == first
+        await s.ensure_context([*CONTEXT[:-1], Segment("user", "Which word comes last?")])
+        assert s.explain().relevance_scoring == scored
+        assert any(b.relevance is not None for b in s.explain().blocks)

@@ -215,3 +215,13 @@ def test_the_fidelity_benchmark_reports_every_condition(
         cwd=ROOT,
     )
     assert refused.returncode == 2 and "between 256 and 7168" in refused.stderr
+
+
+def test_the_architectures_benchmark_measures_each_variant() -> None:
+    argv = ["-m", "benchmarks.architectures", "--variants", "llama,qwen2-yarn-1l,granitehybrid"]
+    rows = {r["variant"]: r for r in json.loads(run(*argv, "--json"))}
+    assert rows["llama"]["in_place_delta"] == 0 and rows["llama"]["key_shift"] == "engine"
+    yarn = rows["qwen2-yarn-1l"]
+    assert yarn["key_shift"] == "kvrt" and yarn["in_place_delta"] == 0
+    assert yarn["moved_delta"] < 0.06 < 0.6 < float(yarn["engine_shift"])
+    assert "1 attention and 2 recurrent layers" in rows["granitehybrid"]["refused"]

@@ -136,6 +136,11 @@ class LlamaEngineContext(KvWindow):
             )
         elif self._facts.key_shift == "none":
             notes.append("ranges come back at their own positions only: no key shift fits")
+        if self._keys is None:
+            notes.append(
+                "key relevance cannot read this model's keys (sliding-window caches or a "
+                "multi-axis RoPE): a relevance policy scores its tokens instead"
+            )
         if self._facts.sliding_window_live:
             notes.append(
                 "windowed layers keep every position, so in-place restores inside and beyond "

@@ -294,6 +294,9 @@ class LlamaEngine:
             layer_kinds=_layer_kinds(
                 model, header, meta.architecture, [len(p.layers) for p in parts]
             ),
+            rope_original_context=(
+                rope.n_ctx_orig if rope.scaling in ("yarn", "longrope") else None
+            ),
             context_dependent_kv=(
                 f"LongRoPE: short factors in contexts of up to {rope.n_ctx_orig:,} tokens per "
                 "sequence, long ones in larger contexts"

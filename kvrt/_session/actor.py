@@ -367,4 +367,5 @@ class Actor:
             partial_window_tokens=self.gate.partial_window_tokens(),
             consistent=not problems,
             problems=problems,
+            relevance_scoring=window.relevance_scoring,
         )

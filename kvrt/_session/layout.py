@@ -157,6 +157,8 @@ class HotWindow:
         self.blocks: list[Block] = []
         self.relevance: dict[int, float] = {}
         """Block id -> relevance to the query, when the hot-eviction policy scores it."""
+        self.relevance_scoring: str | None = None
+        """How the last scores were made (see :attr:`SessionReport.relevance_scoring`)."""
         self.partial_copies: dict[ColdKey, ColdKey] = {}
         """A block's exact key -> the key of this session's own cold copy of its
         partial-window KV (see :mod:`.provenance`), which no other session asks for."""

@@ -33,15 +33,23 @@ class Scoring:
     async def score(self) -> None:
         policy = self.policies.hot_eviction
         if not isinstance(policy, Relevance):
+            self.window.relevance_scoring = None
             return
-        if isinstance(policy, KeyScoring) and isinstance(self.ctx, KeySketching):
-            query = await self._sketch_query()
-            if query is not None:
-                blocks = await self._sketch_blocks()
-                if any(s is not None for s in blocks):
-                    self.window.set_relevance(policy.key_relevance(blocks, query))
-                    return
+        how = "lexical"
+        if isinstance(policy, KeyScoring):
+            how = "lexical: the engine gives no key vectors"
+            if isinstance(self.ctx, KeySketching):
+                how = "lexical: the engine cannot read this model's keys"
+                query = await self._sketch_query()
+                if query is not None:
+                    blocks = await self._sketch_blocks()
+                    if any(s is not None for s in blocks):
+                        self.window.set_relevance(policy.key_relevance(blocks, query))
+                        self.window.relevance_scoring = "keys"
+                        return
+                    how = "lexical: no block has key vectors yet"
         self.window.score_relevance(policy.relevance)
+        self.window.relevance_scoring = how
 
     async def _sketch_query(self) -> object | None:
         assert isinstance(self.ctx, KeySketching)

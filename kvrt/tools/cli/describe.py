@@ -40,6 +40,42 @@ def main(args: argparse.Namespace) -> None:
         print_info(info)
 
 
+def _runs(kinds: tuple[str, ...]) -> str:
+    """Layer kinds in runs: ``2 windowed, 1 global, 2 windowed``."""
+    out: list[list[Any]] = []
+    for kind in kinds:
+        if out and out[-1][1] == kind:
+            out[-1][0] += 1
+        else:
+            out.append([1, kind])
+    return ", ".join(f"{n} {kind}" for n, kind in out)
+
+
+_TURNS = {
+    "engine": "keys turned by the engine's own shift",
+    "kvrt": "keys turned by kvrt (the engine's own shift would scale or crash here)",
+    "none": "not available: no key shift fits this model and KV type",
+}
+
+
+def _dependent(m: Any, hot: int) -> str:
+    """What depends on the context size, and what this hot window gets (llama.cpp sizes a
+    context's cells in multiples of 256 and compares that with the original context)."""
+    text = str(m.context_dependent_kv)
+    if m.rope_original_context:
+        cells = -(-hot // 256) * 256
+        table = "long" if cells > m.rope_original_context else "short"
+        text += f"; a {hot:,}-token hot window uses the {table} ones"
+    return text
+
+
+def _restores(m: Any) -> str:
+    exact = "bit-exact" if m.exact_in_place else f"approximate ({m.kv_type} re-quantizes)"
+    return (
+        f"in place {exact}; at other positions approximate, {_TURNS.get(m.key_shift, m.key_shift)}"
+    )
+
+
 def print_info(info: ModelInfo) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -68,6 +104,8 @@ def print_info(info: ModelInfo) -> None:
             f"{m.kv_bytes_per_token_swa:,} = {m.n_swa_layers} x "
             f"{m.kv_bytes_per_token_swa // m.n_swa_layers:,})"
         )
+    if m.layer_kinds:
+        layers = f"{m.n_layers}: {_runs(m.layer_kinds)}"
     rows = [
         ("model", m.path),
         ("backend", m.backend),
@@ -78,9 +116,15 @@ def print_info(info: ModelInfo) -> None:
         ("vocabulary", str(m.n_vocab)),
         ("trained context", f"{m.trained_context} tokens"),
         ("sliding window", swa),
-        ("RoPE base", rope),
+        ("RoPE", m.rope or f"base {rope}"),
+        *(
+            [("context-dependent KV", _dependent(m, c.hot_context_tokens))]
+            if m.context_dependent_kv
+            else []
+        ),
         ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
         ("KV bytes per token", kv_bytes),
+        ("restores", _restores(m)),
         *(
             [("cold bytes per token", f"{m.cold_bytes_per_token:,} (as the state reads back)")]
             if m.cold_bytes_per_token and m.cold_bytes_per_token != m.kv_bytes_per_token
