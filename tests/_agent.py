@@ -71,13 +71,16 @@ def zoo_path(name: str) -> str:
     return str(zoo.write(name, _ZOO[0]))
 
 
-def tiny(name: str = "llama", kv_type: str = "f16") -> kvrt.backend.Engine:
-    """The zoo's ``name`` loaded once for the whole run, on llama.cpp: a 2-layer model that
-    computes ~100x faster than SmolLM2, for what needs an engine but no real text."""
-    key = f"zoo:{name}:{kv_type}"
+def tiny(
+    name: str = "llama", kv_type: str = "f16", *, backend: str = "llama"
+) -> kvrt.backend.Engine:
+    """The zoo's ``name`` loaded once for the whole run: a 2-layer model that computes
+    ~100x faster than SmolLM2, with its tokenizer and chat template, for what needs an
+    engine but no real text. On OpenVINO (``backend``), the zoo's llama converted."""
+    key = f"zoo:{name}:{kv_type}:{backend}"
     if key not in _LOADED:
-        config = kvrt.Config(engine=kvrt.EngineConfig(model=zoo_path(name), kv_type=kv_type))
-        _LOADED[key] = kvrt.load_engine("llama", config=config)
+        config = kvrt.load_config(flags={"model": zoo_path(name), "kv_type": kv_type})
+        _LOADED[key] = kvrt.load_engine(backend, config=config)
     return _LOADED[key]
 
 

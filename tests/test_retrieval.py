@@ -14,7 +14,7 @@ from kvrt._session.placement import LEADING_MIN_TOKENS
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import AdmitMode, EvictMode
 
-from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy, loaded, next_logits
+from ._agent import FILE_A, FILE_B, NO_DISK, REPO_MAP, SYSTEM, greedy, loaded, next_logits, tiny
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,7 @@ MOVED = ctx(("file:b.py", FILE_B), ("file:a.py", FILE_A), question="What does ad
 
 
 async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(backend: str) -> None:
-    async with kvrt.open_runtime(engine=loaded(backend)) as rt:
+    async with kvrt.open_runtime(engine=tiny(backend=backend)) as rt:
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
         async with rt.open_session(hot_tokens=1024) as never:
             await never.ensure_context(ORIGINAL)
@@ -64,7 +64,7 @@ async def test_approximate_hit_refused_by_default_and_labelled_when_allowed(back
     # runtime with no disk tier: the sessions above left exact copies of MOVED in their
     # cold store (RAM and disk) when they closed.
     async with (
-        kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024, approximate="allow") as s,
     ):
         await s.ensure_context(ORIGINAL)
@@ -110,7 +110,7 @@ async def test_approximate_restore_is_close_to_recompute(backend: str) -> None:
     """The label is honest: an approximate restore is near, not equal to, recomputing
     (the next token's argmax may differ)."""
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=1024) as exact,
     ):
         # Kept open: a session that closes offers its blocks to the cold store, and MOVED's
@@ -180,12 +180,14 @@ async def test_prefetch_pins_blocks_through_pressure_and_can_be_cancelled(
 ) -> None:
     a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
     b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
-    async with kvrt.open_runtime(engine=loaded("llama"), config=small_cold(8_000_000, 0.2)) as rt:
+    engine = tiny()  # a store of ~350 tokens: file:a.py's three blocks and little else
+    store = small_cold(347 * engine.facts.kv_bytes_per_token, 0.2)
+    async with kvrt.open_runtime(engine=engine, config=store) as rt:
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
         async with rt.open_session(hot_tokens=1024) as s, rt.open_session(hot_tokens=1024) as t:
             await s.ensure_context(a_ctx)
             await s.evict("file:a.py")
-            a_blocks = blocks_of(s.explain(), "file:a.py")  # 128 + 128 + 23 tokens, ~6.4 MB
+            a_blocks = blocks_of(s.explain(), "file:a.py")  # 128 + 128 + 23 tokens
             assert [b.residency for b in a_blocks] == [Residency.COLD] * 3
 
             cancelled = s.prefetch(a_ctx)
@@ -230,7 +232,7 @@ async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
     a_ctx = ctx(("file:a.py", FILE_A), question="What does add_3 return?")
     b_ctx = ctx(("file:b.py", FILE_B), question="What does mul_2 return?")
     async with (
-        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        kvrt.open_runtime(engine=tiny()) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
         calls: list[str] = []
@@ -281,7 +283,7 @@ async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
 async def test_file_whose_tail_changed_reuses_its_unchanged_leading_blocks() -> None:
     edited = FILE_A.replace("return a + b + 13", "return a - b - 13")  # its last function
     async with (
-        kvrt.open_runtime(engine=loaded("llama")) as rt,
+        kvrt.open_runtime(engine=tiny()) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
         block = rt.config.session.block_tokens
@@ -356,7 +358,7 @@ async def test_blend_computes_the_first_tokens_after_the_changed_prefix_afresh(
     rest restored; labelled and counted so. R = 1 computes everything."""
     got: dict[str, np.ndarray] = {}
     async with (
-        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024) as exact,
     ):
         n_file = len(rt.engine.tokenize(FILE_A, add_special=False))
@@ -366,7 +368,7 @@ async def test_blend_computes_the_first_tokens_after_the_changed_prefix_afresh(
     for policy, ratio in (("allow", 0.0), ("blend:0.5", 0.5), ("blend:1", 1.0)):
         # A runtime each: what one ratio computed exactly would be an exact hit for the next.
         async with (
-            kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+            kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
             rt.open_session(hot_tokens=1024, approximate=policy) as s,
         ):
             await s.ensure_context(ORIGINAL)

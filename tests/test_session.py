@@ -1,4 +1,5 @@
-"""Sessions on the real engine and model, on asyncio and on trio."""
+"""Sessions on both engines, on asyncio and on trio: the zoo's tiny llama where the
+property needs no real text, the embedded SmolLM2 where it does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from kvrt import Config, MemoryConfig, Residency
 from kvrt._session import context_tokens
 from kvrt._session.placement import LEADING_MIN_TOKENS
 
-from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded, tiny
 
 pytestmark = pytest.mark.anyio
 
@@ -24,7 +25,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_3 return?")
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=1024) as never,
     ):
         await never.ensure_context(ctx)
@@ -32,7 +33,7 @@ async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
     # A fresh runtime with no disk tier: the session above left its blocks in the cold
     # store (RAM and disk) when it closed.
     async with (
-        kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
         first = await s.ensure_context(ctx)
@@ -51,7 +52,7 @@ async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
 
 async def test_file_pushed_out_by_another_comes_back_from_cold(backend: str) -> None:
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=512) as s,
     ):
         await s.ensure_context(context(("file:a.py", FILE_A), question="Explain add_1."))
@@ -69,7 +70,7 @@ async def test_file_pushed_out_by_another_comes_back_from_cold(backend: str) -> 
         assert report.cold_store.exact_hits >= 1
         got = await greedy(s, 16)
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=512) as fresh,
     ):
         await fresh.ensure_context(context(("file:a.py", FILE_A), question=question))
@@ -91,7 +92,7 @@ async def test_greedy_output_equals_llama_cpp_python() -> None:
 
 async def test_generation_goes_past_the_hot_budget(backend: str) -> None:
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=512) as s,
     ):
         status = await s.ensure_context(
@@ -116,7 +117,7 @@ async def test_generation_goes_past_the_hot_budget(backend: str) -> None:
 async def test_two_sessions_share_one_model_and_cold_store(backend: str) -> None:
     ctx = context(("file:a.py", FILE_A), question="What does add_5 return?")
     async with (
-        kvrt.open_runtime(engine=loaded(backend)) as rt,
+        kvrt.open_runtime(engine=tiny(backend=backend)) as rt,
         rt.open_session(hot_tokens=1024, name="one") as one,
         rt.open_session(hot_tokens=1024, name="two") as two,
     ):
@@ -142,9 +143,10 @@ async def test_two_sessions_share_one_model_and_cold_store(backend: str) -> None
 
 async def test_bad_input() -> None:
     """The session's own validation (llama.cpp alone: it does not depend on the engine)."""
-    backend = "llama"
-    small = Config(memory=MemoryConfig(cold=23040 * 512), disk=kvrt.DiskConfig(budget=0))
-    async with kvrt.open_runtime(engine=loaded(backend), config=small) as rt:
+    engine = tiny()
+    per_token = engine.facts.kv_bytes_per_token
+    small = Config(memory=MemoryConfig(cold=per_token * 512), disk=kvrt.DiskConfig(budget=0))
+    async with kvrt.open_runtime(engine=engine, config=small) as rt:
         async with rt.open_session(hot_tokens=512) as s:
             assert s.explain().planner_context == 1024
             with pytest.raises(
@@ -169,9 +171,7 @@ async def test_bad_input() -> None:
             async with rt.open_session(hot_tokens=100):
                 pass
     with pytest.raises(kvrt.ConfigError, match="the host cold budget is 0 bytes"):
-        async with kvrt.open_runtime(
-            engine=loaded(backend), config=Config(memory=MemoryConfig(cold=0))
-        ):
+        async with kvrt.open_runtime(engine=engine, config=Config(memory=MemoryConfig(cold=0))):
             pass
     with pytest.raises(
         kvrt.ConfigError,
@@ -249,7 +249,7 @@ async def test_tokens_after_a_segment_replaced_in_place_are_computed_again(backe
     old = "alpha beta gamma delta " * 10
     new = "alpha beta gamma delta " * 9 + "alpha beta gamma theta "
     tail = [kvrt.Segment("b", FILE_B[:300]), kvrt.Segment("q", "What does mul_2 return?")]
-    async with kvrt.open_runtime(engine=loaded(backend), config=NO_DISK) as rt:
+    async with kvrt.open_runtime(engine=tiny(backend=backend), config=NO_DISK) as rt:
         tokenize = rt.engine.tokenize
         assert len(tokenize(old, add_special=False)) == len(tokenize(new, add_special=False))
         system = kvrt.Segment("system", SYSTEM)

@@ -10,7 +10,7 @@ import kvrt
 import kvrt.policy
 from kvrt import Config, Residency
 
-from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, greedy, loaded
+from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, greedy, tiny
 
 pytestmark = pytest.mark.anyio
 
@@ -193,7 +193,7 @@ async def test_the_write_through_policy_picks_what_is_copied_once_computed(
         kvrt.Segment("user", "What does add_2 return?"),
     ]
     async with (
-        kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
         rt.open_session(hot_tokens=1024, write_through=through) as s,
     ):
         await s.ensure_context(ctx)
@@ -210,7 +210,7 @@ async def test_the_message_class_policy_classes_chat_messages_by_role(
 ) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
     async with (
-        kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt,
+        kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
         rt.open_session(message_class=chosen) as s,
     ):
         await s.chat(messages, max_tokens=1)
