@@ -52,12 +52,13 @@ def test_the_zoo_holds_every_architecture_the_issue_names() -> None:
 # -- exact wherever kvrt says exact --
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("name", ATTENTION)
-def test_churn_equals_never_evicting_and_fresh_contexts(name: str) -> None:
+def test_churn_equals_never_evicting_and_fresh_contexts(name: str, kv_type: str) -> None:
     """Random evictions, restores in random order, rollbacks, prefills and greedy steps:
-    every logit bit-identical to a context that never evicted, and, for sequences without
-    generation, to a fresh context computing it all at once."""
-    churn(tiny(name), seeds=[0], fresh_seeds=[1], steps=16)
+    every logit and the new tokens' KV bit-identical to a context that never evicted, and,
+    for sequences without generation, to a fresh context computing it all at once."""
+    churn(tiny(name, kv_type), seeds=[0], fresh_seeds=[1], steps=16)
 
 
 @pytest.mark.anyio
@@ -77,6 +78,11 @@ async def test_sessions_restore_exactly_and_match_llama_cpp(name: str, anyio_bac
                 await next_logits(first),
                 list((await first.generate(8, stop_at_end=False)).tokens),
             )
+            evicted = await first.evict(files[0])
+            assert evicted > 0 and await first.admit(files[0]) == evicted  # explicit admit
+            status = await first.ensure_context(CONTEXT)  # the admitted file is in place
+            assert status.restored_tokens == 0 and status.prefilled_tokens <= 2
+            await check_exact(first, want)
             for file in files:
                 assert await first.evict(file) > 0
             again = await first.ensure_context(CONTEXT)
@@ -296,10 +302,14 @@ def test_longrope_blocks_never_cross_between_short_and_long_contexts() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_a_large_longrope_session_computes_what_a_small_one_left(anyio_backend: str) -> None:
+async def test_a_large_longrope_session_computes_what_a_small_one_left(
+    anyio_backend: str, tmp_path: Path
+) -> None:
     """The issue's case: a 384-token window computed the context; a 2048-token session
-    restores none of it (another table) and equals a fresh 2048-token context."""
+    restores none of it (another table) and equals a fresh 2048-token context; the small
+    session saved and resumed in a large window is computed again, exactly."""
     engine = tiny("phi3-longrope")
+    saved = tmp_path / "small.json"
     async with kvrt.open_runtime(engine=engine, config=SMALL) as rt:
         async with rt.open_session(hot_tokens=384, write_through="all") as small:
             await small.ensure_context(CONTEXT)
@@ -307,6 +317,14 @@ async def test_a_large_longrope_session_computes_what_a_small_one_left(anyio_bac
             status = await big.ensure_context(CONTEXT)
             assert status.restored_tokens == 0 and status.exact
             await check_exact(big, in_pieces(engine, CONTEXT, []))
+    async with kvrt.open_runtime(engine=engine, config=SMALL) as rt:  # a cold store anew
+        async with rt.open_session(hot_tokens=384, write_through="all") as small:
+            await small.ensure_context(CONTEXT)
+            await small.save(saved)
+        async with rt.open_session(resume=saved, hot_tokens=2048) as resumed:
+            assert resumed.resumed is not None and resumed.resumed.restored_tokens == 0
+            assert resumed.resumed.exact
+            await check_exact(resumed, in_pieces(engine, CONTEXT, []))
 
 
 # -- refused for the true reason --

@@ -60,7 +60,9 @@ class SavedSession(msgspec.Struct, frozen=True, kw_only=True):
     format: Literal[1] = 1
     """The file format's version."""
     fingerprint: str
-    """The model and KV layout: a saved context resumes only with the same one."""
+    """The model and KV layout: a saved context resumes only with the same one. (A setting
+    of the window that changes the KV, such as the LongRoPE table a window's size picks, is
+    not part of it: resumed in another window, those blocks are computed again.)"""
     hot_tokens: int
     """The hot window the session had."""
     segments: list[SavedSegment]
@@ -85,7 +87,7 @@ async def save_session(
         lambda: [actor.engine.detokenize(tokens) for *_, tokens in segments]
     )
     saved = SavedSession(
-        fingerprint=actor.window.fingerprint,
+        fingerprint=actor.engine.facts.fingerprint,
         hot_tokens=actor.ctx.n_ctx,
         segments=[
             SavedSegment(name=name, cache_class=cls, score=score, tokens=tokens, text=text)
@@ -160,10 +162,11 @@ def read_saved(path: str | os.PathLike[str]) -> SavedSession:
 
 async def resume_session(actor: Actor, request: Request, saved: SavedSession) -> ContextStatus:
     """Lay ``saved``'s tokens out in the session, restoring what the cold tiers hold."""
-    if saved.fingerprint != actor.window.fingerprint:
+    model = actor.engine.facts.fingerprint
+    if saved.fingerprint != model:
         raise InvalidContextError(
             "the saved session was made with another model or KV layout "
-            f"(fingerprint {saved.fingerprint}, this runtime's is {actor.window.fingerprint})"
+            f"(fingerprint {saved.fingerprint}, this runtime's is {model})"
         )
     n_vocab = actor.engine.facts.n_vocab
     for seg in saved.segments:

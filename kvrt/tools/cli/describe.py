@@ -40,15 +40,17 @@ def main(args: argparse.Namespace) -> None:
         print_info(info)
 
 
-def _runs(kinds: tuple[str, ...]) -> str:
-    """Layer kinds in runs: ``2 windowed, 1 global, 2 windowed``."""
-    out: list[list[Any]] = []
-    for kind in kinds:
-        if out and out[-1][1] == kind:
-            out[-1][0] += 1
-        else:
-            out.append([1, kind])
-    return ", ".join(f"{n} {kind}" for n, kind in out)
+_NAMES = {"global": "global", "windowed": "sliding-window", "recurrent": "recurrent"}
+
+
+def _kinds(n_layers: int, kinds: tuple[str, ...]) -> str:
+    """Layer kinds counted, then laid out one letter a layer (g global, w windowed, r
+    recurrent): ``6: 2 global, 4 sliding-window (wwgwwg)``."""
+    counts = {k: kinds.count(k) for k in (*_NAMES, *kinds) if k in kinds}
+    text = f"{n_layers}: " + ", ".join(f"{n} {_NAMES.get(k, k)}" for k, n in counts.items())
+    if len(counts) > 1 and len(kinds) <= 64:
+        text += f" ({''.join(k[0] for k in kinds)})"
+    return text
 
 
 _TURNS = {
@@ -105,7 +107,7 @@ def print_info(info: ModelInfo) -> None:
             f"{m.kv_bytes_per_token_swa // m.n_swa_layers:,})"
         )
     if m.layer_kinds:
-        layers = f"{m.n_layers}: {_runs(m.layer_kinds)}"
+        layers = _kinds(m.n_layers, m.layer_kinds)
     rows = [
         ("model", m.path),
         ("backend", m.backend),
