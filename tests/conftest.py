@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,13 +94,24 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(scope="session")
+def _built_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for the whole run where OpenVINO's converted IRs are kept: a model is
+    converted once, not once a test (7 s for SmolLM2)."""
+    return tmp_path_factory.mktemp("openvino-builds")
+
+
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> str:
+def cache_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, _built_models: Path
+) -> str:
     """Each test gets a cache folder of its own (the disk tier's default lives there), so
-    no test finds blocks another test wrote."""
-    folder = str(tmp_path_factory.mktemp("kvrt-cache"))
-    monkeypatch.setenv("KVRT_CACHE_DIR", folder)
-    return folder
+    no test finds blocks another test wrote; its ``openvino`` folder of built models is
+    the run's (tests of the build itself point KVRT_CACHE_DIR elsewhere)."""
+    folder = tmp_path_factory.mktemp("kvrt-cache")
+    (folder / "openvino").symlink_to(_built_models, target_is_directory=True)
+    monkeypatch.setenv("KVRT_CACHE_DIR", str(folder))
+    return str(folder)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
