@@ -19,6 +19,7 @@ can be compared; :func:`shift_cells` moves cells to other positions as a key shi
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Sequence
 from typing import Final, NamedTuple
@@ -37,6 +38,7 @@ __all__ = [
     "LayerRows",
     "StatePart",
     "key_rotation",
+    "key_rotation_disabled",
     "order_cells",
     "read_keys",
     "shift_cells",
@@ -275,12 +277,29 @@ def read_keys(
     return KeyRows(keys, part.positions)
 
 
+def key_rotation_disabled() -> bool:
+    """Whether llama.cpp was told to store quantized keys unrotated (its
+    ``LLAMA_ATTN_ROT_DISABLE`` variable, read as it reads it: an integer, non-zero)."""
+    raw = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "")
+    digits = raw.strip()
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits.lstrip("+-")
+    n = 0
+    for ch in digits:  # atoi: leading digits only
+        if not ch.isdigit():
+            break
+        n = n * 10 + int(ch)
+    return sign * n != 0
+
+
 def key_rotation(k_type: int, head_dims: set[int]) -> int | None:
     """The Hadamard block llama.cpp rotates keys of ``k_type`` by in a cache whose layers
     have heads of ``head_dims`` (``attn_rot_k`` in its KV cache): quantized keys with one
     head size, a multiple of 64, are rotated in blocks of that size's largest power-of-two
-    factor; other keys are stored as computed."""
+    factor, unless :func:`key_rotation_disabled`; other keys are stored as computed."""
     if k_type in (_GGML_F32, _GGML_F16, _GGML_BF16) or len(head_dims) != 1:
+        return None
+    if key_rotation_disabled():
         return None
     (size,) = head_dims
     if size % 64:

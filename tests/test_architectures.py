@@ -437,3 +437,31 @@ async def test_explain_says_how_relevance_was_scored(
         await s.ensure_context([*CONTEXT[:-1], Segment("user", "Which word comes last?")])
         assert s.explain().relevance_scoring == scored
         assert any(b.relevance is not None for b in s.explain().blocks)
+
+
+def test_quantized_keys_stored_unrotated_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp stores quantized keys Hadamard-rotated unless LLAMA_ATTN_ROT_DISABLE is
+    set; then its shift has no rotation to undo (it crashes, as with 32-wide heads): kvrt
+    turns the keys itself, reads them unrotated, and keeps such blocks apart from the
+    rotated ones (another fingerprint, so a disk tier shared with other runs never mixes
+    them)."""
+    rotated = tiny("llama", "q8_0").facts
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    config = kvrt.load_config(flags={"model": zoo_path("llama"), "kv_type": "q8_0"})
+    engine = kvrt.load_engine("llama", config=config)
+    try:
+        assert engine.facts.fingerprint != rotated.fingerprint
+        assert rotated.key_shift == "engine" and engine.facts.key_shift == "kvrt"
+        got, want = _moved_and_fresh(engine)
+        assert int(np.argmax(got)) == int(np.argmax(want))
+        tokens = engine.tokenize(STORY)
+        ctx, mirror = engine.open_context(512), engine.open_context(512)
+        for c in (ctx, mirror):
+            c.prefill(tokens)
+        block = ctx.export(10, 40)
+        ctx.evict(10, 40)
+        ctx.admit(block)
+        probe = engine.tokenize(" The keeper", add_special=False)
+        assert np.array_equal(ctx.prefill(probe), mirror.prefill(probe))
+    finally:
+        engine.close()

@@ -25,7 +25,7 @@ from kvrt.native_bridge.llama import (
     LlamaModel,
     kv_type_row_bytes,
 )
-from kvrt.native_bridge.llama_keys import StatePart, state_parts
+from kvrt.native_bridge.llama_keys import StatePart, key_rotation_disabled, state_parts
 
 from .._errors import translate_errors
 from .._window import check_tokens
@@ -261,6 +261,12 @@ class LlamaEngine:
             # Windowed layers export every cell (KEEP_SEQ): blocks from before that differ.
             + ("|swa_cells=all" if model.n_swa else "")
             + f"|v_trans={int(parts[0].v_trans)}"  # flash attention stores V untransposed
+            # llama.cpp stores quantized keys rotated unless told not to: other bytes
+            + (
+                "|k_rot=off"
+                if config.kv_type not in FLOAT_KV_TYPES and key_rotation_disabled()
+                else ""
+            )
         )
         facts = ModelFacts(
             backend="llama",
