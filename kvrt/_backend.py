@@ -118,8 +118,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """The model's RoPE in words: pair layout, base, scaling (linear, YaRN, LongRoPE,
     Llama 3 frequency factors) and the magnitude it scales keys by."""
     layer_kinds: tuple[str, ...] = ()
-    """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
-    sliding window) or ``recurrent``, where the engine lets kvrt tell them apart."""
+    """Each layer's kind, ``global`` (attends to every position) or ``windowed`` (the
+    sliding window), where the engine lets kvrt tell them apart (empty where not)."""
     rope_original_context: int | None = None
     """The context YaRN or LongRoPE scaling starts from (LongRoPE: its short factors serve
     contexts up to it), where the model scales RoPE."""

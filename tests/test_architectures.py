@@ -336,7 +336,11 @@ def test_recurrent_and_hybrid_models_are_refused_for_what_they_are(name: str) ->
     if v.architecture == "mamba2":
         want = r"is a recurrent model \(mamba2\): its 2 layers keep a recurrent state"
     else:
-        want = rf"is a hybrid model \({v.architecture}\): 1 attention and 2 recurrent layers"
+        n = sum(1 for i in range(v.layers) if v.kv_heads_of(i))
+        want = (
+            rf"is a hybrid model \({v.architecture}\): llama.cpp keeps a recurrent state for "
+            rf"it beside the attention KV of {n} of its {v.layers} layers"
+        )
     with pytest.raises(ModelLoadError, match=want):
         kvrt.load_engine("llama", model=zoo_path(name))
 

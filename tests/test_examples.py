@@ -224,4 +224,4 @@ def test_the_architectures_benchmark_measures_each_variant() -> None:
     yarn = rows["qwen2-yarn-1l"]
     assert yarn["key_shift"] == "kvrt" and yarn["in_place_delta"] == 0
     assert yarn["moved_delta"] < 0.06 < 0.6 < float(yarn["engine_shift"])
-    assert "1 attention and 2 recurrent layers" in rows["granitehybrid"]["refused"]
+    assert "the attention KV of 1 of its 3 layers" in rows["granitehybrid"]["refused"]

@@ -75,11 +75,10 @@ _WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6}
 def _layer_kinds(
     model: LlamaModel, header: GgufFile, arch: str, cache_layers: list[int]
 ) -> tuple[str, ...]:
-    """Each layer's kind where it can be told: recurrent from llama.cpp's per-layer KV
-    heads; windowed from the file's window pattern read as llama.cpp reads it, kept only
-    if it agrees with the number of layers llama.cpp put in the windowed cache."""
-    heads = _attention_heads(model)
-    kinds = ["recurrent" if n == 0 else "global" for n in heads]
+    """Each layer's kind where it can be told, for a model kvrt runs (every layer attends):
+    windowed from the file's window pattern read as llama.cpp reads it, kept only if it
+    agrees with the number of layers llama.cpp put in the windowed cache; global else."""
+    kinds = ["global"] * model.n_layer
     n_windowed = sum(cache_layers[1:]) if model.n_swa else 0
     if not n_windowed:
         return tuple(kinds)
@@ -209,7 +208,7 @@ class LlamaEngine:
         """A :class:`ModelLoadError` naming the true reason a model has no KV kvrt can
         page exactly, read from llama.cpp's own account of its layers."""
         kinds = _attention_heads(model)
-        recurrent = sum(1 for n in kinds if n == 0)
+        attention = sum(1 for n in kinds if n > 0)
         if model.is_recurrent:
             raise ModelLoadError(
                 f"{path} is a recurrent model ({arch}): its {model.n_layer} layers keep a "
@@ -217,11 +216,14 @@ class LlamaEngine:
                 "page; kvrt does not run recurrent models yet"
             )
         if model.is_hybrid:
+            # llama.cpp says which layers attend (KV heads) but not which keep state (an
+            # MLP-only layer has neither): name what is certain.
             raise ModelLoadError(
-                f"{path} is a hybrid model ({arch}): {model.n_layer - recurrent} attention "
-                f"and {recurrent} recurrent layers; kvrt pages attention KV but not yet the "
-                "recurrent state, which has integrated every token and cannot be cut into "
-                "blocks, so it cannot restore this model's context exactly"
+                f"{path} is a hybrid model ({arch}): llama.cpp keeps a recurrent state for "
+                f"it beside the attention KV of {attention} of its {model.n_layer} layers; "
+                "kvrt pages attention KV but not yet the recurrent state, which has "
+                "integrated every token and cannot be cut into blocks, so it cannot "
+                "restore this model's context exactly"
             )
         if model.n_layer <= 0 or model.n_head <= 0 or not any(kinds):
             raise ModelLoadError(f"{path} has no attention layers kvrt can page")

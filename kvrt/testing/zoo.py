@@ -78,6 +78,8 @@ class Variant:
     """How the layers are built: ``attention``, or a hybrid's builder."""
     recurrent: bool = False
     """Whether llama.cpp runs it with recurrent state (pure or hybrid)."""
+    ffn: int | tuple[int, ...] = FFN
+    """Feed-forward size, or one a layer (Nemotron-H: 0 in mixer layers)."""
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +87,9 @@ class Variant:
 
     def kv_heads_of(self, layer: int) -> int:
         return self.kv_heads[layer] if isinstance(self.kv_heads, tuple) else self.kv_heads
+
+    def ffn_of(self, layer: int) -> int:
+        return self.ffn[layer] if isinstance(self.ffn, tuple) else self.ffn
 
 
 # -- weights --
@@ -143,7 +148,7 @@ _SSM = {
 hybrid takes), four SSM heads of 64, one group."""
 
 
-def _mamba2(i: int, rng: np.random.Generator, *, gated_in: bool) -> Tensors:
+def _mamba2(i: int, rng: np.random.Generator) -> Tensors:
     inner, state, heads, groups = (
         _SSM["inner_size"],
         _SSM["state_size"],
@@ -151,7 +156,7 @@ def _mamba2(i: int, rng: np.random.Generator, *, gated_in: bool) -> Tensors:
         _SSM["group_count"],
     )
     conv = inner + 2 * groups * state
-    d_in = (2 * inner if gated_in else inner) + 2 * groups * state + heads
+    d_in = 2 * inner + 2 * groups * state + heads  # z, x, B, C and dt in one projection
     return {
         f"blk.{i}.ssm_in.weight": _normal(rng, (d_in, WIDTH), 0.1),
         f"blk.{i}.ssm_conv1d.weight": (
@@ -186,10 +191,25 @@ def _layers(v: Variant, rng: np.random.Generator) -> Tensors:
         out[f"blk.{i}.attn_norm.weight"] = _ones(WIDTH)
         recurrent = v.recurrent and v.kv_heads_of(i) == 0
         if arch == "mamba2":
-            out.update(_mamba2(i, rng, gated_in=True))
+            out.update(_mamba2(i, rng))
+            continue
+        if arch == "nemotron_h":  # one mixer a layer: Mamba-2, attention or an MLP
+            if v.ffn_of(i):
+                out[f"blk.{i}.ffn_up.weight"] = _normal(rng, (v.ffn_of(i), WIDTH), 0.1)
+                out[f"blk.{i}.ffn_down.weight"] = _normal(rng, (WIDTH, v.ffn_of(i)), 0.1)
+            elif recurrent:
+                out.update(_mamba2(i, rng))
+            else:
+                out.update(_attention(v, i, rng, qk_norm=False))
+            continue
+        if arch == "falcon-h1":  # attention and a Mamba-2 mixer side by side in each layer
+            out.update(_mamba2(i, rng))
+            out.update(_attention(v, i, rng, qk_norm=False))
+            out[f"blk.{i}.ffn_norm"] = _ones(WIDTH)  # no ".weight" on this one
+            out.update(_ffn(i, rng))
             continue
         if recurrent and arch == "granitehybrid":
-            out.update(_mamba2(i, rng, gated_in=True))
+            out.update(_mamba2(i, rng))
         elif recurrent and arch == "lfm2":
             out.update(_shortconv(i, rng))
         else:
@@ -367,6 +387,23 @@ def _recurrent_variants() -> list[Variant]:
             recurrent=True,
         ),
         Variant(
+            "nemotron-h",
+            "nemotron_h",
+            "Nemotron-H: Mamba-2, attention and MLP layers, one mixer each",
+            layers=3,
+            kv_heads=(0, KV_HEADS, 0),
+            ffn=(0, 0, FFN),
+            metadata=ssm,
+            recurrent=True,
+        ),
+        Variant(
+            "falcon-h1",
+            "falcon-h1",
+            "Falcon-H1: attention beside a Mamba-2 mixer in every layer",
+            metadata=ssm,
+            recurrent=True,
+        ),
+        Variant(
             "lfm2",
             "lfm2",
             "LFM2: short-convolution layers around one attention layer",
@@ -450,13 +487,18 @@ def _metadata(v: Variant) -> Iterator[tuple[str, Any, Any, Any]]:
     yield f"{a}.block_count", v.layers, u32, None
     yield f"{a}.context_length", v.context, u32, None
     yield f"{a}.embedding_length", WIDTH, u32, None
-    yield f"{a}.feed_forward_length", 0 if a == "mamba2" else FFN, u32, None
+    if isinstance(v.ffn, tuple):
+        yield f"{a}.feed_forward_length", list(v.ffn), arr, u32
+    else:
+        yield f"{a}.feed_forward_length", 0 if a == "mamba2" else v.ffn, u32, None
     yield f"{a}.attention.head_count", v.heads, u32, None
     if isinstance(v.kv_heads, tuple):
         yield f"{a}.attention.head_count_kv", list(v.kv_heads), arr, u32
     else:
         yield f"{a}.attention.head_count_kv", v.kv_heads, u32, None
     yield f"{a}.attention.layer_norm_rms_epsilon", 1e-5, f32, None
+    if a == "nemotron_h":
+        yield f"{a}.attention.layer_norm_epsilon", 1e-5, f32, None
     if a != "mamba2":
         yield f"{a}.rope.freq_base", v.rope_base, f32, None
         yield f"{a}.rope.dimension_count", v.head_dim, u32, None
