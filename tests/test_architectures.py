@@ -469,3 +469,30 @@ def test_quantized_keys_stored_unrotated_are_told_apart(monkeypatch: pytest.Monk
         assert np.array_equal(ctx.prefill(probe), mirror.prefill(probe))
     finally:
         engine.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_longrope_blocks_on_disk_serve_only_windows_of_their_table(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """Across a restart: what a 384-token window wrote to disk comes back in another
+    384-token window, and in a 2,048-token one nothing of it does (the other table)."""
+    engine = tiny("phi3-longrope")
+    flags = {
+        "disk.path": str(tmp_path / "blocks"),
+        **{f"session.{k}": "64" for k in ("block_tokens", "recent_tokens")},
+    }
+    config = kvrt.load_config(flags=flags)
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=512, write_through="all") as s,
+    ):
+        await s.ensure_context(CONTEXT[:2])
+    for hot, restored in ((512, True), (2048, False)):
+        async with (
+            kvrt.open_runtime(engine=engine, config=config) as rt,
+            rt.open_session(hot_tokens=hot) as s,
+        ):
+            status = await s.ensure_context(CONTEXT[:2])
+            assert status.exact and (status.restored_tokens > 0) is restored, (hot, status)
