@@ -18,7 +18,19 @@ import msgspec
 
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_struct", "check_text"]
+__all__ = [
+    "MAX_SALT",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_salt",
+    "check_struct",
+    "check_text",
+]
+
+MAX_SALT = 256
+"""The longest ``cache_salt`` kvrt takes (characters)."""
 
 E = TypeVar("E", bound=enum.Enum)
 S = TypeVar("S", bound=msgspec.Struct)
@@ -83,6 +95,16 @@ def check_text(name: str, value: Any, *, empty: bool = True) -> str:
             f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}"
         ) from None
     return value
+
+
+def check_salt(value: Any, name: str = "cache_salt") -> str:
+    """A cache salt: 1 to :data:`MAX_SALT` printable characters."""
+    check_text(name, value, empty=False)
+    if len(value) > MAX_SALT:
+        raise InvalidArgumentError(f"{name} holds {len(value)} characters; at most {MAX_SALT}")
+    if not value.isprintable():
+        raise InvalidArgumentError(f"{name} must be printable text (no control characters)")
+    return str(value)
 
 
 def check_choice(name: str, value: Any, kind: type[E]) -> E:

@@ -3,14 +3,33 @@
 A reply sent back as an assistant message is placed with the tokens that were generated
 (and whose KV was computed), not with a fresh tokenization of its text, which may differ:
 so the reply and everything before it are reused, not recomputed.
+
+Remembered replies are scoped like blocks: a session opened with a cache salt finds only
+the replies of sessions with the same salt (another tenant's reply, or what it called a
+tool with, is never placed in its context).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 __all__ = ["ReplyMemory"]
+
+
+@dataclass
+class _Entries:
+    """What every scope of one memory shares: bounded maps and their lock."""
+
+    capacity: int
+    replies: OrderedDict[tuple[str | None, str], tuple[list[int], str]] = field(
+        default_factory=OrderedDict
+    )
+    shown: OrderedDict[tuple[str | None, str], str] = field(default_factory=OrderedDict)
+    """What a caller saw of a reply (its content, or its tool calls' ids) -> the text
+    generated (a tool-call envelope)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ReplyMemory:
@@ -21,15 +40,25 @@ class ReplyMemory:
     >>> memory.remember("Hello!", [9906, 0], "Hello!")
     >>> memory.lookup("Hello!"), memory.lookup("Hello")
     (([9906, 0], ''), None)
+    >>> memory.scoped("tenant-b").lookup("Hello!") is None
+    True
     """
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
-        self._shown: OrderedDict[str, str] = OrderedDict()
-        """What a caller saw of a reply (its content, or its tool calls' ids) -> the text
-        generated (a tool-call envelope)."""
-        self._lock = threading.Lock()
+    def __init__(
+        self, capacity: int = 256, *, _entries: _Entries | None = None, _scope: str | None = None
+    ) -> None:
+        self._entries = _entries or _Entries(capacity)
+        self._scope = _scope
+
+    @property
+    def capacity(self) -> int:
+        return self._entries.capacity
+
+    def scoped(self, salt: str | None) -> ReplyMemory:
+        """The same memory as a session with cache salt ``salt`` sees it: only replies
+        remembered under that salt (None: the unsalted sessions' scope). Every scope counts
+        against one capacity."""
+        return ReplyMemory(_entries=self._entries, _scope=salt)
 
     def remember(
         self,
@@ -46,34 +75,36 @@ class ReplyMemory:
         not ``text`` itself (a tool-call envelope)."""
         if not text or not tokens or not text.startswith(tokens_text):
             return
-        with self._lock:
-            self._entries[text] = (list(tokens), text[len(tokens_text) :])
-            self._entries.move_to_end(text)
+        e, scope = self._entries, self._scope
+        with e.lock:
+            e.replies[scope, text] = (list(tokens), text[len(tokens_text) :])
+            e.replies.move_to_end((scope, text))
             shown = [_calls_key(calls)] if calls else []
             if content and content != text:
                 shown.append(content)
             for key in shown:
-                self._shown[key] = text
-                self._shown.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-            while len(self._shown) > self.capacity:
-                self._shown.popitem(last=False)
+                e.shown[scope, key] = text
+                e.shown.move_to_end((scope, key))
+            while len(e.replies) > e.capacity:
+                e.replies.popitem(last=False)
+            while len(e.shown) > e.capacity:
+                e.shown.popitem(last=False)
 
     def lookup(self, text: str) -> tuple[list[int], str] | None:
         """The generated tokens of a reply whose text is exactly ``text``, and the text
         after them still to tokenize; None when no such reply is remembered."""
-        with self._lock:
-            found = self._entries.get(text)
+        e, key = self._entries, (self._scope, text)
+        with e.lock:
+            found = e.replies.get(key)
             if found is not None:
-                self._entries.move_to_end(text)
+                e.replies.move_to_end(key)
         return None if found is None else (list(found[0]), found[1])
 
     def generated(self, *, content: str = "", calls: tuple[str, ...] = ()) -> str | None:
         """The text generated for a reply the caller saw as ``content``, or as the tool
         calls with ids ``calls``; None when not remembered."""
-        with self._lock:
-            return self._shown.get(_calls_key(calls) if calls else content)
+        with self._entries.lock:
+            return self._entries.shown.get((self._scope, _calls_key(calls) if calls else content))
 
 
 def _calls_key(ids: list[str] | tuple[str, ...]) -> str:

@@ -16,8 +16,8 @@ from . import policies as policies  # registers the built-in policies
 from . import policy
 from ._backend import Engine
 from ._capacity import Limit, planner_context
-from ._checks import check_bool, check_choice, check_int, check_text
-from ._cold import ColdStats, ColdStore, DiskTier, RemoteTier
+from ._checks import check_bool, check_choice, check_int, check_salt, check_text
+from ._cold import ColdStats, ColdStore, DiskTier, RemoteTier, salted
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
@@ -162,6 +162,7 @@ class Runtime(metaclass=NoPublicConstructor):
         write_through: str | None = None,
         message_class: str | None = None,
         resume: str | os.PathLike[str] | SavedSession | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
@@ -172,6 +173,11 @@ class Runtime(metaclass=NoPublicConstructor):
         context out again before the session is yielded, restoring every block the cold
         tiers hold (``session.resumed`` says what was restored and computed);
         ``hot_tokens`` then defaults to the saved session's.
+        ``cache_salt`` (1 to 256 printable characters) scopes reuse: the session's blocks
+        and remembered replies are reused only by sessions opened with the same salt, in
+        every tier and across restarts (it is part of each block's identity). Sessions
+        without one share theirs with each other (one user's machine); give each user or
+        tenant its own where several share a runtime.
 
         >>> async with rt.open_session(hot_tokens=512, name="reviewer") as session:
         ...     await session.ensure_context([kvrt.Segment("user", "Hi")])
@@ -182,6 +188,8 @@ class Runtime(metaclass=NoPublicConstructor):
             check_text("session name", name, empty=False)
         if hot_tokens is not None:
             check_int("hot_tokens", hot_tokens)
+        if cache_salt is not None:
+            check_salt(cache_salt)
         saved = None
         if resume is not None:
             if isinstance(resume, SavedSession):
@@ -237,7 +245,7 @@ class Runtime(metaclass=NoPublicConstructor):
             self._engine.open_context, hot, limiter=self.engine_limiter
         )
         window = HotWindow(
-            fingerprint=getattr(ctx, "fingerprint", facts.fingerprint),
+            fingerprint=salted(getattr(ctx, "fingerprint", facts.fingerprint), cache_salt),
             planner_context=planner,
             block_tokens=cfg.block_tokens,
             sink_tokens=cfg.sink_tokens,
@@ -252,7 +260,7 @@ class Runtime(metaclass=NoPublicConstructor):
                 limiter=self.engine_limiter,
                 config=cfg,
                 policies=chosen,
-                replies=self._replies,
+                replies=self._replies.scoped(cache_salt),
             )
         )
         await self._tg.start(actor.run)

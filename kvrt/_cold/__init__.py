@@ -9,7 +9,7 @@
 """
 
 from .disk import BlockIO, DiskStats, DiskTier
-from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, token_digest
+from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
 from .remote import RemoteStats, RemoteTier
 from .stats import ColdStats
 from .store import ColdStore, Fetched, Tier
@@ -27,5 +27,6 @@ __all__ = [
     "RemoteStats",
     "RemoteTier",
     "Tier",
+    "salted",
     "token_digest",
 ]

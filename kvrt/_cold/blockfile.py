@@ -5,9 +5,10 @@ A fixed prefix, a header, then the KV payload::
     magic "KVRTBLK\\0" | version u16 | flags u16 | header length u32 | payload length u64
     | xxh3-128 of header + payload (16 bytes) | header (msgpack) | payload
 
-The header names the model fingerprint, the key, the cache class, the KV precision, the
-block's token ids and how many float32 logits follow the KV bytes in the payload (after a
-block that ended its context; 0 for most). :func:`decode` refuses anything that does not check out — a wrong magic
+The header names the key (its fingerprint: the model's, or a salted one), the cache class,
+the KV precision, the block's token ids, how many float32 logits follow the KV bytes in the
+payload (after a block that ended its context; 0 for most) and, under a salted key, the
+fingerprint of the KV itself. :func:`decode` refuses anything that does not check out — a wrong magic
 or version, lengths that disagree with the bytes, a checksum mismatch, tokens that do not
 hash to the key, a key other than the one asked for — so nothing damaged ever reaches an
 engine.
@@ -58,6 +59,9 @@ class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     tokens: list[int]
     logits: int = 0
     """float32 values after the KV bytes: the logits following the block's last token."""
+    kv_fingerprint: str = ""
+    """The fingerprint of the KV itself (what an engine checks before loading it), where it
+    is not the key's: a salted key (see :func:`~kvrt._cold.entry.salted`)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -77,6 +81,7 @@ def encode(entry: ColdEntry) -> tuple[bytes, memoryview]:
             kv_type=meta.kv_type,
             tokens=list(meta.tokens),
             logits=0 if entry.logits is None else int(entry.logits.size),
+            kv_fingerprint="" if meta.fingerprint == key.fingerprint else meta.fingerprint,
         )
     )
     kv = np.ascontiguousarray(entry.data)
@@ -139,7 +144,7 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
     if header.logits < 0 or kv_len < 0:
         raise CorruptBlockError(f"{header.logits} logits do not fit a {payload_len}-byte payload")
     meta = ColdBlockMeta(
-        fingerprint=header.fingerprint,
+        fingerprint=header.kv_fingerprint or header.fingerprint,
         kv_type=header.kv_type,
         start=header.start,
         tokens=tuple(header.tokens),

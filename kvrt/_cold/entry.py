@@ -13,7 +13,7 @@ import numpy.typing as npt
 from .._backend import ColdBlock, ColdBlockMeta
 from .._types import CacheClass
 
-__all__ = ["PARTIAL_PREFIX", "ColdEntry", "ColdKey", "token_digest"]
+__all__ = ["PARTIAL_PREFIX", "ColdEntry", "ColdKey", "salted", "token_digest"]
 
 PARTIAL_PREFIX = "pw"
 """How the prefix field of a partial-window block's key begins (an exact key's prefix is
@@ -24,6 +24,17 @@ def token_digest(tokens: Sequence[int], seed: bytes = b"") -> str:
     """A stable digest of a token sequence (optionally chained onto ``seed``)."""
     h = hashlib.blake2b(seed, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    return h.hexdigest()
+
+
+def salted(fingerprint: str, salt: str | None) -> str:
+    """The fingerprint a session's blocks carry under a cache salt: blocks are reused only
+    between sessions of the same salt (the key's identity, so in every tier, on every host
+    and after restarts). No salt: the fingerprint itself, shared by every unsalted session."""
+    if salt is None:
+        return fingerprint
+    h = hashlib.blake2b(fingerprint.encode(), digest_size=16, person=b"kvrt cache salt")
+    h.update(salt.encode())
     return h.hexdigest()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import time
@@ -60,7 +61,20 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     double it)."""
     api_key: str | None = None
     """When set, every route but ``/health`` requires ``Authorization: Bearer <key>``
-    (compared in constant time); others get a 401."""
+    (compared in constant time); others get a 401. One key is one tenant (``default``)."""
+    api_keys: dict[str, str] = msgspec.field(default_factory=dict)
+    """Keys accepted, each with the tenant it names (``{key: tenant}``; several keys may
+    name one tenant). Reuse of every kind (a session's hot KV, cold blocks in RAM, on disk
+    and in Redis, remembered replies, stored responses) happens only within a tenant, and
+    a request's ``cache_salt`` narrows it further. No key and no salt: everything is
+    shared (one user's machine)."""
+
+    def tenants(self) -> dict[str, str]:
+        """Every key accepted, with its tenant."""
+        keys = dict(self.api_keys)
+        if self.api_key:
+            keys.setdefault(self.api_key, "default")
+        return keys
 
 
 PIN_HEADER = "x-session-id"
@@ -198,7 +212,12 @@ class Server:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
             req = responses.read(await _body(request))
             self._check_model(req.model)
-            before = self.answers.get(req.previous_response_id) if req.previous_response_id else []
+            tenant = _tenant(request)
+            before = (
+                self.answers.get(req.previous_response_id, tenant=tenant)
+                if req.previous_response_id
+                else []
+            )
             kept.extend(before + responses.to_messages(req.input))
             head = [{"role": "system", "content": req.instructions}] if req.instructions else []
             try:
@@ -215,7 +234,8 @@ class Server:
 
         def store(rid: str, req: Any, done: kvrt.Completion) -> None:
             if req.store is not False:
-                self.answers.put(rid, kept + responses.output_messages(done))
+                messages = kept + responses.output_messages(done)
+                self.answers.put(rid, messages, tenant=_tenant(request))
 
         def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
             req = request.state.responses_request
@@ -286,11 +306,12 @@ class Server:
                     f"{PIN_HEADER} must be 1 to 100 printable characters", param=PIN_HEADER
                 ),
             )
+        scope = reuse_scope(_tenant(request), getattr(req, "cache_salt", None))
         # From here on a client that leaves stops the work: its place in the queue, or
         # the generation (a stream's own response notices, see _Stream).
         async with _until_gone(request) as left:
             try:
-                slot = await stack.enter_async_context(self.pool.lend(wanted, pin))
+                slot = await stack.enter_async_context(self.pool.lend(wanted, pin, scope))
             except PoolFull as exc:
                 await stack.aclose()
                 return self._error(
@@ -480,6 +501,22 @@ class _AsChat:
         self.top_logprobs = req.top_logprobs
 
 
+def _tenant(request: Request) -> str | None:
+    """The tenant of the request's API key, or None where the server takes no keys."""
+    found = request.scope.get("state", {}).get("kvrt_tenant")
+    return found if isinstance(found, str) else None
+
+
+def reuse_scope(tenant: str | None, salt: str | None) -> str | None:
+    """What a request may reuse with: requests of its tenant and cache salt alone, as the
+    cache salt of the sessions serving them (a digest: any tenant name and salt make a
+    valid one). None where there is neither: everything is shared."""
+    if tenant is None and salt is None:
+        return None
+    h = hashlib.blake2b(msgspec.json.encode([tenant, salt]), digest_size=16)
+    return h.hexdigest()
+
+
 def model_id(runtime: kvrt.Runtime, config: ServeConfig) -> str:
     """The model id the server serves (``/v1/models``) and clients send."""
     return config.model_name or Path(runtime.model_info.model.path).stem
@@ -647,8 +684,8 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(_KeyRequired, key=config.api_key, server=server)]
-        if config.api_key
+        middleware=[Middleware(_KeyRequired, keys=config.tenants(), server=server)]
+        if config.tenants()
         else [],
     )
     app.state.server = server
@@ -656,31 +693,54 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
 
 
 class _KeyRequired:
-    """Refuses (401, OpenAI-style) a request without ``Authorization: Bearer <key>``,
-    but for ``/health``; the key is compared in constant time."""
+    """Refuses (401, OpenAI-style) a request without ``Authorization: Bearer <key>`` of
+    a known key, but for ``/health``, and one with two such headers (a proxy and a client
+    disagreeing must not pick the tenant); every key is compared in constant time. The
+    request carries its key's tenant on (``request.state.kvrt_tenant``)."""
 
-    def __init__(self, app: ASGIApp, *, key: str, server: Server) -> None:
+    def __init__(self, app: ASGIApp, *, keys: dict[str, str], server: Server) -> None:
         self.app = app
-        self.key = key.encode()
+        self.keys = [(key.encode(), tenant) for key, tenant in keys.items()]
         self.server = server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") == "/health":
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        given = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
+        if len(given) > 1:
+            await self._refuse(
+                scope, receive, send, "send one Authorization header, not several", 400, None
+            )
+            return
+        scheme, _, token = (given[0] if given else b"").partition(b" ")
+        tenant = None
+        if scheme.lower() == b"bearer":
+            for key, name in self.keys:  # every key compared: the time says nothing
+                if hmac.compare_digest(token.strip(), key) and tenant is None:
+                    tenant = name
+        if tenant is not None:
+            scope.setdefault("state", {})["kvrt_tenant"] = tenant
             await self.app(scope, receive, send)
             return
-        self.server.requests[("auth", 401)] += 1
-        body = openai.error_body(
+        await self._refuse(
+            scope,
+            receive,
+            send,
             "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-            kind="invalid_request_error",
-            param=None,
-            code="invalid_api_key",
+            401,
+            "invalid_api_key",
         )
-        await JSONResponse(body, status_code=401)(scope, receive, send)
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        message: str,
+        status: int,
+        code: str | None,
+    ) -> None:
+        self.server.requests[("auth", status)] += 1
+        body = openai.error_body(message, kind="invalid_request_error", param=None, code=code)
+        await JSONResponse(body, status_code=status)(scope, receive, send)

@@ -22,6 +22,7 @@ __all__ = [
     "CompletionRequest",
     "RequestError",
     "chat_response",
+    "check_salt",
     "chunk",
     "completion_response",
     "error_body",
@@ -70,6 +71,9 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
+    cache_salt: str | None = None
+    """vLLM's field: requests reuse cached KV only with requests of the same salt (and
+    the same API key's tenant)."""
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -114,7 +118,23 @@ def read(body: bytes, kind: type[_Common]) -> Any:
             raise RequestError(f"{name}={value!r} is not supported by kvrt", param=name)
     if isinstance(request, CompletionRequest) and request.echo:
         raise RequestError("echo is not supported by kvrt", param="echo")
+    check_salt(request.cache_salt)
     return request
+
+
+MAX_SALT = 256
+"""The longest ``cache_salt`` a request may give (characters)."""
+
+
+def check_salt(salt: str | None) -> None:
+    """A 400 naming ``cache_salt`` unless it is 1 to :data:`MAX_SALT` printable
+    characters (an unbounded salt is an unbounded key in every tier)."""
+    if salt is None:
+        return
+    if not salt or len(salt) > MAX_SALT or not salt.isprintable():
+        raise RequestError(
+            f"cache_salt must be 1 to {MAX_SALT} printable characters", param="cache_salt"
+        )
 
 
 def logprobs(request: Any) -> int | None:

@@ -7,6 +7,10 @@ messages are computed; otherwise it gets a new session while there is room, and 
 idle session used longest ago (its blocks go to the cold store, where later requests
 find them). ``X-Session-Id`` pins a conversation to a session of its own. Past
 ``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
+
+Every request comes with a scope (its tenant and cache salt, or None) and is matched only
+with sessions of its scope, which are opened with it as their cache salt: nothing one
+scope computed, hot or cold, is reused by another.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class PoolFull(kvrt.KvrtError):
 @dataclass(eq=False)
 class Slot:
     pin: str | None
+    scope: str | None = None
+    """The tenant and salt the session serves (its cache salt), or None."""
     history: History = ()
     busy: bool = True
     last_used: float = field(default_factory=time.monotonic)
@@ -75,11 +81,13 @@ class Pool:
         return sum(s.busy for s in self.slots)
 
     @asynccontextmanager
-    async def lend(self, wanted: History, pin: str | None) -> AsyncIterator[Slot]:
-        """A session for a request whose context is ``wanted``; set ``slot.history`` to
-        what it holds afterwards. Raises :class:`PoolFull` when nothing is free and the
-        queue is full."""
-        slot = await self._acquire(wanted, pin)
+    async def lend(
+        self, wanted: History, pin: str | None, scope: str | None = None
+    ) -> AsyncIterator[Slot]:
+        """A session of ``scope`` for a request whose context is ``wanted``; set
+        ``slot.history`` to what it holds afterwards. Raises :class:`PoolFull` when nothing
+        is free and the queue is full."""
+        slot = await self._acquire(wanted, pin, scope)
         try:
             await self._ready(slot)
             if slot.session is None:
@@ -103,8 +111,8 @@ class Pool:
 
     # -- choosing --
 
-    async def _acquire(self, wanted: History, pin: str | None) -> Slot:
-        slot = self._choose(wanted, pin)
+    async def _acquire(self, wanted: History, pin: str | None, scope: str | None) -> Slot:
+        slot = self._choose(wanted, pin, scope)
         if slot is not None:
             return slot
         if self.waiting >= self.max_queue:
@@ -117,38 +125,39 @@ class Pool:
             while slot is None:
                 changed = self._changed
                 await changed.wait()
-                slot = self._choose(wanted, pin)
+                slot = self._choose(wanted, pin, scope)
         finally:
             self.waiting -= 1
         return slot
 
-    def _choose(self, wanted: History, pin: str | None) -> Slot | None:
+    def _choose(self, wanted: History, pin: str | None, scope: str | None) -> Slot | None:
         """The slot to lend now (marked busy), or None to wait. Synchronous: no other
         request can choose between the look and the mark."""
         idle = [s for s in self.slots if not s.busy]
         if pin is not None:
-            mine = next((s for s in self.slots if s.pin == pin), None)
+            mine = next((s for s in self.slots if s.pin == pin and s.scope == scope), None)
             if mine is not None:
                 return self._take(mine) if not mine.busy else None
-            return self._new(pin, idle)
+            return self._new(pin, scope, idle)
         free = [s for s in idle if s.pin is None]
-        best = max(free, key=lambda s: (shared(s.history, wanted), s.last_used), default=None)
+        ours = [s for s in free if s.scope == scope]
+        best = max(ours, key=lambda s: (shared(s.history, wanted), s.last_used), default=None)
         if best is not None and shared(best.history, wanted):
             return self._take(best)
         if len(self.slots) < self.max_sessions:
-            return self._new(None, idle)
-        if free:
-            return self._take(min(free, key=lambda s: s.last_used))
-        if idle:  # only pinned sessions are idle: the oldest gives way
-            return self._new(None, idle)
+            return self._new(None, scope, idle)
+        if ours:
+            return self._take(min(ours, key=lambda s: s.last_used))
+        if idle:  # another scope's (or a pinned) idle session gives way
+            return self._new(None, scope, idle)
         return None
 
     def _take(self, slot: Slot) -> Slot:
         slot.busy = True
         return slot
 
-    def _new(self, pin: str | None, idle: Sequence[Slot]) -> Slot | None:
-        slot = Slot(pin=pin)
+    def _new(self, pin: str | None, scope: str | None, idle: Sequence[Slot]) -> Slot | None:
+        slot = Slot(pin=pin, scope=scope)
         if len(self.slots) >= self.max_sessions:
             if not idle:
                 return None
@@ -168,7 +177,9 @@ class Pool:
     async def _open(self, slot: Slot) -> None:
         name = f"serve-{next(self._names)}" if slot.pin is None else f"serve-{slot.pin}"
         slot.session = await slot.stack.enter_async_context(
-            self.runtime.open_session(hot_tokens=self.hot_tokens, name=name[:100])
+            self.runtime.open_session(
+                hot_tokens=self.hot_tokens, name=name[:100], cache_salt=slot.scope
+            )
         )
 
     def _signal(self) -> None:

@@ -23,7 +23,7 @@ import msgspec
 
 import kvrt
 
-from .openai import MAX_BODY, RequestError, chat_logprob
+from .openai import MAX_BODY, RequestError, chat_logprob, check_salt
 
 __all__ = ["ResponseStore", "ResponsesRequest", "events", "read", "response_body", "to_messages"]
 
@@ -50,6 +50,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None
     safety_identifier: str | None = None
     stream_options: dict[str, Any] | None = None
     background: bool | None = None
@@ -88,6 +89,7 @@ def read(body: bytes) -> ResponsesRequest:
         raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise RequestError("max_output_tokens must be at least 1", param="max_output_tokens")
+    check_salt(req.cache_salt)
     return req
 
 
@@ -188,21 +190,24 @@ def output_messages(done: kvrt.Completion) -> list[dict[str, Any]]:
 
 class ResponseStore:
     """Recent responses' conversations (without their instructions), bounded by count
-    and age, for ``previous_response_id``."""
+    and age, for ``previous_response_id``; each kept for the tenant that made it (another
+    tenant asking for it gets the same 404 as for an unknown id)."""
 
     def __init__(self, *, capacity: int = 256, max_age: float = 3600.0) -> None:
         self.capacity = capacity
         self.max_age = max_age
-        self._kept: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str | None, str], tuple[float, list[dict[str, Any]]]] = (
+            OrderedDict()
+        )
 
-    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
-        self._kept[rid] = (time.monotonic(), messages)
-        self._kept.move_to_end(rid)
+    def put(self, rid: str, messages: list[dict[str, Any]], *, tenant: str | None = None) -> None:
+        self._kept[tenant, rid] = (time.monotonic(), messages)
+        self._kept.move_to_end((tenant, rid))
         self._trim()
 
-    def get(self, rid: str) -> list[dict[str, Any]]:
+    def get(self, rid: str, *, tenant: str | None = None) -> list[dict[str, Any]]:
         self._trim()
-        found = self._kept.get(rid)
+        found = self._kept.get((tenant, rid))
         if found is None:
             raise RequestError(
                 f"previous response {rid!r} is not kept (unknown, expired, or stored with "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 from functools import partial
@@ -64,9 +65,11 @@ def add(sub: Any) -> None:
     serve.add_argument(
         "--api-key",
         default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $KVRT_API_KEY; '@PATH' reads it from a file)",
+        metavar="KEYS",
+        help="require 'Authorization: Bearer KEY' on every route but /health: one key, "
+        "several separated by commas, or '@PATH', a file of one key a line, each optionally "
+        "followed by its tenant's name ('KEY NAME'); each tenant reuses only its own cache "
+        "(default: $KVRT_API_KEY)",
     )
     serve.add_argument(
         "--send-buffer",
@@ -103,7 +106,7 @@ def main(args: argparse.Namespace) -> None:
         model_name=args.model_name,
         stall_timeout=args.stall_timeout,
         send_buffer=args.send_buffer,
-        api_key=_api_key(args),
+        api_keys=_api_keys(args),
     )
     # Bound before the model loads: a port in use is one line and exit status 2, at once.
     sock = listen(args.host, args.port, send_buffer=args.send_buffer)
@@ -121,18 +124,37 @@ def main(args: argparse.Namespace) -> None:
     anyio.run(main, backend=args.loop)
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The key ``kvrt serve`` requires: ``--api-key``, else ``$KVRT_API_KEY``; ``@PATH``
-    reads it from a file (its first line)."""
+def _api_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The keys ``kvrt serve`` accepts, each with its tenant: ``--api-key``, else
+    ``$KVRT_API_KEY``; a comma list (``k1,k2``), or ``@PATH``, a file of one key a line
+    with an optional tenant name after it (``KEY NAME``; blank lines and ``#`` comments
+    skipped). A key without a name is a tenant of its own, named by its digest."""
     given = args.api_key if args.api_key is not None else os.environ.get("KVRT_API_KEY")
     if not given:
-        return None
+        return {}
     if given.startswith("@"):
         try:
-            given = Path(given[1:]).read_text().strip().splitlines()[0]
-        except (OSError, IndexError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read the API key from {given[1:]}: {exc}") from None
-    key = given.strip()
-    if not key or not key.isprintable() or " " in key:
-        raise ConfigError("the API key must be printable text without spaces")
-    return key
+            lines = Path(given[1:]).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the API keys from {given[1:]}: {exc}") from None
+        entries = [
+            (n, line.strip())
+            for n, line in enumerate(lines, 1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+        where = f"{given[1:]}, line"
+    else:
+        entries = [(n, part.strip()) for n, part in enumerate(given.split(","), 1)]
+        where = "--api-key, key"
+    keys: dict[str, str] = {}
+    for n, entry in entries:
+        key, _, name = entry.partition(" ")
+        name = name.strip()
+        if not key or not key.isprintable() or not name.isprintable():
+            raise ConfigError(f"{where} {n}: a key must be printable text without spaces")
+        if key in keys:
+            raise ConfigError(f"{where} {n}: the key appears twice")
+        keys[key] = name or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not keys:
+        raise ConfigError(f"no API key in {given[1:] if given.startswith('@') else '--api-key'}")
+    return keys
