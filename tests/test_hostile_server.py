@@ -315,7 +315,65 @@ def test_a_port_in_use_is_one_line(server: Server) -> None:
     assert time.monotonic() - began < 30  # refused before the model loads
 
 
+def responses_body(model: str, items: object, **extra: object) -> bytes:
+    return json.dumps({"model": model, "input": items, "max_output_tokens": 1, **extra}).encode()
+
+
+def test_responses_keep_only_what_the_conversation_needs(server: Server) -> None:
+    """An input item's unknown key is a 400 naming it, before anything is kept (a 20 MB
+    one grew the server by 20 MB a request, held an hour); a function call's output made
+    of other than text parts is a 400 naming it (it was a 500); what is kept is counted in
+    /metrics."""
+    model = model_of(server)
+    blob = "x" * 20_000_000
+    rss = server.rss
+    for _ in range(3):
+        item = {"role": "user", "content": [{"type": "input_text", "text": "Hi", "blob": blob}]}
+        status, body = request(server, "POST", "/v1/responses", responses_body(model, [item]))
+        assert status == 400, body[:300]
+        error = json.loads(body)["error"]
+        assert error["param"] == "input[0].content[0].blob" and "not a field" in error["message"]
+    assert server.rss < rss + 50 * 2**20  # nothing of the three 20 MB bodies is held
+    for output, param in (
+        ([{"type": "input_text", "text": 7}], "input[1].output[0].text"),
+        ([{"type": "input_image", "image_url": "x"}], "input[1].output[0]"),
+        (7, "input[1].output"),
+    ):
+        items = [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output},
+        ]
+        status, body = request(server, "POST", "/v1/responses", responses_body(model, items))
+        assert status == 400 and json.loads(body)["error"]["param"] == param, body[:300]
+    before = metric(server, "kvrt_responses_stored_bytes")
+    status, body = request(server, "POST", "/v1/responses", responses_body(model, "Hello there"))
+    assert status == 200, body[:300]
+    assert metric(server, "kvrt_responses_stored_bytes") > before
+    assert metric(server, "kvrt_responses_stored") >= 1
+
+
 def test_the_log_holds_no_traceback(server: Server) -> None:
     """Runs last in the module: everything above went through without one."""
     out = server.output()
     assert "Traceback" not in out and "athrow" not in out, out[-3000:]
+
+
+def test_the_response_store_keeps_within_its_bytes() -> None:
+    import kvrt
+    from kvrt.serve.responses import ResponseStore
+
+    store = ResponseStore(max_bytes=1000)
+    message = [kvrt.Message(role="user", content="x" * 300)]
+    for i in range(5):
+        store.put(f"r{i}", message, tenant="a")
+    assert store.bytes <= 1000 and len(store) == 2  # the oldest went
+    assert store.get("r4", tenant="a") == message
+    store.put("huge", [kvrt.Message(role="user", content="x" * 2000)], tenant="a")
+    assert len(store) == 2  # larger than the whole budget: not kept
+    for rid, tenant in (("huge", "a"), ("r0", "a"), ("r4", "b"), ("r4", None)):
+        try:
+            store.get(rid, tenant=tenant)
+        except Exception as exc:
+            assert "is not kept" in str(exc)
+        else:
+            raise AssertionError((rid, tenant))

@@ -62,6 +62,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     """When set, every route but ``/health`` requires ``Authorization: Bearer <key>``
     (compared in constant time); others get a 401. One key is one tenant (``default``)."""
+    response_store_bytes: int = 64 * 2**20
+    """What stored responses (for ``previous_response_id``) may take in all, in bytes of
+    their conversations; the oldest go first (also past 256 of them or an hour)."""
     api_keys: dict[str, str] = msgspec.field(default_factory=dict)
     """Keys accepted, each with the tenant it names (``{key: tenant}``; several keys may
     name one tenant). Reuse of every kind (a session's hot KV, cold blocks in RAM, on disk
@@ -95,7 +98,7 @@ class Server:
         )
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
-        self.answers = responses.ResponseStore()
+        self.answers = responses.ResponseStore(max_bytes=config.response_store_bytes)
         """Recent responses' conversations, for ``previous_response_id``."""
         self.gone: Counter[str] = Counter()
         """Requests whose client left before the answer: ``body`` (while sending it),
@@ -156,6 +159,12 @@ class Server:
             "# HELP kvrt_queue_depth Requests waiting for a session.",
             "# TYPE kvrt_queue_depth gauge",
             f"kvrt_queue_depth {self.pool.waiting}",
+            "# HELP kvrt_responses_stored Responses kept for previous_response_id.",
+            "# TYPE kvrt_responses_stored gauge",
+            f"kvrt_responses_stored {len(self.answers)}",
+            "# HELP kvrt_responses_stored_bytes Bytes of the conversations they keep.",
+            "# TYPE kvrt_responses_stored_bytes gauge",
+            f"kvrt_responses_stored_bytes {self.answers.bytes}",
             "# HELP kvrt_clients_gone_total Requests whose client left before the answer, by "
             "when (stalled: a stream closed after its client stopped reading).",
             "# TYPE kvrt_clients_gone_total counter",
@@ -207,7 +216,7 @@ class Server:
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
         created = time.time()
-        kept: list[dict[str, Any]] = []
+        kept: list[kvrt.Message] = []
 
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
             req = responses.read(await _body(request))
@@ -219,11 +228,12 @@ class Server:
                 else []
             )
             kept.extend(before + responses.to_messages(req.input))
-            head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            try:
-                messages = tuple(kvrt.read_messages(head + kept))
-            except kvrt.KvrtError as exc:
-                raise RequestError(str(exc), param="input") from None
+            head = (
+                [kvrt.Message(role="system", content=req.instructions)] if req.instructions else []
+            )
+            messages = tuple(head + kept)
+            if not messages:
+                raise RequestError("input is empty: give at least one item", param="input")
             options = self._options(_AsChat(req))
             options.update(_chat_options(_AsChat(req)))
 

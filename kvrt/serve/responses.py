@@ -140,72 +140,154 @@ def tool_choice_of(req: ResponsesRequest) -> Any:
     return choice
 
 
-def to_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function calls make one assistant
-    message, a function call's output a tool message."""
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+}
+"""The keys each kind of input item may carry (what the API defines for it; the ``id`` and
+``status`` of items a client sends back are read and dropped)."""
+_PART_KEYS = {"type", "text", "annotations", "logprobs"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _checked(item: Any, where: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise RequestError(f"{where} must be an object", param=where)
+    unknown = sorted(set(item) - keys)
+    if unknown:
+        raise RequestError(
+            f"{where}.{unknown[0]} is not a field kvrt reads", param=f"{where}.{unknown[0]}"
+        )
+    return item
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or a list of text parts joined: what kvrt keeps of content."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{at} of type {kind!r} is not supported: only text parts", param=at)
+        _checked(part, at, _PART_KEYS)
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{at}.text must be a string", param=f"{at}.text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{where}.{key} must be a non-empty string", param=f"{where}.{key}")
+    return value
+
+
+def to_messages(items: str | list[Any]) -> list[kvrt.Message]:
+    """Input items as the chat messages kvrt keeps of them, typed: consecutive function
+    calls make one assistant message, a function call's output a tool message. An unknown
+    key, a non-text part or a wrong type is a 400 naming where (``input[0].output``): what
+    is kept is only what the conversation needs, never a client's extra bytes."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [kvrt.Message(role="user", content=items)]
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(f"{where} must be an object", param="input")
+            raise RequestError(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:
+            raise RequestError(f"{where} of type {kind!r} is not supported by kvrt", param=where)
+        _checked(item, where, _ITEM_KEYS[kind])
         if kind == "message":
-            role, content = item.get("role"), item.get("content")
+            role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise RequestError(f"{where}.role {role!r} is not a message role", param="input")
-            out.append({"role": role, "content": content})
+                raise RequestError(
+                    f"{where}.role {role!r} is not a message role", param=f"{where}.role"
+                )
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            arguments = item.get("arguments")
+            if not isinstance(arguments, str):
+                raise RequestError(
+                    f"{where}.arguments must be a string", param=f"{where}.arguments"
+                )
             call = {
-                "id": item.get("call_id"),
+                "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                "function": {"name": _string(item, "name", where), "arguments": arguments},
             }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if isinstance(output, list):  # text parts
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         else:
-            raise RequestError(f"{where} of type {kind!r} is not supported by kvrt", param="input")
-    return out
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where),
+                    "content": _text(item.get("output"), f"{where}.output"),
+                }
+            )
+    if not out:
+        return []
+    try:
+        return kvrt.read_messages(out)
+    except kvrt.KvrtError as exc:
+        raise RequestError(str(exc).replace("messages[", "input["), param="input") from None
 
 
-def output_messages(done: kvrt.Completion) -> list[dict[str, Any]]:
+def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
     """The answer as chat messages, for the conversation a stored response continues."""
     if done.tool_calls:
-        calls = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in done.tool_calls
-        ]
-        return [{"role": "assistant", "content": None, "tool_calls": calls}]
-    return [{"role": "assistant", "content": done.text}]
+        calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
+        return [kvrt.Message(role="assistant", content="", tool_calls=calls)]
+    return [kvrt.Message(role="assistant", content=done.text)]
 
 
 class ResponseStore:
-    """Recent responses' conversations (without their instructions), bounded by count
-    and age, for ``previous_response_id``; each kept for the tenant that made it (another
-    tenant asking for it gets the same 404 as for an unknown id)."""
+    """Recent responses' conversations (without their instructions), for
+    ``previous_response_id``: typed messages only (never a request's raw input), bounded by
+    count, age and bytes, each kept for the tenant that made it (another tenant asking for
+    it gets the same 404 as for an unknown id)."""
 
-    def __init__(self, *, capacity: int = 256, max_age: float = 3600.0) -> None:
+    def __init__(
+        self, *, capacity: int = 256, max_age: float = 3600.0, max_bytes: int = 64 * 2**20
+    ) -> None:
         self.capacity = capacity
         self.max_age = max_age
-        self._kept: OrderedDict[tuple[str | None, str], tuple[float, list[dict[str, Any]]]] = (
-            OrderedDict()
-        )
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """What the kept conversations take (their JSON size)."""
+        self._kept: OrderedDict[
+            tuple[str | None, str], tuple[float, int, tuple[kvrt.Message, ...]]
+        ] = OrderedDict()
 
-    def put(self, rid: str, messages: list[dict[str, Any]], *, tenant: str | None = None) -> None:
-        self._kept[tenant, rid] = (time.monotonic(), messages)
-        self._kept.move_to_end((tenant, rid))
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, rid: str, messages: list[kvrt.Message], *, tenant: str | None = None) -> None:
+        """Keep ``messages`` under ``rid``; a conversation larger than the whole budget is
+        not kept (a later ``previous_response_id`` to it is a 404)."""
+        size = len(msgspec.json.encode(messages))
+        if size > self.max_bytes:
+            return
+        old = self._kept.pop((tenant, rid), None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._kept[tenant, rid] = (time.monotonic(), size, tuple(messages))
+        self.bytes += size
         self._trim()
 
-    def get(self, rid: str, *, tenant: str | None = None) -> list[dict[str, Any]]:
+    def get(self, rid: str, *, tenant: str | None = None) -> list[kvrt.Message]:
         self._trim()
         found = self._kept.get((tenant, rid))
         if found is None:
@@ -216,15 +298,17 @@ class ResponseStore:
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        return list(found[1])
+        return list(found[2])
 
     def _trim(self) -> None:
         now = time.monotonic()
         while self._kept and (
             len(self._kept) > self.capacity
+            or self.bytes > self.max_bytes
             or now - next(iter(self._kept.values()))[0] > self.max_age
         ):
-            self._kept.popitem(last=False)
+            _, (_, size, _) = self._kept.popitem(last=False)
+            self.bytes -= size
 
 
 def new_id(prefix: str) -> str:
