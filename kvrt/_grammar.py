@@ -19,6 +19,7 @@ import json
 import re
 import threading
 import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
@@ -32,7 +33,7 @@ from ._errors import ArgumentTypeError, InvalidArgumentError
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["JSON_SEPARATORS", "Constraint", "Grammar"]
+__all__ = ["JSON_SEPARATORS", "MAX_OPTIONAL_PROPERTIES", "Constraint", "ConstraintError", "Grammar"]
 
 JSON_SEPARATORS = (", ", ": ")
 """How constrained JSON is written: ``json.dumps``'s own separators and no other
@@ -114,8 +115,80 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
+MAX_OPTIONAL_PROPERTIES = 498
+"""The most optional properties one object of a JSON Schema may have. Any subset of them may
+come next after each key, and the grammar engine follows at most 2,000 ways at once (its
+``max_items_in_row``; an object of ``n`` optional keys takes ``4n + 7``, measured): past
+this, decoding stops partway through the object. Refused when the grammar is built."""
+
+
+def _too_wide(node: Any, path: str = "") -> str | None:
+    """Where a JSON Schema has an object with more optional properties than decoding can
+    follow, as a message; None where it has none."""
+    if isinstance(node, dict):
+        props = node.get("properties")
+        if isinstance(props, dict):
+            required = node.get("required")
+            needed = set(required) if isinstance(required, list) else set()
+            optional = sum(1 for k in props if k not in needed)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                return (
+                    f"the JSON schema's object at '{path or '/'}' has {optional} optional "
+                    f"properties; constrained decoding follows at most "
+                    f"{MAX_OPTIONAL_PROPERTIES} in one object (list the rest in 'required', "
+                    "or split the object)"
+                )
+        for key, value in node.items():
+            found = _too_wide(value, f"{path}/{key}")
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found = _too_wide(value, f"{path}/{i}")
+            if found:
+                return found
+    return None
+
+
+_COMPILED: OrderedDict[tuple[str, str], str | InvalidArgumentError] = OrderedDict()
+_COMPILED_BYTES = 0
+_COMPILED_MAX_BYTES = 32 * 2**20
+"""Compiled grammars kept, by their kind and source (their sources' bytes at most): a
+schema sent again (every tool loop sends its tools each step) compiles once."""
+_compiled_lock = threading.Lock()
+
 
 def _compile(kind: Kind, source: str) -> str:
+    """llguidance's grammar for ``source``, from the cache where it was compiled before
+    (a refusal too: the same bad schema is refused without compiling it again)."""
+    global _COMPILED_BYTES
+    key = (kind, source)
+    with _compiled_lock:
+        found = _COMPILED.get(key)
+        if found is not None:
+            _COMPILED.move_to_end(key)
+    if found is None:
+        try:
+            found = _compile_now(kind, source)
+        except InvalidArgumentError as exc:
+            found = exc
+        with _compiled_lock:
+            if key not in _COMPILED and len(source) <= _COMPILED_MAX_BYTES:
+                _COMPILED[key] = found
+                _COMPILED_BYTES += len(source)
+                while _COMPILED_BYTES > _COMPILED_MAX_BYTES or len(_COMPILED) > 1024:
+                    (_, old), _ = _COMPILED.popitem(last=False)
+                    _COMPILED_BYTES -= len(old)
+    if isinstance(found, InvalidArgumentError):
+        raise InvalidArgumentError(str(found))
+    return found
+
+
+def _compile_now(kind: Kind, source: str) -> str:
+    if kind == "json_schema":
+        wide = _too_wide(json.loads(source))
+        if wide:
+            raise InvalidArgumentError(wide)
     try:
         if kind == "json_schema":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
@@ -175,6 +248,10 @@ def _vocabulary(engine: Engine) -> _Vocabulary:
         return found
 
 
+class ConstraintError(InvalidArgumentError):
+    """Decoding under a grammar could not go on (the grammar engine hit a limit)."""
+
+
 class Constraint:
     """One generation's matcher: the mask of allowed tokens, advanced token by token.
     Built in a worker thread (the first one per engine reads the whole vocabulary)."""
@@ -184,6 +261,16 @@ class Constraint:
         self._matcher = llguidance.LLMatcher(self._vocab.ll, grammar.compiled, log_level=0)
         if self._matcher.is_error():
             raise InvalidArgumentError(f"the grammar does not build: {self._matcher.get_error()}")
+        self.allowed()  # the first mask: a grammar that admits nothing shows here
+        if self._matcher.is_error() or (
+            self._matcher.is_stopped() and not self._matcher.is_accepting()
+        ):
+            # A rule that only refers to itself, an empty character class: nothing can be
+            # written, which a generation must not answer with an empty "success".
+            raise InvalidArgumentError(
+                f"the {grammar.kind} grammar accepts no text at all (a rule with no way to "
+                "end, or an empty character class)"
+            )
 
     def allowed(self) -> npt.NDArray[np.bool_]:
         """Which tokens may come next."""
@@ -197,8 +284,10 @@ class Constraint:
     def consume(self, token: int) -> None:
         """The sampler chose ``token`` (one the mask allowed)."""
         if not self._matcher.consume_token(token):
-            raise InvalidArgumentError(
-                f"the grammar refused token {token}: {self._matcher.get_error()}"
+            # The engine's own message holds its parser state: not for a caller's eyes.
+            raise ConstraintError(
+                "constrained decoding stopped partway: the grammar branches more widely here "
+                "than the grammar engine follows (simplify the schema)"
             )
 
     @property

@@ -36,6 +36,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolChoice",
+    "check_tool_schemas",
     "envelope_grammar",
     "read_tool_choice",
     "read_tools",
@@ -100,9 +101,11 @@ def _name(where: str, value: Any) -> str:
     return name
 
 
-def read_tools(tools: Any) -> tuple[Tool, ...]:
+def read_tools(tools: Any, *, check_schemas: bool = True) -> tuple[Tool, ...]:
     """OpenAI-style tool definitions (mappings, or :class:`Tool`), checked: each a
-    function with a unique name and an object schema the grammar engine supports."""
+    function with a unique name and an object schema the grammar engine supports (with
+    ``check_schemas=False``, the schemas' grammars are left to :func:`check_tool_schemas`,
+    for a request that may not use them: ``tool_choice`` ``none``)."""
     if tools is None:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
@@ -135,16 +138,24 @@ def read_tools(tools: Any) -> tuple[Tool, ...]:
         parameters = dict(parameters)
         if parameters.get("type", "object") != "object":
             raise InvalidArgumentError(f"{where}.function.parameters must describe an object")
-        try:
-            Grammar.json_schema(parameters)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{where}.function.parameters: {exc}") from None
         out.append(Tool(name=name, description=description, parameters=parameters))
     names = [t.name for t in out]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise InvalidArgumentError(f"two tools are named {dup!r}")
+    if check_schemas:
+        check_tool_schemas(out)
     return tuple(out)
+
+
+def check_tool_schemas(tools: Sequence[Tool]) -> None:
+    """Each tool's parameters compiled as the grammar its calls' arguments follow (once:
+    compiled grammars are kept), or an :class:`InvalidArgumentError` naming the tool."""
+    for i, tool in enumerate(tools):
+        try:
+            Grammar.json_schema(tool.parameters)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"tools[{i}].function.parameters: {exc}") from None
 
 
 def read_tool_choice(choice: Any, tools: Sequence[Tool]) -> ToolChoice:

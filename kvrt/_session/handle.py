@@ -22,7 +22,7 @@ from .._errors import (
 )
 from .._grammar import Grammar, read_response_format
 from .._reports import ContextStatus, Piece, SessionReport
-from .._tools import Tool, read_tool_choice, read_tools
+from .._tools import Tool, check_tool_schemas, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
 from . import arguments
@@ -227,7 +227,7 @@ class Session(metaclass=NoPublicConstructor):
         params = arguments.sampling(
             sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
         )
-        tool_list = read_tools(tools)
+        tool_list = read_tools(tools, check_schemas=False)
         choice = read_tool_choice(tool_choice, tool_list)
         grammar, schema = read_response_format(response_format)
         parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
@@ -237,6 +237,8 @@ class Session(metaclass=NoPublicConstructor):
                 "use a chat model"
             )
         active = bool(tool_list) and choice != "none"
+        if active:  # tool_choice none compiles no tool's grammar
+            check_tool_schemas(tool_list)
         if active and grammar is not None and schema is None:
             raise InvalidArgumentError(
                 "response_format with tools must be json_object or json_schema (a regex or "

@@ -7,11 +7,11 @@ import hmac
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -28,6 +28,7 @@ import kvrt
 from . import openai, responses
 from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
+from .responses import Answer
 
 __all__ = ["ServeConfig", "Server", "create_app", "model_id"]
 
@@ -65,6 +66,12 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     response_store_bytes: int = 64 * 2**20
     """What stored responses (for ``previous_response_id``) may take in all, in bytes of
     their conversations; the oldest go first (also past 256 of them or an hour)."""
+    max_grammar_bytes: int = 256 * 1024
+    """The largest JSON Schema (a response format, a tool's parameters) compiled for a
+    request, in bytes of JSON; larger ones are a 400 before anything is compiled."""
+    grammar_timeout: float = 10.0
+    """Seconds reading a request and compiling its grammars may take (in a worker thread,
+    never on the event loop); past them the request is a 400."""
     api_keys: dict[str, str] = msgspec.field(default_factory=dict)
     """Keys accepted, each with the tenant it names (``{key: tenant}``; several keys may
     name one tenant). Reuse of every kind (a session's hot KV, cold blocks in RAM, on disk
@@ -99,6 +106,9 @@ class Server:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
         self.answers = responses.ResponseStore(max_bytes=config.response_store_bytes)
+        self.readers = anyio.CapacityLimiter(2)
+        """Worker threads reading requests and compiling their grammars at once: a flood
+        of heavy schemas queues here, not on the event loop."""
         """Recent responses' conversations, for ``previous_response_id``."""
         self.gone: Counter[str] = Counter()
         """Requests whose client left before the answer: ``body`` (while sending it),
@@ -177,39 +187,49 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            req = openai.read(await _body(request), ChatRequest)
-            self._check_model(req.model)
-            try:
-                messages = tuple(kvrt.read_messages(req.messages))
-            except kvrt.KvrtError as exc:
-                raise RequestError(str(exc), param="messages") from None
-            options = self._options(req)
-            options.update(_chat_options(req))
+            body = await _body(request)
 
-            def reply(session: kvrt.Session) -> kvrt.Reply:
-                return session.chat(messages, **options)
+            def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+                req = openai.read(body, ChatRequest)
+                self._check_model(req.model)
+                try:
+                    messages = tuple(kvrt.read_messages(req.messages))
+                except kvrt.KvrtError as exc:
+                    raise RequestError(str(exc), param="messages") from None
+                options = self._options(req)
+                options.update(self._chat_options(req))
 
-            return req, messages, reply
+                def reply(session: kvrt.Session) -> kvrt.Reply:
+                    return session.chat(messages, **options)
+
+                return req, messages, reply
+
+            return await self._off_loop(parse)
 
         return await self._answer(request, "chat", start)
 
     async def completions(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            req = openai.read(await _body(request), CompletionRequest)
-            self._check_model(req.model)
-            prompt = req.prompt
-            if isinstance(prompt, list):
-                if len(prompt) != 1:
-                    raise RequestError("prompt must be one string", param="prompt")
-                prompt = prompt[0]
-            if not prompt:
-                raise RequestError("prompt is empty", param="prompt")
-            options = self._options(req, default=16)
+            body = await _body(request)
 
-            def reply(session: kvrt.Session) -> kvrt.Reply:
-                return session.complete(prompt, **options)
+            def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+                req = openai.read(body, CompletionRequest)
+                self._check_model(req.model)
+                prompt = req.prompt
+                if isinstance(prompt, list):
+                    if len(prompt) != 1:
+                        raise RequestError("prompt must be one string", param="prompt")
+                    prompt = prompt[0]
+                if not prompt:
+                    raise RequestError("prompt is empty", param="prompt")
+                options = self._options(req, default=16)
 
-            return req, prompt, reply
+                def reply(session: kvrt.Session) -> kvrt.Reply:
+                    return session.complete(prompt, **options)
+
+                return req, prompt, reply
+
+            return await self._off_loop(parse)
 
         return await self._answer(request, "completions", start)
 
@@ -219,28 +239,35 @@ class Server:
         kept: list[kvrt.Message] = []
 
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            req = responses.read(await _body(request))
-            self._check_model(req.model)
+            body = await _body(request)
             tenant = _tenant(request)
-            before = (
-                self.answers.get(req.previous_response_id, tenant=tenant)
-                if req.previous_response_id
-                else []
-            )
-            kept.extend(before + responses.to_messages(req.input))
-            head = (
-                [kvrt.Message(role="system", content=req.instructions)] if req.instructions else []
-            )
-            messages = tuple(head + kept)
-            if not messages:
-                raise RequestError("input is empty: give at least one item", param="input")
-            options = self._options(_AsChat(req))
-            options.update(_chat_options(_AsChat(req)))
 
-            def reply(session: kvrt.Session) -> kvrt.Reply:
-                return session.chat(messages, **options)
+            def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+                req = responses.read(body)
+                self._check_model(req.model)
+                before = (
+                    self.answers.get(req.previous_response_id, tenant=tenant)
+                    if req.previous_response_id
+                    else []
+                )
+                kept.extend(before + responses.to_messages(req.input))
+                head = (
+                    [kvrt.Message(role="system", content=req.instructions)]
+                    if req.instructions
+                    else []
+                )
+                messages = tuple(head + kept)
+                if not messages:
+                    raise RequestError("input is empty: give at least one item", param="input")
+                options = self._options(_AsChat(req))
+                options.update(self._chat_options(_AsChat(req), responses_api=True))
 
-            return req, messages, reply
+                def reply(session: kvrt.Session) -> kvrt.Reply:
+                    return session.chat(messages, **options)
+
+                return req, messages, reply
+
+            return await self._off_loop(parse)
 
         def store(rid: str, req: Any, done: kvrt.Completion) -> None:
             if req.store is not False:
@@ -256,10 +283,7 @@ class Server:
             )
 
         async def stream(
-            rid: str,
-            reply: Callable[[kvrt.Session], kvrt.Reply],
-            session: kvrt.Session,
-            finished: Callable[[kvrt.Completion], None],
+            rid: str, answer: kvrt.Reply, finished: Callable[[kvrt.Completion], None]
         ) -> AsyncIterator[bytes]:
             req = request.state.responses_request
 
@@ -267,7 +291,7 @@ class Server:
                 finished(completion)
                 store(rid, req, completion)
 
-            async for ev in responses.events(reply(session), rid, self.model, req, created, done):
+            async for ev in responses.events(answer, rid, self.model, req, created, done):
                 yield (
                     b"event: "
                     + ev["type"].encode()
@@ -334,18 +358,38 @@ class Server:
             self.gone["queued"] += 1
             return Response(status_code=400)
         if req.stream:
+            # The reply is built and its first piece read before the stream's 200 goes
+            # out: what is refused before any token (a grammar that accepts nothing, a
+            # context too large) is a 400 with the error body, not a stream's last event.
+            answer: kvrt.Reply | None = None
+            first: kvrt.Piece | None = None
+            async with _until_gone(request) as left:
+                try:
+                    answer = await self._off_loop(reply, _session(slot))
+                    first = await anext(answer, None)
+                except (kvrt.KvrtError, RequestError) as exc:
+                    await stack.aclose()
+                    refusal = exc if isinstance(exc, RequestError) else _refusal(exc)
+                    return self._error(route, refusal)
+            if left.gone or answer is None:
+                await stack.aclose()
+                self.gone["answer"] += 1
+                return Response(status_code=400)
+            started = _Started(answer, first)
             if stream is None:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                body = self._stream(route, rid, stack, slot, wanted, reply, include_usage)
+                body = self._stream(route, rid, stack, slot, wanted, started, include_usage)
             else:
-                body = self._streamed(route, stack, slot, wanted, partial(stream, rid, reply))
+                body = self._streamed(route, stack, slot, wanted, partial(stream, rid, started))
             return _Stream(body, self.config.stall_timeout, self._stalled)
         done = None
         async with stack, _until_gone(request) as left:
             try:
-                done = await reply(_session(slot))
+                done = await (await self._off_loop(reply, _session(slot)))
             except kvrt.KvrtError as exc:
                 return self._error(route, _refusal(exc))
+            except RequestError as exc:
+                return self._error(route, exc)
             self._count(done)
             slot.history = _held(wanted, done)
         if left.gone:  # the generation stopped where it was, the session is free
@@ -357,16 +401,40 @@ class Server:
         made = openai.chat_response if chat else openai.completion_response
         return JSONResponse(made(rid, self.model, done))
 
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, within ``grammar_timeout``: reading a request
+        (a large body) and building its reply (compiling its tools' and response format's
+        grammars) never stall the event loop for the other clients. Past the timeout the
+        request is a 400 (the thread finishes on its own; what it compiled is kept)."""
+        limit = self.config.grammar_timeout
+        with anyio.move_on_after(limit) as waited:
+            try:
+                return await anyio.to_thread.run_sync(
+                    partial(fn, *args), limiter=self.readers, abandon_on_cancel=True
+                )
+            except RequestError as exc:
+                # Raised afresh: the worker's frames (and the request body in them) go now,
+                # not whenever the garbage collector next looks at the traceback.
+                raise RequestError(
+                    str(exc), status=exc.status, param=exc.param, code=exc.code, kind=exc.kind
+                ) from None
+        assert waited.cancelled_caught
+        raise RequestError(
+            f"reading the request and compiling its grammars took more than {limit:g} s "
+            "(its tools' parameters or response_format): simplify the schema",
+            code="grammar_timeout",
+        )
+
     async def _streamed(
         self,
         route: str,
         stack: AsyncExitStack,
         slot: Slot,
         wanted: History,
-        events: Callable[[kvrt.Session, Callable[[kvrt.Completion], None]], AsyncIterator[bytes]],
+        events: Callable[[Callable[[kvrt.Completion], None]], AsyncIterator[bytes]],
     ) -> AsyncIterator[bytes]:
-        """A stream of ``events`` (given the session and what to call with the completion),
-        holding the session until it ends."""
+        """A stream of ``events`` (given what to call with the completion), holding the
+        session until it ends."""
         closing = False
 
         def finished(done: kvrt.Completion) -> None:
@@ -375,7 +443,7 @@ class Server:
 
         async with stack:
             try:
-                async for chunk in events(_session(slot), finished):
+                async for chunk in events(finished):
                     try:
                         yield chunk
                     except GeneratorExit:
@@ -406,7 +474,7 @@ class Server:
         stack: AsyncExitStack,
         slot: Slot,
         wanted: History,
-        reply: Callable[[kvrt.Session], kvrt.Reply],
+        answer: Answer,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         chat = route == "chat"
@@ -415,7 +483,6 @@ class Server:
             try:
                 if chat:
                     yield openai.chunk(rid, self.model, chat=True, role=True, text="")
-                answer = reply(_session(slot))
                 async for piece in answer:
                     if piece.text or piece.tool_calls or piece.logprob is not None:
                         yield openai.chunk(
@@ -471,6 +538,66 @@ class Server:
         options["logprobs"] = openai.logprobs(req)
         return options
 
+    def _chat_options(self, req: Any, *, responses_api: bool = False) -> dict[str, Any]:
+        """Tools and structured output, checked now: a bad one is a 400 naming it as the
+        client sent it (``text.format`` and ``tools[0].parameters`` on the Responses API).
+        Schemas past ``max_grammar_bytes`` are refused before they are compiled, and tool
+        schemas a request cannot use (``tool_choice: "none"``) are not compiled."""
+        fmt_param = "text.format" if responses_api else "response_format"
+        limit = self.config.max_grammar_bytes
+
+        def named(text: str) -> str:
+            return text.replace(".function.parameters", ".parameters") if responses_api else text
+
+        for i, tool in enumerate(req.tools or ()):
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            size = len(msgspec.json.encode(fn.get("parameters"))) if isinstance(fn, dict) else 0
+            if size > limit:
+                where = named(f"tools[{i}].function.parameters")
+                raise RequestError(
+                    f"{where} is a {size:,}-byte schema; this server compiles at most "
+                    f"{limit:,} bytes (max_grammar_bytes)",
+                    param=where,
+                )
+        if req.response_format is not None:
+            size = len(msgspec.json.encode(req.response_format))
+            if size > limit:
+                raise RequestError(
+                    f"{fmt_param} is {size:,} bytes; this server compiles at most {limit:,} "
+                    "(max_grammar_bytes)",
+                    param=fmt_param,
+                )
+        options: dict[str, Any] = {}
+        try:
+            tools = kvrt.read_tools(req.tools, check_schemas=False)
+        except kvrt.KvrtError as exc:
+            raise RequestError(named(str(exc)), param="tools") from None
+        try:
+            choice = kvrt.read_tool_choice(req.tool_choice, tools)
+        except kvrt.KvrtError as exc:
+            raise RequestError(str(exc), param="tool_choice") from None
+        if tools and choice != "none":
+            try:
+                kvrt.read_tools(req.tools)  # their grammars, compiled (and kept) now
+            except kvrt.KvrtError as exc:
+                raise RequestError(named(str(exc)), param="tools") from None
+        if tools:
+            options["tools"] = tools
+            options["tool_choice"] = req.tool_choice
+            options["parallel_tool_calls"] = req.parallel_tool_calls is not False
+        if req.response_format is not None:
+            try:
+                kvrt.read_response_format(req.response_format)
+            except kvrt.KvrtError as exc:
+                message = str(exc).replace("response_format", fmt_param)
+                if responses_api:
+                    message = message.replace(
+                        "text.format.json_schema.schema", "text.format.schema"
+                    )
+                raise RequestError(message, param=fmt_param) from None
+            options["response_format"] = req.response_format
+        return options
+
     def _count(self, done: kvrt.Completion) -> None:
         u = done.usage
         self.tokens["reused"] += u.reused_tokens
@@ -488,8 +615,37 @@ class Server:
 
 
 StreamBody = Callable[..., AsyncIterator[bytes]]
-"""A route's own stream: given the response id, the reply maker, the session and the
-callback for the completion, the bytes of its events."""
+"""A route's own stream: given the response id, the reply (started) and the callback for
+the completion, the bytes of its events."""
+
+T = TypeVar("T")
+
+
+class _Started:
+    """A reply whose first piece was read already: that piece, then the rest; awaited,
+    the completion."""
+
+    def __init__(self, reply: kvrt.Reply, first: kvrt.Piece | None) -> None:
+        self._reply = reply
+        self._first = first
+        self._ended = first is None
+
+    def __aiter__(self) -> _Started:
+        return self
+
+    async def __anext__(self) -> kvrt.Piece:
+        if self._first is not None:
+            piece, self._first = self._first, None
+            return piece
+        if self._ended:
+            raise StopAsyncIteration
+        return await self._reply.__anext__()
+
+    def __await__(self) -> Generator[Any, None, kvrt.Completion]:
+        return self._reply.completion().__await__()
+
+    async def aclose(self) -> None:
+        await self._reply.aclose()
 
 
 class _AsChat:
@@ -644,30 +800,6 @@ def _held(wanted: History, done: kvrt.Completion) -> History:
         return wanted + done.text
     calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
     return (*wanted, kvrt.Message(role="assistant", content=done.text, tool_calls=calls))
-
-
-def _chat_options(req: Any) -> dict[str, Any]:
-    """Tools and structured output, checked now: a bad one is a 400 naming it."""
-    options: dict[str, Any] = {}
-    try:
-        tools = kvrt.read_tools(req.tools)
-    except kvrt.KvrtError as exc:
-        raise RequestError(str(exc), param="tools") from None
-    try:
-        kvrt.read_tool_choice(req.tool_choice, tools)
-    except kvrt.KvrtError as exc:
-        raise RequestError(str(exc), param="tool_choice") from None
-    if tools:
-        options["tools"] = tools
-        options["tool_choice"] = req.tool_choice
-        options["parallel_tool_calls"] = req.parallel_tool_calls is not False
-    if req.response_format is not None:
-        try:
-            kvrt.read_response_format(req.response_format)
-        except kvrt.KvrtError as exc:
-            raise RequestError(str(exc), param="response_format") from None
-        options["response_format"] = req.response_format
-    return options
 
 
 def _refusal(exc: kvrt.KvrtError) -> RequestError:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any, Protocol
 
 import msgspec
 
@@ -398,8 +398,15 @@ def response_body(
     return body
 
 
+class Answer(Protocol):
+    """A reply as the streams read it: its pieces, then (awaited) its completion."""
+
+    def __aiter__(self) -> AsyncIterator[kvrt.Piece]: ...
+    def __await__(self) -> Generator[Any, None, kvrt.Completion]: ...
+
+
 async def events(
-    reply: kvrt.Reply,
+    reply: Answer,
     rid: str,
     model: str,
     req: ResponsesRequest,
