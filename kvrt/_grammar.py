@@ -122,10 +122,30 @@ come next after each key, and the grammar engine follows at most 2,000 ways at o
 this, decoding stops partway through the object. Refused when the grammar is built."""
 
 
+_INT_RANGE = (-(10**17 - 1), 10**17 - 1)
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 def _too_wide(node: Any, path: str = "") -> str | None:
-    """Where a JSON Schema has an object with more optional properties than decoding can
-    follow, as a message; None where it has none."""
+    """Where a JSON Schema asks for what decoding cannot honour, as a message: an object
+    with more optional properties than decoding can follow, an integer bound of more than
+    17 digits (the grammar engine clamps or refuses those); None
+    where it asks for neither."""
     if isinstance(node, dict):
+        kinds = node.get("type")
+        integer = kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds)
+        for bound in _BOUNDS if integer else ():
+            value = node.get(bound)
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and not _INT_RANGE[0] <= value <= _INT_RANGE[1]
+            ):
+                return (
+                    f"the JSON schema's {bound!r} at '{path or '/'}' is {value}: "
+                    "constrained decoding honours integer bounds of up to 17 digits "
+                    f"({_INT_RANGE[0]:,} to {_INT_RANGE[1]:,})"
+                )
         props = node.get("properties")
         if isinstance(props, dict):
             required = node.get("required")

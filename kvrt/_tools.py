@@ -20,6 +20,7 @@ Everything here is pure: no I/O, no engine.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -94,11 +95,14 @@ ToolChoice = str | tuple[str, str]
 
 def _name(where: str, value: Any) -> str:
     name = check_text(where, value, empty=False)
-    if len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
+    if not _TOOL_NAME.fullmatch(name):  # ASCII only, as OpenAI: no look-alike letters
         raise InvalidArgumentError(
-            f"{where} must be 1 to 64 letters, digits, '_' or '-', got {name!r}"[:200]
+            f"{where} must be 1 to 64 of A-Z, a-z, 0-9, '_' or '-', got {name!r}"[:200]
         )
     return name
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def read_tools(tools: Any, *, check_schemas: bool = True) -> tuple[Tool, ...]:

@@ -196,6 +196,7 @@ class Server:
                     messages = tuple(kvrt.read_messages(req.messages))
                 except kvrt.KvrtError as exc:
                     raise RequestError(str(exc), param="messages") from None
+                openai.check_tool_turns(messages)
                 options = self._options(req)
                 options.update(self._chat_options(req))
 
@@ -259,6 +260,7 @@ class Server:
                 messages = tuple(head + kept)
                 if not messages:
                     raise RequestError("input is empty: give at least one item", param="input")
+                openai.check_tool_turns(kept, param="input")
                 options = self._options(_AsChat(req))
                 options.update(self._chat_options(_AsChat(req), responses_api=True))
 
@@ -381,7 +383,7 @@ class Server:
                 body = self._stream(route, rid, stack, slot, wanted, started, include_usage)
             else:
                 body = self._streamed(route, stack, slot, wanted, partial(stream, rid, started))
-            return _Stream(body, self.config.stall_timeout, self._stalled)
+            return _Stream(body, self.config.stall_timeout, self._stalled, self._left_stream)
         done = None
         async with stack, _until_gone(request) as left:
             try:
@@ -413,8 +415,10 @@ class Server:
                     partial(fn, *args), limiter=self.readers, abandon_on_cancel=True
                 )
             except RequestError as exc:
-                # Raised afresh: the worker's frames (and the request body in them) go now,
-                # not whenever the garbage collector next looks at the traceback.
+                # Raised afresh, the worker's traceback dropped: its frames (and the request
+                # body in them) sit in a reference cycle with the error, which would keep
+                # them until the garbage collector next looks (a 20 MB body stayed a while).
+                exc.__traceback__ = None
                 raise RequestError(
                     str(exc), status=exc.status, param=exc.param, code=exc.code, kind=exc.kind
                 ) from None
@@ -466,6 +470,9 @@ class Server:
 
     def _stalled(self) -> None:
         self.gone["stalled"] += 1
+
+    def _left_stream(self) -> None:
+        self.gone["answer"] += 1
 
     async def _stream(
         self,
@@ -741,11 +748,17 @@ class _Stream(StreamingResponse):
     trio shields it: that write then ends when the client reads or leaves)."""
 
     def __init__(
-        self, body: AsyncIterator[bytes], stall_timeout: float, on_stall: Callable[[], None]
+        self,
+        body: AsyncIterator[bytes],
+        stall_timeout: float,
+        on_stall: Callable[[], None],
+        on_gone: Callable[[], None],
     ) -> None:
         super().__init__(body, media_type="text/event-stream")
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
+        self.on_gone = on_gone
+        """Called when the stream ends unfinished otherwise (its client left mid-stream)."""
 
     async def stream_response(self, send: Send) -> None:
         to_client, from_body = anyio.create_memory_object_stream[Message](1)
@@ -773,6 +786,9 @@ class _Stream(StreamingResponse):
             except _Stalled:
                 self.on_stall()
                 tg.cancel_scope.cancel()  # unfinished: the server closes the connection
+            except BaseException:
+                self.on_gone()  # the client left (its connection's task was cancelled)
+                raise
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.body_iterator.aclose()  # type: ignore[attr-defined]

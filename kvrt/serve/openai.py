@@ -8,9 +8,11 @@ them. Fields kvrt does not use are accepted and ignored (``user``, ``metadata``,
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -23,6 +25,7 @@ __all__ = [
     "RequestError",
     "chat_response",
     "check_salt",
+    "check_tool_turns",
     "chunk",
     "completion_response",
     "error_body",
@@ -135,6 +138,35 @@ def check_salt(salt: str | None) -> None:
         raise RequestError(
             f"cache_salt must be 1 to {MAX_SALT} printable characters", param="cache_salt"
         )
+
+
+def check_tool_turns(messages: Sequence[kvrt.Message], *, param: str = "messages") -> None:
+    """What OpenAI refuses in a conversation, refused the same way (a 400): a ``tool``
+    message without a ``tool_call_id``, or with one no earlier assistant call has, and an
+    assistant's call whose arguments are not JSON."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]"
+        for j, (call_id, _name, arguments) in enumerate(m.tool_calls):
+            try:
+                json.loads(arguments)
+            except ValueError:
+                raise RequestError(
+                    f"{where}.tool_calls[{j}].function.arguments is not JSON: {arguments!r}"[:300],
+                    param=param,
+                ) from None
+            called.add(call_id)
+        if m.role != "tool":
+            continue
+        if not m.tool_call_id:
+            raise RequestError(f"{where} is a tool message without a tool_call_id", param=param)
+        if m.tool_call_id not in called:
+            raise RequestError(
+                f"{where}.tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call"[
+                    :300
+                ],
+                param=param,
+            )
 
 
 def logprobs(request: Any) -> int | None:
