@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._grammar import JSON_SEPARATORS, Grammar
+from ._schemas import bounded_numbers, embed_schema, with_defs
 from ._tools import (
     EnvelopeStream,
     Tool,
@@ -48,6 +49,9 @@ class CallStream(Protocol):
 
     @property
     def decided(self) -> bool: ...
+
+    repeated: bool
+    """A call came again, identical to an earlier one of the reply: the reply ends there."""
 
     def feed(self, text: str) -> Iterator[str | ToolCallDelta]: ...
 
@@ -93,16 +97,19 @@ def _parsed(arguments: str) -> Any:
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": _GUIDANCE})
+    return "%json " + json.dumps({**bounded_numbers(schema), "x-guidance": _GUIDANCE})
 
 
 def _call_schema(tool: Tool, key: str) -> dict[str, Any]:
-    return {
+    defs: dict[str, Any] = {}
+    arguments = embed_schema(tool.parameters, "arguments", defs)
+    call = {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, key: tool.parameters},
+        "properties": {"name": {"const": tool.name}, key: arguments},
         "required": ["name", key],
         "additionalProperties": False,
     }
+    return with_defs(call, defs)
 
 
 def _allowed(tools: Sequence[Tool], choice: ToolChoice) -> list[Tool]:
@@ -227,8 +234,12 @@ def _lark(
     """A reply of calls (each ``call(tool)``, as the ``calls`` rule joins them) or of an
     answer (``TEXT``, which cannot open as a call, or ``response_schema``'s JSON), as
     ``choice`` allows."""
-    if choice == "none" or not tools:
+    if not tools:
         return Grammar.json_schema(response_schema) if response_schema is not None else None
+    if choice == "none":  # the tools are shown all the same: only the grammar forbids calls
+        if response_schema is not None:
+            return Grammar.json_schema(response_schema)
+        return Grammar.lark("\n".join(["start: TEXT", text]))
     allowed = _allowed(tools, choice)
     forced = choice == "required" or isinstance(choice, tuple)
     lines = [
@@ -289,6 +300,7 @@ class _Reader:
         self._mode: str | None = None  # "text" or "calls"
         self.content = ""
         self.calls: list[ToolCall] = []
+        self.repeated = False
 
     @property
     def decided(self) -> bool:
@@ -326,7 +338,8 @@ class _Reader:
             return
         text = _dumps(arguments)
         if any(c.name == name and c.arguments == text for c in self.calls):
-            return  # the same call again in one reply: dropped (see EnvelopeStream)
+            self.repeated = True  # the same call again in one reply (see EnvelopeStream)
+            return
         call = ToolCall(id=new_call_id(), name=name, arguments=text)
         index = len(self.calls)
         self.calls.append(call)

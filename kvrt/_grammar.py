@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from ._backend import Engine
 from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._schemas import bounded_numbers
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -84,7 +85,7 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
                 f"a JSON schema must be a mapping (an object), got {type(schema).__name__}"
             )
         try:
-            text = json.dumps(schema)
+            text = json.dumps(bounded_numbers(schema))
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"the JSON schema cannot be written as JSON: {exc}"

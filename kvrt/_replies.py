@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["ReplyMemory"]
@@ -67,12 +68,12 @@ class ReplyMemory:
         tokens_text: str,
         *,
         content: str | None = None,
-        calls: list[str] | tuple[str, ...] = (),
+        calls: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         """``text`` was generated as ``tokens`` (whose own text is ``tokens_text``, a
         prefix of ``text`` when a stop sequence cut the last token short). ``content`` and
-        ``calls`` (the ids of its tool calls) are what the caller got of it, when that is
-        not ``text`` itself (a tool-call envelope)."""
+        ``calls`` (its tool calls: id, name, arguments in their canonical form) are what
+        the caller got of it, when that is not ``text`` itself (a tool-call envelope)."""
         if not text or not tokens or not text.startswith(tokens_text):
             return
         e, scope = self._entries, self._scope
@@ -100,12 +101,15 @@ class ReplyMemory:
                 e.replies.move_to_end(key)
         return None if found is None else (list(found[0]), found[1])
 
-    def generated(self, *, content: str = "", calls: tuple[str, ...] = ()) -> str | None:
+    def generated(
+        self, *, content: str = "", calls: Sequence[tuple[str, str, str]] = ()
+    ) -> str | None:
         """The text generated for a reply the caller saw as ``content``, or as the tool
-        calls with ids ``calls``; None when not remembered."""
+        calls ``calls`` (id, name, canonical arguments: all three must match); None when
+        not remembered."""
         with self._entries.lock:
             return self._entries.shown.get((self._scope, _calls_key(calls) if calls else content))
 
 
-def _calls_key(ids: list[str] | tuple[str, ...]) -> str:
-    return "\0calls\0" + "\0".join(ids)
+def _calls_key(calls: Sequence[tuple[str, str, str]]) -> str:
+    return "\0calls\0" + "\0\0".join("\0".join(call) for call in calls)

@@ -30,6 +30,7 @@ import msgspec
 from ._checks import check_text
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._grammar import JSON_SEPARATORS, Grammar
+from ._schemas import embed_schema, with_defs
 
 __all__ = [
     "EnvelopeStream",
@@ -37,6 +38,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolChoice",
+    "canonical_arguments",
     "check_tool_schemas",
     "envelope_grammar",
     "read_tool_choice",
@@ -198,6 +200,18 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=JSON_SEPARATORS)
 
 
+def canonical_arguments(arguments: str) -> str:
+    """A call's arguments in the one form kvrt writes and compares them in: its JSON
+    re-written with ``json.dumps``'s separators, keys in their order, no escapes for
+    what needs none (as chat templates render arguments with ``tojson``). Frameworks send
+    calls back re-serialized (``{"key":"beta"}`` for ``{"key": "beta"}``): the same call,
+    so the same text. Text that is not JSON is kept as it is."""
+    try:
+        return _dumps(json.loads(arguments))
+    except ValueError:
+        return arguments
+
+
 def tools_prompt(tools: Sequence[Tool]) -> str:
     """The system section telling the model its tools and how to answer. Tools are shown
     as signatures, ``get_weather(city: string, unit?: 'C' | 'F'): what it does`` (the
@@ -259,16 +273,20 @@ def envelope_grammar(
     not ``parallel``), an answer (``{"response": text}``, or ``response_schema``'s JSON),
     or either. None for ``none`` without a response schema: plain text."""
     calls: dict[str, Any] | None = None
+    defs: dict[str, Any] = {}
     if choice != "none" and tools:
         allowed = [t for t in tools if not isinstance(choice, tuple) or t.name == choice[1]]
         one_call = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {
+                    "name": {"const": t.name},
+                    "arguments": embed_schema(t.parameters, f"tool_{i}", defs),
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for t in allowed
+            for i, t in enumerate(allowed)
         ]
         items: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
         if not parallel:
@@ -282,7 +300,7 @@ def envelope_grammar(
     answer: dict[str, Any] | None
     if response_schema is not None:
         answer = dict(response_schema)
-    elif calls is not None:
+    elif tools:  # the envelope the model was taught, whatever tool_choice allows
         answer = {
             "type": "object",
             "properties": {"response": {"type": "string"}},
@@ -294,8 +312,9 @@ def envelope_grammar(
     if calls is None:
         return Grammar.json_schema(answer)
     if choice == "required" or isinstance(choice, tuple):
-        return Grammar.json_schema(calls)
-    return Grammar.json_schema({"anyOf": [calls, answer]})
+        return Grammar.json_schema(with_defs(calls, defs))
+    answer = embed_schema(answer, "response", defs)
+    return Grammar.json_schema(with_defs({"anyOf": [calls, answer]}, defs))
 
 
 _CALLS = '{"tool_calls": ['
@@ -329,10 +348,11 @@ class EnvelopeStream:
     then fragments of the arguments' JSON).
 
     A call's deltas are held back until its arguments are complete, and a call identical
-    to an earlier one of the same reply (same tool, same arguments) is dropped: small
-    models repeat a call, and each copy would run the tool again (measured: SmolLM2 asked
-    for the same call three times in one reply, then, given three results, again and
-    again; given one, it answered).
+    to an earlier one of the same reply (same tool, same arguments) is dropped and ends
+    the reply (``repeated``): small models repeat a call, and each copy would run the tool
+    again (measured: SmolLM2 asked for the same call three times in one reply, then,
+    given three results, again and again; given one, it answered), and one that repeats
+    itself goes on until its token limit.
 
     >>> s = EnvelopeStream(wrapped=True)
     >>> [*s.feed('{"tool_calls": [{"name": "f", "argu')], [*s.feed('ments": {"a": 1}}]}')]
@@ -355,6 +375,8 @@ class EnvelopeStream:
         text itself when not wrapped), complete or cut short."""
         self.calls: list[ToolCall] = []
         """The distinct calls complete so far, in order, with the ids their deltas got."""
+        self.repeated = False
+        """Whether a call came again, identical to an earlier one: the reply ends there."""
 
     @property
     def decided(self) -> bool:
@@ -458,10 +480,13 @@ class EnvelopeStream:
             if not done:
                 return
             name, arguments, self._name = self._name, self._args, None
-            if any(c.name == name and c.arguments == arguments for c in self.calls):
-                continue  # the same call again: dropped
-            call = ToolCall(id=new_call_id(), name=name, arguments=arguments)
+            if any(
+                c.name == name and c.arguments == canonical_arguments(arguments) for c in self.calls
+            ):
+                self.repeated = True  # the same call again: dropped, and the reply ends
+                return
+            call = ToolCall(id=new_call_id(), name=name, arguments=canonical_arguments(arguments))
             index = len(self.calls)
             self.calls.append(call)
             yield ToolCallDelta(index=index, id=call.id, name=name)
-            yield ToolCallDelta(index=index, arguments=arguments)
+            yield ToolCallDelta(index=index, arguments=call.arguments)

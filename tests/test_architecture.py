@@ -96,7 +96,7 @@ def test_the_server_uses_only_public_kvrt() -> None:
 
 TOOLS_INTERNALS = {
     "kvrt._config": {"CONFIG_ENV", "SETTINGS"},  # the CLI builds its flags from the settings
-    "kvrt._units": {"format_size"},
+    "kvrt._units": {"format_size", "parse_size"},
     "kvrt._runtime": {"check_policies"},  # the CLI refuses a bad policy before loading
     "kvrt._session": {"context_tokens"},  # a context's token count, for the references
     "kvrt._engines": {"adapter_package"},

@@ -302,7 +302,7 @@ async def test_bad_tool_requests_are_clear_errors() -> None:
             (
                 {"tools": [{"type": "function", "function": {"name": "a b"}}]},
                 kvrt.InvalidArgumentError,
-                "letters, digits",
+                "A-Z, a-z, 0-9",
             ),
             (
                 {"tools": [WEATHER, WEATHER]},
@@ -400,6 +400,11 @@ async def test_a_ten_step_tool_loop_computes_only_what_is_new(backend: str) -> N
                     "content": f"Sunny, 21 C in {cities[step]}.",
                 },
             ]
+        # The last step answers (tool_choice "none", as a framework ends its loop): the
+        # prompt keeps its tools, so it reuses the loop too, and the answer is text.
+        done = await s.chat(messages, tools=[WEATHER], tool_choice="none", max_tokens=32)
+        assert not done.tool_calls and not done.text.lstrip().startswith("{"), done.raw_text
+        computed.append(done.usage.prompt.prefilled)
     new = [
         len(rt.engine.tokenize(f"Result of get_weather: Sunny, 21 C in {c}.", add_special=False))
         for c in cities
@@ -407,7 +412,7 @@ async def test_a_ten_step_tool_loop_computes_only_what_is_new(backend: str) -> N
     print("\ntokens computed per step:", computed, "(tool results:", new, ")")
     # After the first step, each computes its tool result and at most 12 tokens of
     # framing (end of the assistant turn, the user header, the assistant header).
-    for step in range(1, 10):
+    for step in range(1, 11):
         assert computed[step] <= new[step - 1] + 12, (step, computed, new)
 
 
@@ -434,3 +439,193 @@ async def test_logprobs_are_the_models_after_the_mask(backend: str) -> None:
                 a.text and ("yes".startswith(a.text) or "no".startswith(a.text)) for a in t.top
             )
             assert abs(sum(2.718281828**a.logprob for a in t.top) - 1.0) < 1e-3
+
+
+def nested_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tool's parameters and a response format as pydantic writes nested models:
+    ``$defs`` at the root and ``$ref`` to them, one of them recursive."""
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        city: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=20)
+        home: Address
+        manager: Person | None = None
+
+    class Order(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        item: str = pydantic.Field(max_length=20)
+        ship_to: Address
+
+    return Person.model_json_schema(), Order.model_json_schema()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # about the grammar, not the loop
+async def test_nested_schemas_work_as_tool_parameters(anyio_backend: str) -> None:
+    """A tool whose parameters use ``$defs``/``$ref`` (every nested pydantic model) works
+    as it does as a response format, beside other such tools and a response format of
+    its own (the references were resolved against the envelope's root: a 400)."""
+    from kvrt._call_formats import JsonCall, Tagged
+    from kvrt._grammar import _compile
+
+    person, order = nested_schemas()
+    assert "$defs" in person and "$defs" in order
+    tools = [
+        {"type": "function", "function": {"name": "add_person", "parameters": person}},
+        {"type": "function", "function": {"name": "place_order", "parameters": order}},
+    ]
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        ask = [{"role": "user", "content": "Add Ada, who lives in Paris, France."}]
+        for choice in ("required", {"type": "function", "function": {"name": "place_order"}}):
+            done = await s.chat(ask, tools=tools, tool_choice=choice, max_tokens=160)
+            assert done.finish_reason == "tool_calls" and done.tool_calls, done.raw_text
+            for call in done.tool_calls:
+                schema = person if call.name == "add_person" else order
+                jsonschema.validate(json.loads(call.arguments), schema)
+        fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": order}}
+        done = await s.chat(ask, tools=tools, response_format=fmt, max_tokens=160)
+        if done.tool_calls:
+            for call in done.tool_calls:
+                schema = person if call.name == "add_person" else order
+                jsonschema.validate(json.loads(call.arguments), schema)
+        else:
+            jsonschema.validate(json.loads(done.text), order)
+    # The templates' own call formats compile them too.
+    read = kvrt._tools.read_tools(tools)
+    for format_ in (Tagged(), JsonCall(names=("add_person", "place_order"))):
+        grammar = format_.grammar(read, "auto", parallel=True, response_schema=order)
+        assert grammar is not None
+        _compile(grammar.kind, grammar.source)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_numbers_a_schema_leaves_unbounded_end(anyio_backend: str) -> None:
+    """An ``integer`` or ``number`` with no bound gets llama.cpp's: 16 digits before the
+    point (10 after it); a greedy model asked for pi wrote digits until its token limit
+    (60 of 60 tokens, 56 digits). Bounds the schema sets are kept."""
+    ask = [
+        {"role": "user", "content": "Write the number pi with all the digits you know, as JSON."}
+    ]
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        for kind, bounds in (("number", {}), ("integer", {}), ("integer", {"minimum": 3})):
+            schema = {
+                "type": "object",
+                "properties": {"x": {"type": kind, **bounds}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+            fmt = {"type": "json_schema", "json_schema": {"name": "pi", "schema": schema}}
+            done = await s.chat(ask, response_format=fmt, max_tokens=60, temperature=0)
+            assert done.finish_reason == "stop", (kind, done.text)
+            value = json.loads(done.text)["x"]
+            jsonschema.validate({"x": value}, schema)
+            whole, _, fraction = str(abs(value)).partition(".")
+            assert len(whole) <= 16 and len(fraction) <= 10, done.text
+
+
+def test_a_reply_ends_at_its_first_repeated_call() -> None:
+    """A call identical to an earlier one of the reply is dropped and ends the reply
+    (generation stops on ``repeated``): a model repeating one call went on to its token
+    limit, reported as one call with every token spent."""
+    from kvrt._call_formats import Tagged
+    from kvrt._tools import EnvelopeStream
+
+    call = '{"name": "f", "arguments": {"a": 1}}'
+    other = '{"name": "f", "arguments": {"a": 2}}'
+    envelope = EnvelopeStream(wrapped=True)
+    list(envelope.feed('{"tool_calls": [' + call + ", " + other))
+    assert not envelope.repeated and len(envelope.calls) == 2
+    list(envelope.feed(", " + call))
+    assert envelope.repeated and len(envelope.calls) == 2
+    tagged = Tagged().stream()
+    list(tagged.feed(f"<tool_call>\n{call}\n</tool_call>\n"))
+    assert not tagged.repeated
+    list(tagged.feed(f"<tool_call>\n{call}\n</tool_call>"))
+    assert tagged.repeated and len(tagged.calls) == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_calls_sent_back_re_serialized_are_reused_and_edited_ones_placed(
+    anyio_backend: str,
+) -> None:
+    """Arguments are compared in one canonical form: a call sent back re-serialized (as
+    pydantic-ai does, ``{"city":"Paris"}``) is the call that was generated, and its KV is
+    reused (each step computed the whole turn again); one sent back with edited arguments
+    is placed as sent (it was placed with the generated ones, the edit dropped)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You answer questions about the weather."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+
+    def sent_back(call: kvrt.ToolCall, arguments: str, result: str) -> list[dict[str, Any]]:
+        function = {"name": call.name, "arguments": arguments}
+        return [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": function}
+            ]},
+            {"role": "tool", "tool_call_id": call.id, "content": result},
+        ]  # fmt: skip
+
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=4096) as s,
+    ):
+
+        async def step() -> tuple[kvrt.ToolCall, int]:
+            done = await s.chat(
+                messages, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                max_tokens=64,
+            )  # fmt: skip
+            assert done.tool_calls, done.raw_text
+            return done.tool_calls[0], done.usage.prompt.prefilled
+
+        call, _ = await step()
+        compact = json.dumps(json.loads(call.arguments), separators=(",", ":"))
+        assert compact != call.arguments
+        result = "Sunny, 21 C."
+        messages += sent_back(call, compact, result)
+        call, computed = await step()
+        new = len(rt.engine.tokenize(f"Result of get_weather: {result}", add_special=False))
+        assert computed <= new + 12, computed  # the call reused, re-serialized or not
+
+        edited = json.dumps({**json.loads(call.arguments), "city": "Reykjavik"})
+        messages += sent_back(call, edited, result)
+        _, computed = await step()
+        call_tokens = len(rt.engine.tokenize(edited, add_special=False))
+        assert computed > new + call_tokens, computed  # the edited call computed as sent
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_turn_without_tools_answers_in_text_after_calls(anyio_backend: str) -> None:
+    """After a handoff the agent handed to has no tools: earlier calls are shown to it as
+    text, so it answers in text (shown in kvrt's envelope, they taught it to answer with
+    ``{"tool_calls": [{"name": "transfer_to_...``)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "transfer_to_weather_agent", "arguments": "{}"},
+    }
+    messages = [
+        {"role": "system", "content": "You are a helpful weather agent."},
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"assistant": "Weather agent"}'},
+    ]
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=2048) as s,
+    ):
+        done = await s.chat(messages, max_tokens=24, temperature=0)
+        assert done.text.strip() and not done.text.lstrip().startswith("{"), done.text
+        assert "tool_calls" not in done.text

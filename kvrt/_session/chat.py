@@ -22,7 +22,7 @@ from .._checks import check_choice, check_text
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
 from .._jinja import JinjaTemplate
 from .._replies import ReplyMemory
-from .._tools import Tool, ToolChoice, tools_prompt
+from .._tools import Tool, canonical_arguments, tools_prompt
 from .._types import CacheClass
 from .layout import Segment
 
@@ -160,7 +160,8 @@ def _tool_calls(where: str, calls: Any) -> tuple[tuple[str, str, str], ...]:
                 f"{where}.tool_calls[{j}] must have a function with a name and arguments"
             )
         call_id = _field(call, "id")
-        out.append((call_id if isinstance(call_id, str) else "", name, arguments or ""))
+        arguments = canonical_arguments(arguments or "")
+        out.append((call_id if isinstance(call_id, str) else "", name, arguments))
     return tuple(out)
 
 
@@ -398,7 +399,6 @@ def _rendered(frames: Sequence[str], contents: Sequence[str], real: str) -> list
 def with_tools(
     messages: Sequence[Message],
     tools: Sequence[Tool],
-    choice: ToolChoice,
     replies: ReplyMemory,
     calls: CallFormat,
 ) -> list[Message]:
@@ -411,11 +411,15 @@ def with_tools(
     results come back in the user's turn, named by their tool."""
     out: list[Message] = []
     names: dict[str, str] = {}
+    # A turn without tools (an agent handed off to, which has none) sees earlier calls
+    # and answers as text: the envelope they were generated in would teach it to answer
+    # in the envelope.
+    plain = not tools and not calls.tools_in_template
     for i, message in enumerate(messages):
         # Segments keep the names the messages' own places and roles give them.
         message = msgspec.structs.replace(message, name=message.name or f"{i}:{message.role}")
         if message.role == "assistant":
-            content = _assistant_text(message, replies, calls)
+            content = _plain_text(message) if plain else _assistant_text(message, replies, calls)
             for call_id, name, _ in message.tool_calls:
                 names[call_id] = name
             message = msgspec.structs.replace(message, content=content, tool_calls=())
@@ -429,7 +433,9 @@ def with_tools(
                 message, role="user", content=f"{head}: {message.content}"
             )
         out.append(message)
-    if tools and choice != "none" and not calls.tools_in_template:
+    # The section does not depend on tool_choice (the grammar enforces it), so a step of
+    # tool_choice "none" reuses the context of the steps that called tools.
+    if tools and not calls.tools_in_template:
         section = Message(
             role="system",
             content=tools_prompt(tools),
@@ -441,13 +447,24 @@ def with_tools(
     return out
 
 
+def _plain_text(message: Message) -> str:
+    """An assistant message as text: its content, then its calls, one a line."""
+    lines = [message.content] if message.content else []
+    lines += [
+        f"(called {name} with {arguments or '{}'})" for _, name, arguments in message.tool_calls
+    ]
+    return "\n".join(lines)
+
+
 def _assistant_text(message: Message, replies: ReplyMemory, calls: CallFormat) -> str:
-    ids = tuple(call_id for call_id, _, _ in message.tool_calls)
-    if ids and all(ids):
-        found = replies.generated(calls=ids)
+    # A call is found by its id, name and arguments: one sent back edited is rendered as
+    # the caller sent it, never placed with what was generated.
+    calls_sent = message.tool_calls
+    if calls_sent and all(call_id for call_id, _, _ in calls_sent):
+        found = replies.generated(calls=calls_sent)
         if found is not None:
             return found
-    if not ids and message.content:
+    if not calls_sent and message.content:
         found = replies.generated(content=message.content)
         if found is not None:
             return found

@@ -178,6 +178,9 @@ class Generation:
                 if constraint is not None and constraint.done:
                     finish = "stop"  # the grammar admits nothing more
                     break
+                if stream is not None and stream.repeated:
+                    finish = "stop"  # a call again, as it was: the reply ends at it
+                    break
             text, calls = _split(stream, tail.finish())
             if pending is not None:
                 pending = msgspec.structs.replace(
@@ -201,13 +204,16 @@ class Generation:
                 content = stream.undecided(tail.text)
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
-        self.gate.replies.remember(
-            tail.text,
-            list(tokens),
-            tail.kept_text,
-            content=content if stream is not None and content != tail.text else None,
-            calls=[call.id for call in tool_calls],
-        )
+        # A reply cut at a repeated call is not remembered as generated: sent back, its
+        # turn is rendered whole (a closed envelope), not as the cut text.
+        if stream is None or not stream.repeated:
+            self.gate.replies.remember(
+                tail.text,
+                list(tokens),
+                tail.kept_text,
+                content=content if stream is not None and content != tail.text else None,
+                calls=[(call.id, call.name, call.arguments) for call in tool_calls],
+            )
         self.gate.record(tally)
         status = self.gate.status(tally)
         return Generated(

@@ -239,7 +239,8 @@ class Session(metaclass=NoPublicConstructor):
         active = bool(tool_list) and choice != "none"
         if active:  # tool_choice none compiles no tool's grammar
             check_tool_schemas(tool_list)
-        if active and grammar is not None and schema is None:
+        own = grammar is not None and schema is None  # a regex or grammar of the caller's
+        if active and own:
             raise InvalidArgumentError(
                 "response_format with tools must be json_object or json_schema (a regex or "
                 "grammar cannot be combined with tool calls)"
@@ -247,16 +248,20 @@ class Session(metaclass=NoPublicConstructor):
         template = None
         if tool_list or any(m.role == "tool" or m.tool_calls for m in read):
             template = self._chat.tool_template()
+        # The tools are shown whatever tool_choice is (the prompt, and its KV, stay the
+        # same from step to step); the reply's grammar enforces the choice: under "none",
+        # an answer in the form the model was taught, never a call.
+        answered = bool(tool_list) and not own
         calls = call_format(
             template.call_style if template is not None else None,
             tool_list,
-            wrapped=active and schema is None,
+            wrapped=answered and schema is None,
         )
-        if active:
+        if answered:
             grammar = calls.grammar(tool_list, choice, parallel=parallel, response_schema=schema)
-        shown = with_tools(read, tool_list, choice, self._actor.replies, calls)
+        shown = with_tools(read, tool_list, self._actor.replies, calls)
         if template is not None:
-            definitions = [tool.openai() for tool in tool_list] if active else None
+            definitions = [tool.openai() for tool in tool_list] or None
             if definitions:
                 self._chat.check_plain("a tool definition", json.dumps(definitions))
         else:
@@ -284,7 +289,7 @@ class Session(metaclass=NoPublicConstructor):
             replies=replies,
             grammar=grammar,
             logprobs=arguments.logprobs(logprobs),
-            calls=calls if active else None,
+            calls=calls if answered else None,
         )
 
     def complete(

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from kvrt import Config, ConfigError, KvrtError, load_config
 from kvrt._config import CONFIG_ENV, SETTINGS
+from kvrt._units import format_size, parse_size
 
 __all__ = [
     "LOCAL_CONFIG",
@@ -22,6 +23,7 @@ __all__ = [
     "int_list",
     "kvrt_error",
     "seconds",
+    "size",
 ]
 
 LOCAL_CONFIG = "kvrt.toml"
@@ -109,6 +111,23 @@ def seconds(text: str) -> float:
     if not 0 < value <= 86400:
         raise argparse.ArgumentTypeError(f"expected seconds above 0, at most 86400, got {text}")
     return value
+
+
+def size(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a byte size as people write it (``64MiB``) in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected a size from {format_size(low)} to {format_size(high)}, got {text}"
+            )
+        return value
+
+    return parse
 
 
 def count(low: int, high: int | None = None) -> Callable[[str], int]:

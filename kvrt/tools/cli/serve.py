@@ -13,7 +13,7 @@ from typing import Any
 from kvrt import ConfigError
 from kvrt._runtime import check_policies
 
-from ._common import common, config_from, count, seconds
+from ._common import common, config_from, count, seconds, size
 
 __all__ = ["add", "main"]
 
@@ -80,6 +80,30 @@ def add(sub: Any) -> None:
         "reading is noticed once it and the client's receive buffer are full",
     )
     serve.add_argument(
+        "--max-grammar-bytes",
+        type=size(1024, 2**26),
+        default=256 * 1024,
+        metavar="SIZE",
+        help="largest JSON Schema (response format, tool parameters) compiled for a "
+        "request; larger ones are a 400 before anything is compiled (default 256KiB)",
+    )
+    serve.add_argument(
+        "--grammar-timeout",
+        type=seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds reading a request and compiling its grammars may take, off the event "
+        "loop; past them the request is a 400 (default 10)",
+    )
+    serve.add_argument(
+        "--response-store",
+        type=size(0, 2**40),
+        default=64 * 2**20,
+        metavar="SIZE",
+        help="what stored responses (for previous_response_id) may take in all; the oldest "
+        "go first (default 64MiB)",
+    )
+    serve.add_argument(
         "--loop",
         choices=("asyncio", "trio"),
         default="asyncio",
@@ -106,6 +130,9 @@ def main(args: argparse.Namespace) -> None:
         model_name=args.model_name,
         stall_timeout=args.stall_timeout,
         send_buffer=args.send_buffer,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_timeout=args.grammar_timeout,
+        response_store_bytes=args.response_store,
         api_keys=_api_keys(args),
     )
     # Bound before the model loads: a port in use is one line and exit status 2, at once.
