@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from ._backend import Engine
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._schemas import bounded_numbers
+from ._schemas import bounded_numbers, number
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -136,12 +136,8 @@ def _too_wide(node: Any, path: str = "") -> str | None:
         kinds = node.get("type")
         integer = kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds)
         for bound in _BOUNDS if integer else ():
-            value = node.get(bound)
-            if (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and not _INT_RANGE[0] <= value <= _INT_RANGE[1]
-            ):
+            value = number(node.get(bound))
+            if value is not None and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
                 return (
                     f"the JSON schema's {bound!r} at '{path or '/'}' is {value}: "
                     "constrained decoding honours integer bounds of up to 17 digits "

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DIGITS", "FRACTION_DIGITS", "bounded_numbers", "embed_schema", "with_defs"]
+__all__ = [
+    "DIGITS",
+    "FRACTION_DIGITS",
+    "bounded_numbers",
+    "embed_schema",
+    "number",
+    "with_defs",
+]
 
 _DATA = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON data, not schemas: a ``$ref`` or ``type`` inside them
@@ -36,8 +43,8 @@ def bounded_numbers(schema: Any) -> Any:
     kinds = schema.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
     if kinds & {"integer", "number"}:
-        low = _number(schema.get("minimum", schema.get("exclusiveMinimum")))
-        high = _number(schema.get("maximum", schema.get("exclusiveMaximum")))
+        low = number(schema.get("minimum", schema.get("exclusiveMinimum")))
+        high = number(schema.get("maximum", schema.get("exclusiveMaximum")))
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
             out["minimum"] = min(-_LARGEST, high) if high is not None else -_LARGEST
         if "maximum" not in schema and "exclusiveMaximum" not in schema:
@@ -47,7 +54,8 @@ def bounded_numbers(schema: Any) -> Any:
     return out
 
 
-def _number(value: Any) -> int | float | None:
+def number(value: Any) -> int | float | None:
+    """``value`` where it is a JSON number (not a bool), else None."""
     return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 

@@ -143,10 +143,12 @@ def check_salt(salt: str | None) -> None:
 def check_tool_turns(messages: Sequence[kvrt.Message], *, param: str = "messages") -> None:
     """What OpenAI refuses in a conversation, refused the same way (a 400): a ``tool``
     message without a ``tool_call_id``, or with one no earlier assistant call has, and an
-    assistant's call whose arguments are not JSON."""
+    assistant's call whose arguments are not JSON. Chat's messages are named by their
+    index; a Responses conversation (its earlier responses' items before the request's
+    own) only by ``param``, since its indices are not the client's."""
     called: set[str] = set()
     for i, m in enumerate(messages):
-        where = f"{param}[{i}]"
+        where = f"{param}[{i}]" if param == "messages" else param
         for j, (call_id, _name, arguments) in enumerate(m.tool_calls):
             try:
                 json.loads(arguments)
