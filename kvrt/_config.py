@@ -139,6 +139,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Which blocks are copied to the cold store as soon as they are computed."""
     message_class: str = "system_pinned"
     """Which cache class a chat message's segment gets from its role."""
+    engine_turn: str = "least_served"
+    """Which session's waiting engine call runs next (``least_served``: the command that
+    has had the least engine time, so short requests are not queued behind long ones;
+    ``fifo``: arrival order)."""
 
 
 class DiskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -232,6 +236,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policies", "partial_window", "KVRT_PARTIAL_WINDOW_POLICY"),
     Setting("policies", "write_through", "KVRT_WRITE_THROUGH_POLICY"),
     Setting("policies", "message_class", "KVRT_MESSAGE_CLASS_POLICY"),
+    Setting("policies", "engine_turn", "KVRT_ENGINE_TURN_POLICY"),
 )
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}

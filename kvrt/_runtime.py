@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from ._session import (
 )
 from ._session.chat import ChatTemplate
 from ._session.layout import HotWindow, Segment
+from ._turns import EngineTurns
 from ._types import CacheClass
 from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
@@ -88,7 +90,8 @@ class Runtime(metaclass=NoPublicConstructor):
         self._serial = 0
         threads = config.engine.threads or physical_cores()
         parallel = config.engine.parallel or max(1, physical_cores() // threads)
-        self.engine_limiter = anyio.CapacityLimiter(parallel)
+        self.engine_turns = EngineTurns(parallel, check_policies(config)["engine_turn"])
+        """The engine's slots, shared by every session (see :mod:`kvrt._turns`)."""
 
     @property
     def engine(self) -> Engine:
@@ -241,9 +244,7 @@ class Runtime(metaclass=NoPublicConstructor):
         )
         self._serial += 1
         label = name or f"session-{self._serial}"
-        ctx = await anyio.to_thread.run_sync(
-            self._engine.open_context, hot, limiter=self.engine_limiter
-        )
+        ctx = await self.engine_turns.run(None, "open", partial(self._engine.open_context, hot))
         window = HotWindow(
             fingerprint=salted(getattr(ctx, "fingerprint", facts.fingerprint), cache_salt),
             planner_context=planner,
@@ -257,7 +258,7 @@ class Runtime(metaclass=NoPublicConstructor):
                 ctx=ctx,
                 window=window,
                 cold=self._cold,
-                limiter=self.engine_limiter,
+                turns=self.engine_turns,
                 config=cfg,
                 policies=chosen,
                 replies=self._replies.scoped(cache_salt),

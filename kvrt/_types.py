@@ -14,6 +14,7 @@ __all__ = [
     "PartialWindowQuery",
     "Residency",
     "RestoreQuery",
+    "TurnView",
 ]
 
 
@@ -127,3 +128,19 @@ class PartialWindowQuery(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     hot: bool
     """The KV is in the hot window (else in this session's own cold copy)."""
+
+
+class TurnView(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine-turn policy sees of one engine call waiting for its turn."""
+
+    id: int
+    served: float
+    """Seconds of engine time the waiting session's current command has had so far (0
+    for a command that has not run yet, and for calls outside any session's command)."""
+    left: int
+    """Tokens the command may still generate: its ``max_tokens`` less those it has
+    generated (0 for a command that generates none, such as placing a context)."""
+    arrived: int
+    """A logical clock: smaller waited longer."""
+    call: str
+    """What the call does (``step``, ``prefill``, ``restore``, ``open``, ...)."""

@@ -16,6 +16,7 @@ orders or accepts among what may.
 | ``partial_window`` | :class:`PartialWindow` | compute again KV that saw a partial window, once the whole prefix fits |
 | ``write_through`` | :class:`WriteThrough` | which blocks are copied to the cold store as soon as they are computed |
 | ``message_class`` | :class:`MessageClass` | which cache class a chat message's segment gets from its role |
+| ``engine_turn`` | :class:`EngineTurn` | which session's waiting engine call runs next |
 
 Register a factory (usually the class) under a kind and a name, then pick it by that name
 in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
@@ -56,6 +57,7 @@ from ._types import (
     ColdEntryView,
     PartialWindowQuery,
     RestoreQuery,
+    TurnView,
 )
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "ColdAdmission",
     "ColdEntryView",
     "ColdVictim",
+    "EngineTurn",
     "Estimating",
     "HotEviction",
     "KeyScoring",
@@ -78,6 +81,7 @@ __all__ = [
     "Relevance",
     "Restore",
     "RestoreQuery",
+    "TurnView",
     "WriteThrough",
     "create",
     "names",
@@ -152,6 +156,14 @@ class MessageClass(Protocol):
 
 
 @runtime_checkable
+class EngineTurn(Protocol):
+    def pick(self, waiting: Sequence[TurnView]) -> int:
+        """The id of the call in ``waiting`` (never empty) that runs next on the engine,
+        whose slots sessions share (``engine.parallel``)."""
+        ...
+
+
+@runtime_checkable
 class Blending(Protocol):
     """Optional for an approximate-hit policy: compute part of an accepted hit afresh.
 
@@ -222,6 +234,7 @@ KINDS: dict[str, type] = {
     "partial_window": PartialWindow,
     "write_through": WriteThrough,
     "message_class": MessageClass,
+    "engine_turn": EngineTurn,
 }
 """Every policy kind and the protocol its policies implement."""
 

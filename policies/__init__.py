@@ -16,6 +16,7 @@ from kvrt.policy import register as register
 from . import approximate as approximate
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
+from . import engine_turn as engine_turn
 from . import hot_eviction as hot_eviction
 from . import message_class as message_class
 from . import partial_window as partial_window
@@ -28,6 +29,8 @@ from .approximate import NeverApproximate as NeverApproximate
 from .cold_admission import AdmitAll as AdmitAll
 from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU
+from .engine_turn import FirstCome as FirstCome
+from .engine_turn import LeastServed as LeastServed
 from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import KeyRelevance as KeyRelevance
 from .hot_eviction import LexicalRelevance as LexicalRelevance

@@ -225,3 +225,11 @@ def test_the_architectures_benchmark_measures_each_variant() -> None:
     assert yarn["key_shift"] == "kvrt" and yarn["in_place_delta"] == 0
     assert yarn["moved_delta"] < 0.06 < 0.6 < float(yarn["engine_shift"])
     assert "the attention KV of 1 of its 3 layers" in rows["granitehybrid"]["refused"]
+
+
+def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:
+    argv = ["-m", "benchmarks.shared_server", "--model", zoo_path("llama"), "--rounds", "1"]
+    out = run(*argv, "--policies", "least_served,fifo")
+    assert out.count("engine turns:") == 2
+    assert "statuses [200]" in out and "statuses [400]" in out  # one load accepted, one refused
+    assert out.count("x its time alone") == 4

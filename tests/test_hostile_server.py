@@ -395,6 +395,22 @@ def test_grammars_are_checked_before_any_decoding(server: Server) -> None:
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "response_format", raw[:300]
     assert "max_grammar_bytes" in error["message"]
+    huge_tool = [{"type": "function", "function": {"name": "f", "parameters": wide_schema(32000)}}]
+    body = chat_body(model, "Hi", max_tokens=4, tools=huge_tool)
+    status, raw = request(server, "POST", "/v1/chat/completions", body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "tools[0]", raw[:300]
+    assert "max_grammar_bytes" in error["message"]
+    body = json.dumps(
+        {
+            "model": model,
+            "input": "Hi",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": wide_schema(32000)}},
+        }
+    ).encode()
+    status, raw = request(server, "POST", "/v1/responses", body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "text.format", raw[:300]
     assert time.monotonic() - started < 5
     body = chat_body(model, "Hi", max_tokens=4, response_format=format_of(wide_schema(600)))
     status, raw = request(server, "POST", "/v1/chat/completions", body)

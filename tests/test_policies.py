@@ -221,3 +221,33 @@ def test_calibrated_policy_recomputes_when_restoring_is_measured_slow() -> None:
         policy.observe_prefill(0, n, n * 1e-4)
     assert not policy.restore(query)
     assert policy.crossover(24_000) is not None and policy.crossover(24_000) > 64
+
+
+@st.composite
+def turn_views(draw: st.DrawFn) -> list[kvrt.policy.TurnView]:
+    n = draw(st.integers(1, 12))
+    arrivals = draw(st.permutations(range(1, n + 1)))
+    return [
+        kvrt.policy.TurnView(
+            id=i + 1,
+            served=draw(st.sampled_from([0.0, 0.01, 0.5, 3.0])),
+            left=draw(st.sampled_from([0, 1, 8, 4096])),
+            arrived=arrivals[i],
+            call=draw(st.sampled_from(["step", "prefill", "restore"])),
+        )
+        for i in range(n)
+    ]
+
+
+@given(turn_views())
+def test_engine_turn_policies_pick_by_their_own_keys(waiting: list[kvrt.policy.TurnView]) -> None:
+    keys = {
+        "least_served": lambda w: (w.served, w.arrived),
+        "fewest_left": lambda w: (w.left, w.served, w.arrived),
+        "fifo": lambda w: w.arrived,
+    }
+    for name, key in keys.items():
+        policy = policies.get("engine_turn", name)
+        assert isinstance(policy, kvrt.policy.EngineTurn)
+        chosen = policy.pick(waiting)
+        assert chosen == min(waiting, key=key).id, name

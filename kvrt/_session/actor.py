@@ -122,7 +122,7 @@ class Actor:
         self.placement = Placement(gate, self.paging, self.scoring)
         self.generation = Generation(gate, self.paging, self.placement)
         self.engine, self.ctx, self.window = parts.engine, parts.ctx, parts.window
-        self.cold, self.limiter = parts.cold, parts.limiter
+        self.cold, self.turns = parts.cold, parts.turns
         self.policies, self.config, self.replies = parts.policies, parts.config, parts.replies
         self.tokenize = self.placement.tokenize
         self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
@@ -151,7 +151,7 @@ class Actor:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._offer_on_close()
-                await anyio.to_thread.run_sync(self.ctx.close, limiter=self.limiter)
+                await self.turns.run(None, "close", self.ctx.close)
             self.finished.set()
 
     async def _offer_on_close(self) -> None:
@@ -175,6 +175,8 @@ class Actor:
             call.done.set()
             return
         self.current = call
+        # What the engine-turn policy sees of this command: its engine time, its tokens left.
+        self.gate.served.seconds, self.gate.served.left = 0.0, 0
         # Stays the answer only if something outside this call stops the actor midway.
         call.error = SessionClosedError("the session stopped before the call finished")
         try:

@@ -1,5 +1,5 @@
-"""The engine gate: every engine call goes through here, in a worker thread behind the
-runtime's limiter; residency is derived from what the engine holds (never stored); the
+"""The engine gate: every engine call goes through here, in a worker thread when the
+runtime's engine turns give it a slot (:mod:`kvrt._turns`); residency is derived from what the engine holds (never stored); the
 tallies and the status of a call are counted here.
 
 The hot-window bookkeeping it consults (:mod:`.layout`) is synchronous and free of
@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
-import anyio
-
 from .._backend import Engine, EngineContext, EvictMode, Logits
 from .._cold import ColdKey, ColdStore
 from .._config import SessionConfig
 from .._replies import ReplyMemory
 from .._reports import ContextStatus, SessionCounters, TokenOrigins
+from .._turns import EngineTurns, Served
 from .._types import Residency
 from ..policy import (
     Approximate,
@@ -38,6 +37,10 @@ from .provenance import APPROXIMATE, Place, Provenance, partial_key
 __all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
 
 T = TypeVar("T")
+
+LIGHT_CALLS = frozenset({"evict", "logits"})
+"""Engine calls that compute nothing (a KV range dropped, the logits copied out): they run
+without waiting for the engine's turn (see :mod:`kvrt._turns`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,7 @@ class SessionParts:
     ctx: EngineContext
     window: HotWindow
     cold: ColdStore
-    limiter: anyio.CapacityLimiter
+    turns: EngineTurns
     config: SessionConfig
     policies: SessionPolicies
     replies: ReplyMemory
@@ -135,7 +138,9 @@ class EngineGate:
         self.ctx = parts.ctx
         self.window = parts.window
         self.cold = parts.cold
-        self.limiter = parts.limiter
+        self.turns = parts.turns
+        self.served = Served()
+        """Engine time of the command under way (the actor resets it for each one)."""
         self.policies = parts.policies
         self.config = parts.config
         self.replies = parts.replies
@@ -165,7 +170,8 @@ class EngineGate:
         writes: Sequence[Written] = (),
         **kwargs: Any,
     ) -> T:
-        """Run ``fn`` in a worker thread behind the limiter. ``writes`` are the positions
+        """Run ``fn`` in a worker thread on the engine's next turn for this session (its
+        time counts to the command's :attr:`served`). ``writes`` are the positions
         the call makes resident: their marks are set right before it runs (see
         :mod:`.provenance`); the caller's tally records their sources
         (:meth:`Tally.wrote`)."""
@@ -177,8 +183,8 @@ class EngineGate:
             self.provenance.attend(w.start, w.end, places)
         self._resident = None
         try:
-            return await anyio.to_thread.run_sync(
-                partial(fn, *args, **kwargs), limiter=self.limiter
+            return await self.turns.run(
+                self.served, label, partial(fn, *args, **kwargs), light=label in LIGHT_CALLS
             )
         finally:
             self._resident = None  # the engine's record may have changed
@@ -280,8 +286,11 @@ class EngineGate:
         """Remove resident tokens that belong to no whole block (half-done work)."""
         for start, end in self.window.strays(self.resident()):
             try:
-                await anyio.to_thread.run_sync(
-                    partial(self.ctx.evict, start, end, EvictMode.GAP), limiter=self.limiter
+                await self.turns.run(
+                    self.served,
+                    "tidy",
+                    partial(self.ctx.evict, start, end, EvictMode.GAP),
+                    light=True,
                 )
             finally:
                 self._resident = None

@@ -98,6 +98,7 @@ class Generation:
         began = time.perf_counter()
         placed = None
         placing = Tally()
+        self.gate.served.left = cmd.max_tokens
         if cmd.context is not None:
             placed, placing = await self.placement.ensure(cmd.context, replies=cmd.replies)
         placed_at = time.perf_counter()
@@ -151,6 +152,7 @@ class Generation:
                 tally.wrote(marks)
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
+                self.gate.served.left = cmd.max_tokens - produced
                 self.gate.counters.generated_tokens += 1
                 if logprob is not None:
                     chosen.append(logprob)

@@ -190,6 +190,7 @@ class Server:
             body = await _body(request)
 
             def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+                openai.check_schema_bytes(body, self.config.max_grammar_bytes)
                 req = openai.read(body, ChatRequest)
                 self._check_model(req.model)
                 try:
@@ -244,6 +245,7 @@ class Server:
             tenant = _tenant(request)
 
             def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+                openai.check_schema_bytes(body, self.config.max_grammar_bytes, responses_api=True)
                 req = responses.read(body)
                 self._check_model(req.model)
                 before = (

@@ -25,6 +25,7 @@ __all__ = [
     "RequestError",
     "chat_response",
     "check_salt",
+    "check_schema_bytes",
     "check_tool_turns",
     "chunk",
     "completion_response",
@@ -96,6 +97,48 @@ class CompletionRequest(_Common, kw_only=True):
 
 MAX_BODY = 64 * 1024 * 1024
 """The largest request body read (64 MiB: far more than any context fits)."""
+
+
+class _Schemas(msgspec.Struct):
+    """The parts of a body that carry JSON Schemas, as sent: read without being built."""
+
+    response_format: msgspec.Raw = msgspec.Raw(b"null")
+    text: msgspec.Raw = msgspec.Raw(b"null")
+    """The Responses API's (its ``format``)."""
+    tools: msgspec.Raw = msgspec.Raw(b"null")
+
+
+def check_schema_bytes(body: bytes, limit: int, *, responses_api: bool = False) -> None:
+    """Refuse a body whose response format or a tool of which is, as sent, more than twice
+    ``limit`` bytes (the schema limit, measured exactly once the body is read, allowing
+    for whitespace), before the body is decoded: building a huge schema's objects (and
+    freeing them) is what a flood of such requests would cost the server."""
+    try:
+        parts = msgspec.json.decode(body, type=_Schemas)
+    except (msgspec.DecodeError, RecursionError):
+        return  # what is wrong with it, the request's reader says
+    bound = 2 * limit
+    fmt = parts.text if responses_api else parts.response_format
+    if len(fmt) > bound:
+        where = "text.format" if responses_api else "response_format"
+        raise RequestError(
+            f"{where} is {len(fmt):,} bytes as sent; this server compiles schemas of at most "
+            f"{limit:,} bytes (max_grammar_bytes)",
+            param=where,
+        )
+    if len(parts.tools) <= bound:
+        return
+    try:
+        tools = msgspec.json.decode(parts.tools, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        return
+    for i, tool in enumerate(tools):
+        if len(tool) > bound:
+            raise RequestError(
+                f"tools[{i}] is {len(tool):,} bytes as sent; this server compiles schemas of "
+                f"at most {limit:,} bytes (max_grammar_bytes)",
+                param=f"tools[{i}]",
+            )
 
 
 def read(body: bytes, kind: type[_Common]) -> Any:

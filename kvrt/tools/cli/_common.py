@@ -59,6 +59,7 @@ HELP = {
     "partial_window": "partial-window KV once its prefix fits hot (recompute, keep)",
     "write_through": "blocks copied to the cold store once computed (stable, none, all)",
     "message_class": "a chat message's cache class by role (system_pinned, volatile)",
+    "engine_turn": "which session's engine call runs next (least_served, fifo)",
     "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
 

@@ -1,0 +1,203 @@
+"""Engine turns: which waiting engine call runs next, the slot never lost (cancelled
+waiters, a failing policy, a session that does not come back), light calls beside the
+one computing. The calls are plain functions run in the worker threads the engine's
+calls run in; the engine-level behaviour is covered by every session test, all of
+whose engine calls go through here."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from kvrt import policies
+from kvrt._turns import EngineTurns, Served
+from kvrt.policy import TurnView
+
+pytestmark = pytest.mark.anyio
+
+
+class Gate:
+    """A call that runs until the test opens it (so the slot stays taken meanwhile)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self) -> str:
+        self.started.set()
+        assert self.opened.wait(10)
+        return "held"
+
+
+async def started(gate: Gate) -> None:
+    with anyio.fail_after(10):
+        while not gate.started.is_set():
+            await anyio.sleep(0.001)
+
+
+async def queued(turns: EngineTurns, n: int) -> None:
+    with anyio.fail_after(10):
+        while turns.waiting < n:
+            await anyio.sleep(0.001)
+
+
+async def order_under(policy: str) -> list[str]:
+    """Four commands' calls queued behind a held slot, in the order they then ran."""
+    turns = EngineTurns(1, policies.get("engine_turn", policy))
+    ran: list[str] = []
+    gate = Gate()
+    accounts = {
+        "long, served 2 s, 900 left": Served(seconds=2.0, left=900),
+        "fresh, 600 left": Served(seconds=0.0, left=600),
+        "short, served 0.1 s, 2 left": Served(seconds=0.1, left=2),
+        "medium, served 0.5 s, 40 left": Served(seconds=0.5, left=40),
+    }
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i, (name, account) in enumerate(accounts.items()):
+            tg.start_soon(turns.run, account, "step", lambda name=name: ran.append(name))
+            await queued(turns, i + 1)
+        gate.opened.set()
+    assert turns.busy == 0 and turns.waiting == 0
+    return ran
+
+
+async def test_the_policy_picks_which_waiting_call_runs_next() -> None:
+    assert await order_under("fifo") == [
+        "long, served 2 s, 900 left",
+        "fresh, 600 left",
+        "short, served 0.1 s, 2 left",
+        "medium, served 0.5 s, 40 left",
+    ]
+    assert await order_under("least_served") == [
+        "fresh, 600 left",
+        "short, served 0.1 s, 2 left",
+        "medium, served 0.5 s, 40 left",
+        "long, served 2 s, 900 left",
+    ]
+    assert await order_under("fewest_left") == [
+        "short, served 0.1 s, 2 left",
+        "medium, served 0.5 s, 40 left",
+        "fresh, 600 left",
+        "long, served 2 s, 900 left",
+    ]
+
+
+async def test_engine_time_counts_to_the_command() -> None:
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"))
+    served = Served()
+    await turns.run(served, "step", lambda: time.sleep(0.05))
+    await turns.run(served, "evict", lambda: time.sleep(0.02), light=True)
+    assert 0.07 <= served.seconds < 5
+
+
+async def test_a_slot_is_never_lost_to_a_cancelled_waiter() -> None:
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"))
+    gate = Gate()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        with anyio.move_on_after(0.05):
+            await turns.run(Served(), "step", lambda: None)
+        assert turns.waiting == 0
+        # One granted the slot as it is cancelled hands it on.
+        waiter = anyio.CancelScope()
+
+        async def cancelled_when_granted() -> None:
+            with waiter:
+                await turns.run(Served(), "step", lambda: None)
+
+        tg.start_soon(cancelled_when_granted)
+        await queued(turns, 1)
+        gate.opened.set()
+        waiter.cancel()
+    assert turns.busy == 0
+    with anyio.fail_after(5):
+        assert await turns.run(Served(), "step", lambda: "ran") == "ran"
+
+
+class Failing:
+    def pick(self, waiting: Sequence[TurnView]) -> int:
+        raise RuntimeError("a broken policy")
+
+
+class Wrong:
+    def pick(self, waiting: Sequence[TurnView]) -> int:
+        return 10_000
+
+
+@pytest.mark.parametrize("policy", [Failing(), Wrong()], ids=["raises", "picks nobody"])
+async def test_a_policy_that_fails_still_hands_the_slot_on(policy: object) -> None:
+    turns = EngineTurns(1, policy)  # type: ignore[arg-type]
+    gate = Gate()
+    ran: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i in range(3):
+            tg.start_soon(turns.run, Served(), "step", lambda i=i: ran.append(i))
+            await queued(turns, i + 1)
+        gate.opened.set()
+    assert ran == [0, 1, 2]  # the longest-waiting first
+
+
+async def test_a_slot_kept_for_a_session_that_does_not_come_back_is_handed_on() -> None:
+    """The policy prefers the session whose call just ended (it has had the least engine
+    time): its slot is kept for it a moment, then given to the waiting call."""
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"), grace=0.2)
+    gate = Gate()
+    young = Served(seconds=0.0)
+    waited = 0.0
+
+    async def old() -> None:
+        nonlocal waited
+        began = time.perf_counter()
+        await turns.run(Served(seconds=5.0), "step", lambda: None)
+        waited = time.perf_counter() - began
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, young, "prefill", gate)
+        await started(gate)
+        tg.start_soon(old)
+        await queued(turns, 1)
+        gate.opened.set()
+    assert 0.18 <= waited < 5
+    assert turns.busy == 0
+
+
+async def test_a_returning_session_keeps_its_turn() -> None:
+    """A generation's steps follow one another while the policy prefers it: none of the
+    older command's calls runs between them."""
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"), grace=1.0)
+    ran: list[str] = []
+    young, old = Served(), Served(seconds=5.0)
+
+    async def generate() -> None:
+        for _ in range(20):
+            await turns.run(young, "step", lambda: ran.append("young"))
+
+    gate = Gate()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, young, "prefill", gate)
+        await started(gate)
+        tg.start_soon(turns.run, old, "step", lambda: ran.append("old"))
+        await queued(turns, 1)
+        gate.opened.set()
+        await generate()
+    assert ran == ["young"] * 20 + ["old"]  # in arrival order, "old" would have run first
+
+
+async def test_light_calls_run_beside_the_call_computing() -> None:
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"))
+    gate = Gate()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        with anyio.fail_after(5):
+            assert await turns.run(Served(), "evict", lambda: "dropped", light=True) == "dropped"
+        gate.opened.set()
