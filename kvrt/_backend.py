@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from ._checks import check_int, check_number
 from ._config import EngineConfig
+from ._errors import InvalidArgumentError
 
 __all__ = [
     "AdmitMode",
@@ -190,6 +191,10 @@ class Counters(msgspec.Struct, kw_only=True):
     """Tokens those relayouts moved."""
 
 
+MAX_LOGIT_BIAS = 1024
+"""The most tokens one request may bias."""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Token choice; ``temperature == 0`` is greedy (argmax).
 
@@ -206,6 +211,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     """0 to 2**63 - 1 (a signed 64-bit integer, as OpenAI's); None draws from fresh
     entropy."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a bias from -100 to 100 added to its logit before the token is chosen
+    (OpenAI's ``logit_bias``: -100 in effect bans a token, 100 all but forces it); at most
+    1,024 tokens. Reported log-probabilities are the model's, before the bias."""
 
     def __post_init__(self) -> None:
         check_number("sampling.temperature", self.temperature, low=0.0)
@@ -213,6 +222,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         check_number("sampling.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         if self.seed is not None:
             check_int("sampling.seed", self.seed, low=0, high=2**63 - 1)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidArgumentError(
+                    f"sampling.logit_bias holds at most {MAX_LOGIT_BIAS:,} tokens, "
+                    f"got {len(self.logit_bias):,}"
+                )
+            for token, bias in self.logit_bias.items():
+                check_int("a sampling.logit_bias token id", token, low=0, high=2**31 - 1)
+                check_number(f"sampling.logit_bias[{token}]", bias, low=-100.0, high=100.0)
 
 
 class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):

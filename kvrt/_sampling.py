@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._backend import SamplingParams
+from ._errors import InvalidArgumentError
 
 __all__ = ["Sampler", "log_softmax"]
 
@@ -24,12 +25,23 @@ class Sampler:
     1
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int | None = None) -> None:
         self.params = params  # checked when it was built
         self._rng = np.random.default_rng(params.seed)
+        bias = params.logit_bias or {}
+        if n_vocab is not None and bias and max(bias) >= n_vocab:
+            raise InvalidArgumentError(
+                f"logit_bias names token {max(bias)}, past this model's vocabulary "
+                f"({n_vocab:,} tokens)"
+            )
+        self._biased = np.fromiter(bias, dtype=np.int64, count=len(bias))
+        self._bias = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
 
     def choose(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
+        if self._bias.size:
+            logits = logits.copy()
+            logits[self._biased] += self._bias
         if p.temperature == 0.0 or p.top_k == 1:
             return int(np.argmax(logits))
         scaled = logits.astype(np.float64) / p.temperature

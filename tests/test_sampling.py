@@ -67,3 +67,29 @@ def test_bad_params(fields: dict[str, float], message: str) -> None:
 def test_bad_param_types(fields: dict[str, object]) -> None:
     with pytest.raises(ArgumentTypeError, match=f"sampling.{next(iter(fields))} must be"):
         SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+@given(logits_st, st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.7]))
+def test_logit_bias_bans_and_forces_tokens(logits: np.ndarray, seed: int, t: float) -> None:
+    """Logits lie in [-20, 20]: a bias of -100 puts a token below every other, +100 above."""
+    best = int(np.argmax(logits))
+    banned = Sampler(SamplingParams(temperature=t, seed=seed, logit_bias={best: -100.0}))
+    assert banned.choose(logits) != best
+    other = (best + 1) % logits.size
+    forced = Sampler(SamplingParams(temperature=t, seed=seed, logit_bias={other: 100.0}))
+    assert forced.choose(logits) == other
+    assert logits[best] == np.max(logits)  # the caller's logits are left as they were
+
+
+def test_logit_bias_is_checked() -> None:
+    for bias, says in (
+        ({0: 101.0}, "-100"),
+        ({-1: 1.0}, "token id"),
+        ({0: float("nan")}, "finite"),
+    ):
+        with pytest.raises((InvalidArgumentError, ArgumentTypeError), match=says):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(InvalidArgumentError, match="at most 1,024"):
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        Sampler(SamplingParams(logit_bias={64: 1.0}), n_vocab=64)

@@ -96,6 +96,7 @@ class Generation:
 
     async def generate(self, cmd: Generate) -> Generated:
         began = time.perf_counter()
+        sampler = Sampler(cmd.sampling, self.engine.facts.n_vocab)  # a bad bias: before any work
         placed = None
         placing = Tally()
         self.gate.served.left = cmd.max_tokens
@@ -104,7 +105,6 @@ class Generation:
         placed_at = time.perf_counter()
         self.gate.counters.generate_calls += 1
         tally = Tally()
-        sampler = Sampler(cmd.sampling)
         tail = TextTail(cmd.stop if cmd.calls is None else ())
         stream = cmd.calls.stream() if cmd.calls is not None else None
         constraint = None

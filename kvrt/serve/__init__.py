@@ -23,8 +23,9 @@ from hypercorn.config import Config as HypercornConfig
 import kvrt
 
 from .app import ServeConfig, Server, create_app, model_id
+from .inprocess import openai_client
 
-__all__ = ["ServeConfig", "Server", "create_app", "listen", "model_id", "serve"]
+__all__ = ["ServeConfig", "Server", "create_app", "listen", "model_id", "openai_client", "serve"]
 
 
 async def serve(

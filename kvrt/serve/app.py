@@ -193,8 +193,9 @@ class Server:
                 openai.check_schema_bytes(body, self.config.max_grammar_bytes)
                 req = openai.read(body, ChatRequest)
                 self._check_model(req.model)
+                request.state.legacy_functions = openai.legacy_functions(req)
                 try:
-                    messages = tuple(kvrt.read_messages(req.messages))
+                    messages = tuple(kvrt.read_messages(openai.legacy_messages(req.messages)))
                 except kvrt.KvrtError as exc:
                     raise RequestError(str(exc), param="messages") from None
                 openai.check_tool_turns(messages)
@@ -239,6 +240,7 @@ class Server:
         """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
         created = time.time()
         kept: list[kvrt.Message] = []
+        span = [0, 0]  # where the request's own input lies in kept
 
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
             body = await _body(request)
@@ -253,7 +255,9 @@ class Server:
                     if req.previous_response_id
                     else []
                 )
-                kept.extend(before + responses.to_messages(req.input))
+                given = responses.to_messages(req.input)
+                span[:] = [len(before), len(before) + len(given)]
+                kept.extend(before + given)
                 head = (
                     [kvrt.Message(role="system", content=req.instructions)]
                     if req.instructions
@@ -273,29 +277,33 @@ class Server:
 
             return await self._off_loop(parse)
 
-        def store(rid: str, req: Any, done: kvrt.Completion) -> None:
+        def store(rid: str, req: Any, done: kvrt.Completion, body: dict[str, Any]) -> None:
             if req.store is not False:
                 messages = kept + responses.output_messages(done)
-                self.answers.put(rid, messages, tenant=_tenant(request))
+                self.answers.put(
+                    rid, messages, tenant=_tenant(request), inputs=(span[0], span[1]), body=body
+                )
 
         def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
             req = request.state.responses_request
-            store(rid, req, done)
             output = responses.output_items(done, {})
-            return responses.response_body(
+            body = responses.response_body(
                 rid, self.model, req, created=created, status="completed", output=output, done=done
             )
+            store(rid, req, done, body)
+            return body
 
         async def stream(
             rid: str, answer: kvrt.Reply, finished: Callable[[kvrt.Completion], None]
         ) -> AsyncIterator[bytes]:
             req = request.state.responses_request
 
-            def done(completion: kvrt.Completion) -> None:
-                finished(completion)
-                store(rid, req, completion)
+            def answered(completion: kvrt.Completion, body: dict[str, Any]) -> None:
+                store(rid, req, completion, body)
 
-            async for ev in responses.events(answer, rid, self.model, req, created, done):
+            async for ev in responses.events(
+                answer, rid, self.model, req, created, finished, answered
+            ):
                 yield (
                     b"event: "
                     + ev["type"].encode()
@@ -310,6 +318,41 @@ class Server:
             return req, wanted, reply
 
         return await self._answer(request, "responses", reading, finish=finish, stream=stream)
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
+        rid, tenant = request.path_params["rid"], _tenant(request)
+        try:
+            if request.method == "DELETE":
+                self.answers.delete(rid, tenant=tenant)
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+            found = self.answers.stored(rid, tenant=tenant)
+        except RequestError as exc:
+            return self._error("responses", exc)
+        return Response(found.body, media_type="application/json")
+
+    async def response_inputs(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
+        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
+        ``after`` an item id)."""
+        rid, query = request.path_params["rid"], request.query_params
+        try:
+            limit = query.get("limit", "20")
+            if not limit.isdigit() or not 1 <= int(limit) <= 100:
+                raise RequestError("limit must be an integer from 1 to 100", param="limit")
+            order = query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise RequestError("order must be 'asc' or 'desc'", param="order")
+            found = self.answers.stored(rid, tenant=_tenant(request))
+            listed = responses.page(
+                responses.input_items(rid, found),
+                limit=int(limit),
+                order=order,
+                after=query.get("after"),
+            )
+        except RequestError as exc:
+            return self._error("responses", exc)
+        return JSONResponse(listed)
 
     # -- plumbing --
 
@@ -345,6 +388,7 @@ class Server:
                 ),
             )
         scope = reuse_scope(_tenant(request), getattr(req, "cache_salt", None))
+        legacy = getattr(request.state, "legacy_functions", False)
         # From here on a client that leaves stops the work: its place in the queue, or
         # the generation (a stream's own response notices, see _Stream).
         async with _until_gone(request) as left:
@@ -382,7 +426,9 @@ class Server:
             started = _Started(answer, first)
             if stream is None:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                body = self._stream(route, rid, stack, slot, wanted, started, include_usage)
+                body = self._stream(
+                    route, rid, stack, slot, wanted, started, include_usage, legacy=legacy
+                )
             else:
                 body = self._streamed(route, stack, slot, wanted, partial(stream, rid, started))
             return _Stream(body, self.config.stall_timeout, self._stalled, self._left_stream)
@@ -402,8 +448,10 @@ class Server:
         self.requests[(route, 200)] += 1
         if finish is not None:
             return JSONResponse(finish(rid, done))
-        made = openai.chat_response if chat else openai.completion_response
-        return JSONResponse(made(rid, self.model, done))
+        if not chat:
+            return JSONResponse(openai.completion_response(rid, self.model, done))
+        answered = openai.chat_response(rid, self.model, done)
+        return JSONResponse(openai.as_legacy(answered) if legacy else answered)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, within ``grammar_timeout``: reading a request
@@ -485,6 +533,8 @@ class Server:
         wanted: History,
         answer: Answer,
         include_usage: bool,
+        *,
+        legacy: bool = False,
     ) -> AsyncIterator[bytes]:
         chat = route == "chat"
         closing = False  # the client has gone: nothing more may be sent
@@ -495,7 +545,12 @@ class Server:
                 async for piece in answer:
                     if piece.text or piece.tool_calls or piece.logprob is not None:
                         yield openai.chunk(
-                            rid, self.model, chat=chat, text=piece.text or None, piece=piece
+                            rid,
+                            self.model,
+                            chat=chat,
+                            text=piece.text or None,
+                            piece=piece,
+                            legacy=legacy,
                         )
                 done = await answer
             except GeneratorExit:
@@ -508,7 +563,7 @@ class Server:
             self._count(done)
             slot.history = _held(wanted, done)
             finish = openai.FINISH[done.finish_reason]
-            yield openai.chunk(rid, self.model, chat=chat, finish=finish)
+            yield openai.chunk(rid, self.model, chat=chat, finish=finish, legacy=legacy)
             if include_usage:
                 yield openai.chunk(rid, self.model, chat=chat, done=done)
             yield b"data: [DONE]\n\n"
@@ -539,11 +594,23 @@ class Server:
             if value is not None and not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number", param=name)
         sampling = ("temperature", "top_p", "top_k", "seed")
+        bias = openai.logit_bias(req)
         try:  # checked now, so a bad value is a 400 before any work
-            kvrt.SamplingParams(**{k: options[k] for k in sampling if options[k] is not None})
+            kvrt.SamplingParams(
+                **{k: options[k] for k in sampling if options[k] is not None}, logit_bias=bias
+            )
         except kvrt.KvrtError as exc:
-            param = next((k for k in sampling if k in str(exc)), None)
+            param = next((k for k in (*sampling, "logit_bias") if k in str(exc)), None)
             raise RequestError(str(exc), param=param) from None
+        if bias is not None:
+            n_vocab = self.runtime.engine.facts.n_vocab
+            if max(bias) >= n_vocab:
+                raise RequestError(
+                    f"logit_bias names token {max(bias)}, past this model's vocabulary "
+                    f"({n_vocab:,} tokens)",
+                    param="logit_bias",
+                )
+            options["sampling"] = {"logit_bias": bias}
         options["logprobs"] = openai.logprobs(req)
         return options
 
@@ -672,7 +739,8 @@ class _AsChat:
         self.tool_choice = responses.tool_choice_of(req)
         self.parallel_tool_calls = req.parallel_tool_calls
         self.response_format = responses.response_format(req)
-        self.logprobs = req.top_logprobs is not None
+        wanted = "message.output_text.logprobs" in (req.include or ())
+        self.logprobs = req.top_logprobs is not None or wanted
         self.top_logprobs = req.top_logprobs
 
 
@@ -840,6 +908,8 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/responses", server.responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", server.stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{rid}/input_items", server.response_inputs, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),

@@ -30,6 +30,8 @@ __all__ = [
     "chunk",
     "completion_response",
     "error_body",
+    "legacy_functions",
+    "legacy_messages",
     "usage",
 ]
 
@@ -75,6 +77,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None
     """vLLM's field: requests reuse cached KV only with requests of the same salt (and
     the same API key's tenant)."""
@@ -88,6 +91,13 @@ class ChatRequest(_Common, kw_only=True):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    functions: list[Any] | None = None
+    """The legacy form of ``tools`` (read as tools)."""
+    function_call: str | dict[str, Any] | None = None
+    """The legacy form of ``tool_choice``."""
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -164,6 +174,19 @@ def read(body: bytes, kind: type[_Common]) -> Any:
             raise RequestError(f"{name}={value!r} is not supported by kvrt", param=name)
     if isinstance(request, CompletionRequest) and request.echo:
         raise RequestError("echo is not supported by kvrt", param="echo")
+    if isinstance(request, ChatRequest):
+        if request.modalities is not None and set(request.modalities) != {"text"}:
+            raise RequestError(
+                f"modalities {request.modalities!r}: this model answers in text only",
+                param="modalities",
+            )
+        for name in ("audio", "web_search_options"):
+            if getattr(request, name) is not None:
+                raise RequestError(
+                    f"{name} is not supported by kvrt (a local text model: no audio output, "
+                    "no web search)",
+                    param=name,
+                )
     check_salt(request.cache_salt)
     return request
 
@@ -301,6 +324,92 @@ def tool_call_deltas(deltas: tuple[kvrt.ToolCallDelta, ...]) -> list[dict[str, A
     return out
 
 
+def legacy_functions(request: ChatRequest) -> bool:
+    """Read the legacy ``functions`` / ``function_call`` as ``tools`` / ``tool_choice``
+    (one call a reply, as that API makes): True when the request used them, so the answer
+    is written in their form too (``message.function_call``, finish ``function_call``)."""
+    if request.functions is None and request.function_call is None:
+        return False
+    if request.tools is not None or request.tool_choice is not None:
+        raise RequestError(
+            "give tools and tool_choice, or the legacy functions and function_call, not both",
+            param="functions",
+        )
+    request.tools = [{"type": "function", "function": f} for f in request.functions or ()]
+    choice = request.function_call
+    if isinstance(choice, dict):
+        if set(choice) != {"name"}:
+            raise RequestError(
+                'function_call must be "none", "auto" or {"name": ...}', param="function_call"
+            )
+        request.tool_choice = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        request.tool_choice = choice
+    request.parallel_tool_calls = False
+    return True
+
+
+def legacy_messages(messages: list[Any]) -> list[Any]:
+    """Legacy turns as tool turns: an assistant's ``function_call`` becomes its one tool
+    call, a ``function`` message (by ``name``) the tool message answering the latest call
+    of that name; anything else is passed on as it is."""
+    out: list[Any] = []
+    open_calls: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        if m.get("role") == "assistant" and isinstance(m.get("function_call"), dict):
+            fc = m["function_call"]
+            cid = f"call_legacy_{i}"
+            open_calls[str(fc.get("name"))] = cid
+            call = {"id": cid, "type": "function", "function": fc}
+            rest = {k: v for k, v in m.items() if k != "function_call"}
+            out.append({**rest, "tool_calls": [call]})
+        elif m.get("role") == "function":
+            name = m.get("name")
+            if not isinstance(name, str) or name not in open_calls:
+                raise RequestError(
+                    f"messages[{i}] (role function) answers no earlier function_call of "
+                    f"that name ({name!r})",
+                    param=f"messages[{i}].name",
+                )
+            out.append(
+                {"role": "tool", "tool_call_id": open_calls.pop(name), "content": m.get("content")}
+            )
+        else:
+            out.append(m)
+    return out
+
+
+def as_legacy(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat response or stream chunk in the legacy functions form."""
+    for choice in body.get("choices", ()):
+        part = choice.get("message") or choice.get("delta") or {}
+        calls = part.pop("tool_calls", None)
+        if calls:
+            part["function_call"] = dict(calls[0]["function"])
+        if choice.get("finish_reason") == "tool_calls":
+            choice["finish_reason"] = "function_call"
+    return body
+
+
+def logit_bias(request: Any) -> dict[int, float] | None:
+    """``logit_bias`` (token ids as strings, as JSON has them) with int keys, or None."""
+    given = getattr(request, "logit_bias", None)
+    if not given:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        if not key.isdigit() or len(key) > 10:
+            raise RequestError(
+                f"logit_bias keys are token ids (decimal integers), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
 def max_tokens(request: Any, *, default: int, limit: int) -> int:
     given = getattr(request, "max_completion_tokens", None)
     name = "max_completion_tokens"
@@ -417,8 +526,9 @@ def chunk(
     finish: str | None = None,
     done: kvrt.Completion | None = None,
     piece: kvrt.Piece | None = None,
+    legacy: bool = False,
 ) -> bytes:
-    """One server-sent event of a streamed response."""
+    """One server-sent event of a streamed response (``legacy``: in the functions form)."""
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -452,4 +562,6 @@ def chunk(
         body["choices"] = [
             {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         ]
+    if legacy:
+        as_legacy(body)
     return b"data: " + msgspec.json.encode(body) + b"\n\n"

@@ -23,9 +23,19 @@ import msgspec
 
 import kvrt
 
-from .openai import MAX_BODY, RequestError, chat_logprob, check_salt
+from .openai import MAX_BODY, RequestError, chat_logprob, check_salt, usage
 
-__all__ = ["ResponseStore", "ResponsesRequest", "events", "read", "response_body", "to_messages"]
+__all__ = [
+    "ResponseStore",
+    "ResponsesRequest",
+    "Stored",
+    "events",
+    "input_items",
+    "page",
+    "read",
+    "response_body",
+    "to_messages",
+]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +66,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     background: bool | None = None
 
 
+INCLUDES = ("message.output_text.logprobs",)
+"""What ``include`` may ask for: each output text's token log-probabilities (with
+``top_logprobs`` alternatives, 0 when not given)."""
+
+
 def read(body: bytes) -> ResponsesRequest:
     """The request, or a :class:`RequestError` naming the field that is wrong or that asks
     for what kvrt does not do."""
@@ -82,7 +97,11 @@ def read(body: bytes) -> ResponsesRequest:
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise RequestError("reasoning is not supported by this model", param="reasoning")
     for name in req.include or ():
-        raise RequestError(f"include {name!r} is not supported by kvrt", param="include")
+        if name not in INCLUDES:
+            raise RequestError(
+                f"include {name!r} is not supported by kvrt (it has: {', '.join(INCLUDES)})",
+                param="include",
+            )
     if req.truncation not in (None, "disabled", "auto"):
         raise RequestError("truncation must be 'disabled' or 'auto'", param="truncation")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -253,9 +272,20 @@ def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
     return [kvrt.Message(role="assistant", content=done.text)]
 
 
+class Stored(msgspec.Struct, frozen=True):
+    """One kept response: its conversation (without instructions), where its own input
+    lies in it, and the response object as it was answered."""
+
+    messages: tuple[kvrt.Message, ...]
+    inputs: tuple[int, int]
+    """The messages its request's ``input`` gave: ``messages[inputs[0]:inputs[1]]``."""
+    body: bytes
+    """The response object, JSON (``GET /v1/responses/{id}``)."""
+
+
 class ResponseStore:
-    """Recent responses' conversations (without their instructions), for
-    ``previous_response_id``: typed messages only (never a request's raw input), bounded by
+    """Recent responses (``store`` not false), for ``previous_response_id`` and ``GET``:
+    typed messages only (never a request's raw input) and the response object, bounded by
     count, age and bytes, each kept for the tenant that made it (another tenant asking for
     it gets the same 404 as for an unknown id)."""
 
@@ -266,39 +296,67 @@ class ResponseStore:
         self.max_age = max_age
         self.max_bytes = max_bytes
         self.bytes = 0
-        """What the kept conversations take (their JSON size)."""
-        self._kept: OrderedDict[
-            tuple[str | None, str], tuple[float, int, tuple[kvrt.Message, ...]]
-        ] = OrderedDict()
+        """What the kept responses take (their conversations' and bodies' JSON size)."""
+        self._kept: OrderedDict[tuple[str | None, str], tuple[float, int, Stored]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, rid: str, messages: list[kvrt.Message], *, tenant: str | None = None) -> None:
-        """Keep ``messages`` under ``rid``; a conversation larger than the whole budget is
-        not kept (a later ``previous_response_id`` to it is a 404)."""
-        size = len(msgspec.json.encode(messages))
+    def put(
+        self,
+        rid: str,
+        messages: list[kvrt.Message],
+        *,
+        tenant: str | None = None,
+        inputs: tuple[int, int] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        """Keep ``messages`` (and the response ``body``) under ``rid``; one larger than the
+        whole budget is not kept (a later ``previous_response_id`` to it is a 404)."""
+        encoded = msgspec.json.encode(body) if body is not None else b"null"
+        size = len(msgspec.json.encode(messages)) + len(encoded)
         if size > self.max_bytes:
             return
         old = self._kept.pop((tenant, rid), None)
         if old is not None:
             self.bytes -= old[1]
-        self._kept[tenant, rid] = (time.monotonic(), size, tuple(messages))
+        span = inputs if inputs is not None else (0, len(messages))
+        self._kept[tenant, rid] = (time.monotonic(), size, Stored(tuple(messages), span, encoded))
         self.bytes += size
         self._trim()
 
-    def get(self, rid: str, *, tenant: str | None = None) -> list[kvrt.Message]:
+    def stored(self, rid: str, *, tenant: str | None = None, param: str | None = None) -> Stored:
+        """The kept response, or a 404."""
         self._trim()
         found = self._kept.get((tenant, rid))
         if found is None:
+            raise RequestError(
+                f"response {rid!r} is not kept (unknown, expired, deleted, or stored with "
+                "store: false)",
+                status=404,
+                param=param,
+                code="response_not_found",
+            )
+        return found[2]
+
+    def get(self, rid: str, *, tenant: str | None = None) -> list[kvrt.Message]:
+        """The conversation a ``previous_response_id`` continues, or a 404."""
+        try:
+            return list(self.stored(rid, tenant=tenant).messages)
+        except RequestError:
             raise RequestError(
                 f"previous response {rid!r} is not kept (unknown, expired, or stored with "
                 "store: false)",
                 status=404,
                 param="previous_response_id",
                 code="previous_response_not_found",
-            )
-        return list(found[2])
+            ) from None
+
+    def delete(self, rid: str, *, tenant: str | None = None) -> None:
+        """Forget a kept response, or a 404."""
+        self.stored(rid, tenant=tenant)
+        _, size, _ = self._kept.pop((tenant, rid))
+        self.bytes -= size
 
     def _trim(self) -> None:
         now = time.monotonic()
@@ -311,11 +369,75 @@ class ResponseStore:
             self.bytes -= size
 
 
+def input_items(rid: str, stored: Stored) -> list[dict[str, Any]]:
+    """The items its request's ``input`` gave, as the API lists them (ids derived from the
+    response's: ``{rid}_in_{i}``)."""
+    start, end = stored.inputs
+    items: list[dict[str, Any]] = []
+    for i, m in enumerate(stored.messages[start:end]):
+        iid = f"{rid}_in_{i}"
+        if m.role == "tool":
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": iid,
+                    "call_id": m.tool_call_id,
+                    "output": m.content or "",
+                    "status": "completed",
+                }
+            )
+            continue
+        for j, (cid, name, arguments) in enumerate(m.tool_calls or ()):
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": f"{iid}_{j}",
+                    "call_id": cid,
+                    "name": name,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
+            )
+        if m.content or not m.tool_calls:
+            kind = "output_text" if m.role == "assistant" else "input_text"
+            items.append(
+                {
+                    "type": "message",
+                    "id": iid,
+                    "role": m.role,
+                    "content": [{"type": kind, "text": m.content or ""}],
+                    "status": "completed",
+                }
+            )
+    return items
+
+
+def page(
+    items: list[dict[str, Any]], *, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """A list endpoint's page: ``limit`` items after ``after`` in ``order``."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(ordered) if item["id"] == after), None)
+        if at is None:
+            raise RequestError(f"after {after!r} is no item of this list", param="after")
+        ordered = ordered[at + 1 :]
+    data = ordered[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(ordered) > limit,
+    }
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def _usage(done: kvrt.Completion) -> dict[str, Any]:
+    """The Responses API's usage, with kvrt's breakdown under ``kvrt`` as chat has it."""
     u = done.usage
     return {
         "input_tokens": u.prompt_tokens,
@@ -323,6 +445,7 @@ def _usage(done: kvrt.Completion) -> dict[str, Any]:
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,
+        "kvrt": usage(done)["kvrt"],
     }
 
 
@@ -412,9 +535,11 @@ async def events(
     req: ResponsesRequest,
     created: float,
     finished: Callable[[kvrt.Completion], None],
+    answered: Callable[[kvrt.Completion, dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """The event stream of one response, as the Agents SDK reads it: created, in
-    progress, then per output item added / deltas / done, then completed."""
+    progress, then per output item added / deltas / done, then completed (``answered`` is
+    handed the completion and the final response object first)."""
     seq = 0
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
@@ -533,6 +658,8 @@ async def events(
     body = response_body(
         rid, model, req, created=created, status="completed", output=output, done=done
     )
+    if answered is not None:
+        answered(done, body)
     yield event(
         "response.completed" if body["status"] == "completed" else "response.incomplete",
         response=body,

@@ -1,0 +1,103 @@
+"""kvrt's app in process through ``kvrt.serve.openai_client``: the real ``openai``
+client and the frameworks that take one (pydantic-ai, the Agents SDK, LangChain), with
+streams that stream. The client runs under asyncio and trio; the frameworks call asyncio
+directly, so they run on asyncio only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+import kvrt
+import kvrt.serve
+
+pytestmark = pytest.mark.anyio
+
+ASK = [{"role": "user", "content": "Count from one to twenty in words."}]
+
+
+async def test_streams_arrive_as_they_are_made_and_a_closed_one_frees_its_session(
+    anyio_backend: str,
+) -> None:
+    async with kvrt.open_runtime() as rt, kvrt.serve.openai_client(rt) as client:
+        started = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=24, temperature=0, stream=True
+        )
+        arrivals, text = [], ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.perf_counter())
+                text += chunk.choices[0].delta.content
+        assert len(arrivals) >= 10 and text
+        # Buffered (httpx's ASGITransport) every chunk lands at once, at the end.
+        assert arrivals[-1] - arrivals[0] > 0.3 * (arrivals[-1] - started)
+        whole = await client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=24, temperature=0
+        )
+        assert whole.choices[0].message.content == text  # the same greedy answer
+        stream = await client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=200, temperature=0, stream=True
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+        with anyio.fail_after(30):
+            again = await client.chat.completions.create(
+                model=client.kvrt_model, messages=ASK, max_tokens=2, temperature=0
+            )
+        assert again.choices[0].message.content
+        root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+        metrics = await client.get(f"{root}/metrics", cast_to=str)  # type: ignore[arg-type]
+        assert 'kvrt_clients_gone_total{when="answer"} 1' in str(metrics)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # it calls asyncio.create_task
+async def test_a_pydantic_ai_agent_in_process(anyio_backend: str) -> None:
+    import pydantic_ai
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    async with kvrt.open_runtime() as rt, kvrt.serve.openai_client(rt) as client:
+        model = OpenAIChatModel(client.kvrt_model, provider=OpenAIProvider(openai_client=client))
+        agent = pydantic_ai.Agent(model, instructions="Answer briefly.")
+        settings: Any = {"max_tokens": 12, "temperature": 0}
+        pieces = []
+        async with agent.run_stream("Name a colour.", model_settings=settings) as run:
+            async for piece in run.stream_text(delta=True):
+                pieces.append(piece)
+        assert pieces and "".join(pieces)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_agents_sdk_agent_and_a_langchain_model_in_process(anyio_backend: str) -> None:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from langchain_openai import ChatOpenAI
+
+    set_tracing_disabled(True)
+    async with kvrt.open_runtime() as rt, kvrt.serve.openai_client(rt) as client:
+        agent = Agent(
+            name="brief",
+            instructions="Answer briefly.",
+            model=OpenAIResponsesModel(model=client.kvrt_model, openai_client=client),
+            model_settings=ModelSettings(max_tokens=12, temperature=0),
+        )
+        streamed = Runner.run_streamed(agent, "Name a colour.")
+        kinds = [event.type async for event in streamed.stream_events()]
+        assert "raw_response_event" in kinds and streamed.final_output
+        llm = ChatOpenAI(
+            model=client.kvrt_model,
+            api_key="in-process",  # type: ignore[arg-type]
+            root_async_client=client,
+            async_client=client.chat.completions,
+            max_tokens=8,  # type: ignore[call-arg]
+            temperature=0,
+        )
+        chunks = [c.content async for c in llm.astream("Name a colour.")]
+        assert len(chunks) > 1 and "".join(str(c) for c in chunks)
