@@ -7,7 +7,11 @@
   ``tool_calls``, as agent frameworks do): tokens computed per step by kvrt in process,
   by ``kvrt serve`` (its ``usage.kvrt.prefilled_tokens``), and by ``llama_cpp.server``
   with ``--chat_format chatml-function-calling`` and its prompt cache on (its own log's
-  ``prompt eval`` counts), on the same model.
+  ``prompt eval`` counts), on the same model; and by ``kvrt serve`` again with the calls'
+  arguments sent back re-serialized (``{"city":"Paris"}``), as pydantic-ai does.
+  ``--serve-only`` runs the two ``kvrt serve`` loops alone: run it from another
+  checkout's folder (``python /path/to/benchmarks/tool_loop.py --serve-only``) to measure
+  that checkout's server beside this one.
 
 Run: ``python benchmarks/tool_loop.py [--steps 10] [--no-http]``. Figures to read, not
 assertions; every figure is measured in this run. Uses kvrt's public API only.
@@ -174,8 +178,19 @@ def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
+def compact(arguments: str) -> str:
+    """Arguments as pydantic-ai and others send them back: parsed and written again
+    without spaces (``{"city":"Paris"}`` for ``{"city": "Paris"}``)."""
+    return json.dumps(json.loads(arguments), separators=(",", ":"))
+
+
 def loop_over_http(
-    port: int, model: str, steps: int, counted: Any, content: str | None = None
+    port: int,
+    model: str,
+    steps: int,
+    counted: Any,
+    content: str | None = None,
+    resend: Any = None,
 ) -> list[dict[str, float]]:
     rows = []
     messages = start_messages()
@@ -205,11 +220,14 @@ def loop_over_http(
             }
         )
         fn = call["function"]
-        messages += tool_message(call["id"], fn["name"], fn["arguments"], step, content)
+        arguments = resend(fn["arguments"]) if resend is not None else fn["arguments"]
+        messages += tool_message(call["id"], fn["name"], arguments, step, content)
     return rows
 
 
-def kvrt_serve_loop(steps: int) -> list[dict[str, float]]:
+def kvrt_serve_loop(steps: int, resend: Any = None) -> list[dict[str, float]]:
+    """The loop against ``kvrt serve`` (the kvrt of the working folder), the calls sent
+    back as they came or through ``resend``."""
     port = free_port()
     with tempfile.TemporaryFile() as log:
         command = [
@@ -232,6 +250,7 @@ def kvrt_serve_loop(steps: int) -> list[dict[str, float]]:
                 model["data"][0]["id"],
                 steps,
                 lambda body: body["usage"]["kvrt"]["prefilled_tokens"],
+                resend=resend,
             )
         finally:
             proc.terminate()
@@ -307,8 +326,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-http", action="store_true")
+    parser.add_argument(
+        "--serve-only",
+        action="store_true",
+        help="only the kvrt serve loops (run from another checkout's folder to compare it)",
+    )
     args = parser.parse_args(argv)
     steps = max(1, min(args.steps, len(CITIES)))
+    if args.serve_only:
+        table(
+            f"{steps}-step tool loop against kvrt serve: tokens computed per step (and seconds)",
+            {
+                "calls sent back as made": attempt(kvrt_serve_loop, steps),
+                "calls re-serialized": attempt(kvrt_serve_loop, steps, compact),
+            },
+        )
+        return
     print("constrained decoding (greedy, 48 tokens, a 4-field JSON Schema)")
     for backend in ("llama", "openvino"):
         cost = anyio.run(grammar_cost, backend)
@@ -321,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if not args.no_http:
         columns["kvrt serve"] = attempt(kvrt_serve_loop, steps)
+        columns["kvrt serve, re-serialized"] = attempt(kvrt_serve_loop, steps, compact)
         columns["llama_cpp.server"] = attempt(llama_server_loop, steps)
     table(f"{steps}-step tool loop: tokens computed per step (and seconds)", columns)
 

@@ -289,6 +289,45 @@ def test_an_openai_agents_sdk_agent_calls_its_tool(served: Served, api: str) -> 
     assert seen and output == f"It is sunny in {seen[0]}."
 
 
+def test_agents_sdk_conversations_and_handoffs(served: Served) -> None:
+    """``conversation_id`` keeps the run's turns in a kvrt conversation (it was "conversation
+    is not supported"); after a handoff the target agent, which has no tools, answers in
+    text (it answered in kvrt's call envelope)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    client = served.async_client()
+    model = OpenAIResponsesModel(model=served.model, openai_client=client)
+    settings = ModelSettings(max_tokens=160, temperature=0)
+
+    async def run() -> None:
+        brief = Agent(name="brief", instructions="Answer briefly.", model=model,
+                      model_settings=settings)  # fmt: skip
+        conv = await client.conversations.create()
+        await Runner.run(brief, "Name a colour.", conversation_id=conv.id)
+        await Runner.run(brief, "Reply with one word: yes.", conversation_id=conv.id)
+        items = (await client.conversations.items.list(conv.id)).data
+        assert [getattr(i, "role", None) for i in items] == ["user", "assistant"] * 2
+        triage = Agent(
+            name="triage",
+            instructions="Hand every question to the expert.",
+            model=model,
+            handoffs=[brief],
+            model_settings=ModelSettings(
+                max_tokens=160, temperature=0, tool_choice="transfer_to_brief"
+            ),
+        )
+        result = await Runner.run(triage, "Name a colour.")
+        assert result.last_agent is brief
+        assert isinstance(result.final_output, str) and result.final_output.strip()
+        answer = result.final_output
+        assert '"tool_calls"' not in answer and not answer.lstrip().startswith("{"), answer
+
+    asyncio.run(run())
+
+
 def test_pydantic_ai_agents_with_a_tool_and_with_structured_output(served: Served) -> None:
     import asyncio
 

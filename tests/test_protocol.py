@@ -7,6 +7,7 @@ refused by name."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -143,7 +144,14 @@ async def test_legacy_functions_are_tools_answered_in_their_form(anyio_backend: 
         status, answer, _ = await in_thread(post, url, "/v1/chat/completions", body)
         assert status == 200, answer
         streamed = json.dumps(
-            {"model": model, "messages": asked, "max_tokens": 40, "stream": True, **legacy}
+            {
+                "model": model,
+                "messages": asked,
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+                **legacy,
+            }
         ).encode()
         chunks = await in_thread(streamed_chunks, url, streamed)
         deltas = [ch["choices"][0] for ch in chunks if ch.get("choices")]
@@ -192,3 +200,122 @@ async def test_what_a_local_text_model_cannot_do_is_refused_by_name(anyio_backen
             post, url, "/v1/chat/completions", chat(model, modalities=["text"])
         )
         assert status == 200, body
+
+
+async def test_conversations_keep_items_and_responses_continue_them(anyio_backend: str) -> None:
+    async with server() as (_, url):
+        c = client(url)
+        model = await model_of(url)
+        conv = await in_thread(
+            lambda: c.conversations.create(
+                items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+                metadata={"topic": "names"},
+            )
+        )
+        assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+
+        def ask(text: str) -> Any:
+            return c.responses.create(
+                model=model, input=text, conversation=conv.id, max_output_tokens=8, temperature=0
+            )
+
+        first = await in_thread(ask, "What is my name?")
+        items = (await in_thread(lambda: c.conversations.items.list(conv.id))).data
+        kinds = [(i.type, getattr(i, "role", None)) for i in items]
+        assert kinds == [("message", "user"), ("message", "user"), ("message", "assistant")]
+        assert items[2].id == first.output[0].id  # the response's own item
+        second = await in_thread(ask, "Say it again.")
+        kvrt_usage = second.usage.model_extra["kvrt"]
+        # Only the new input and the framing were computed: the rest was reused.
+        assert kvrt_usage["prefilled_tokens"] < second.usage.input_tokens // 2
+        added = await in_thread(
+            lambda: c.conversations.items.create(
+                conv.id, items=[{"type": "message", "role": "user", "content": "Thanks."}]
+            )
+        )
+        (note,) = added.data
+        got = await in_thread(
+            lambda: c.conversations.items.retrieve(note.id, conversation_id=conv.id)
+        )
+        assert got.content[0].text == "Thanks."
+        await in_thread(lambda: c.conversations.items.delete(note.id, conversation_id=conv.id))
+        assert len((await in_thread(lambda: c.conversations.items.list(conv.id))).data) == 5
+        updated = await in_thread(lambda: c.conversations.update(conv.id, metadata={"a": "b"}))
+        assert updated.metadata == {"a": "b"}
+        with pytest.raises(openai.BadRequestError, match="not both"):
+            await in_thread(
+                lambda: c.responses.create(
+                    model=model, input="x", conversation=conv.id, previous_response_id=first.id
+                )
+            )
+        deleted = await in_thread(c.conversations.delete, conv.id)
+        assert deleted.deleted
+        with pytest.raises(openai.NotFoundError):
+            await in_thread(c.conversations.retrieve, conv.id)
+        with pytest.raises(openai.NotFoundError):
+            await in_thread(ask, "Still there?")
+        with pytest.raises(openai.BadRequestError) as bad:
+            await in_thread(
+                lambda: c.conversations.create(items=[{"type": "message", "role": "pirate"}])
+            )
+        assert bad.value.body["param"].startswith("items[0]")  # type: ignore[index]
+
+
+async def test_a_conversation_outlives_a_restart_with_its_kv(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """The conversation's items come back from its file, its KV from the disk tier: the
+    next turn after the restart restores what the conversation held."""
+    folder = str(tmp_path / "conversations")
+    long_note = "Notes: " + " ".join(f"item {i} is kept." for i in range(60))
+    async with server(conversations_path=folder) as (_, url):
+        c = client(url)
+        model = await model_of(url)
+        conv = await in_thread(
+            lambda: c.conversations.create(
+                items=[{"type": "message", "role": "user", "content": long_note}]
+            )
+        )
+        await in_thread(
+            lambda: c.responses.create(
+                model=model, input="Name a colour.", conversation=conv.id, max_output_tokens=8
+            )
+        )
+        before = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
+    async with server(conversations_path=folder) as (_, url):
+        c = client(url)
+        after = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
+        assert after == before
+        again = await in_thread(
+            lambda: c.responses.create(
+                model=model, input="Another one.", conversation=conv.id, max_output_tokens=4
+            )
+        )
+        kvrt_usage = again.usage.model_extra["kvrt"]
+        assert kvrt_usage["restored_tokens"] >= 128, kvrt_usage  # its blocks, from disk
+        for bad in ("..%2F..%2Fetc%2Fpasswd", "conv_" + "0" * 32):
+            with pytest.raises(openai.NotFoundError):
+                await in_thread(c.conversations.retrieve, bad)
+
+
+def test_conversations_that_leave_memory_are_read_back_from_their_files(tmp_path: Path) -> None:
+    from kvrt.serve.conversations import ConversationStore, canonical_items
+
+    store = ConversationStore(capacity=1, folder=tmp_path)
+    said = canonical_items([{"type": "message", "role": "user", "content": "Hi."}])
+    first = store.create(said, {"k": "v"}, tenant="a")
+    second = store.create([], {}, tenant="a")
+    assert len(store) == 1  # the first left memory
+    assert store.get(first, tenant="a").items == said and store.get(first, tenant="a").metadata
+    with pytest.raises(Exception, match="not kept"):
+        store.get(first, tenant="b")  # another tenant's
+    (path,) = [p for p in tmp_path.rglob(f"{second}.jsonl")]
+    with path.open("ab") as f:
+        f.write(b'{"op": "add", "items": [{"id": "cut sh')  # a crash mid-write
+    memoryless = ConversationStore(folder=tmp_path)
+    assert memoryless.get(second, tenant="a").items == []
+    memoryless.delete(second, tenant="a")
+    assert not path.exists()
+    unwritten = ConversationStore()
+    kept = unwritten.create(said, {}, tenant=None)
+    assert unwritten.messages(kept, tenant=None)[0].content == "Hi."

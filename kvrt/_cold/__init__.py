@@ -8,7 +8,7 @@
 - :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey.
 """
 
-from .disk import BlockIO, DiskStats, DiskTier
+from .disk import BlockIO, DiskStats, DiskTier, default_disk_path
 from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
 from .remote import RemoteStats, RemoteTier
 from .stats import ColdStats
@@ -27,6 +27,7 @@ __all__ = [
     "RemoteStats",
     "RemoteTier",
     "Tier",
+    "default_disk_path",
     "salted",
     "token_digest",
 ]

@@ -8,7 +8,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvrt
 
-from . import openai, responses
+from . import conversations, openai, responses
 from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
 from .responses import Answer
@@ -66,6 +66,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     response_store_bytes: int = 64 * 2**20
     """What stored responses (for ``previous_response_id``) may take in all, in bytes of
     their conversations; the oldest go first (also past 256 of them or an hour)."""
+    conversations_path: str | None = None
+    """A folder where conversations (``/v1/conversations``) are written, so they outlive
+    memory's bounds and restarts (``kvrt serve``'s default: ``$KVRT_CACHE_DIR/
+    conversations``, beside the disk tier's blocks); None keeps them in memory only."""
     max_grammar_bytes: int = 256 * 1024
     """The largest JSON Schema (a response format, a tool's parameters) compiled for a
     request, in bytes of JSON; larger ones are a 400 before anything is compiled."""
@@ -106,6 +110,10 @@ class Server:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
         self.answers = responses.ResponseStore(max_bytes=config.response_store_bytes)
+        self.conversations = conversations.ConversationStore(
+            max_bytes=config.response_store_bytes,
+            folder=Path(config.conversations_path) if config.conversations_path else None,
+        )
         self.readers = anyio.CapacityLimiter(2)
         """Worker threads reading requests and compiling their grammars at once: a flood
         of heavy schemas queues here, not on the event loop."""
@@ -250,11 +258,19 @@ class Server:
                 openai.check_schema_bytes(body, self.config.max_grammar_bytes, responses_api=True)
                 req = responses.read(body)
                 self._check_model(req.model)
-                before = (
-                    self.answers.get(req.previous_response_id, tenant=tenant)
-                    if req.previous_response_id
-                    else []
-                )
+                conversation = conversations.conversation_id(req.conversation)
+                if conversation is not None and req.previous_response_id:
+                    raise RequestError(
+                        "give conversation or previous_response_id, not both",
+                        param="conversation",
+                    )
+                if conversation is not None:
+                    before = self.conversations.messages(conversation, tenant=tenant)
+                    req.conversation = conversation
+                elif req.previous_response_id:
+                    before = self.answers.get(req.previous_response_id, tenant=tenant)
+                else:
+                    before = []
                 given = responses.to_messages(req.input)
                 span[:] = [len(before), len(before) + len(given)]
                 kept.extend(before + given)
@@ -278,6 +294,12 @@ class Server:
             return await self._off_loop(parse)
 
         def store(rid: str, req: Any, done: kvrt.Completion, body: dict[str, Any]) -> None:
+            if req.conversation is not None:
+                given = [m for m in kept[span[0] : span[1]]]
+                added = [i for m in given for i in conversations.items_of(m)]
+                added += conversations.output_items(body["output"])
+                with suppress(RequestError):  # deleted meanwhile, or full
+                    self.conversations.add(req.conversation, added, tenant=_tenant(request))
             if req.store is not False:
                 messages = kept + responses.output_messages(done)
                 self.answers.put(
@@ -337,22 +359,102 @@ class Server:
         ``after`` an item id)."""
         rid, query = request.path_params["rid"], request.query_params
         try:
-            limit = query.get("limit", "20")
-            if not limit.isdigit() or not 1 <= int(limit) <= 100:
-                raise RequestError("limit must be an integer from 1 to 100", param="limit")
-            order = query.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise RequestError("order must be 'asc' or 'desc'", param="order")
+            limit, order = _listing(request, default_order="desc")
             found = self.answers.stored(rid, tenant=_tenant(request))
             listed = responses.page(
                 responses.input_items(rid, found),
-                limit=int(limit),
+                limit=limit,
                 order=order,
                 after=query.get("after"),
             )
         except RequestError as exc:
             return self._error("responses", exc)
         return JSONResponse(listed)
+
+    # -- conversations --
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        if not body.strip():
+            return {}
+        try:
+            found = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            raise RequestError("the body is not valid JSON") from None
+        if not isinstance(found, dict):
+            raise RequestError("the body must be a JSON object")
+        return found
+
+    async def new_conversation(self, request: Request) -> Response:
+        """``POST /v1/conversations``: ``items`` (input items) and ``metadata``."""
+        try:
+            sent = await self._json(request)
+            unknown = sorted(set(sent) - {"items", "metadata"})
+            if unknown:
+                raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
+            items = conversations.canonical_items(sent.get("items") or [])
+            meta = conversations.metadata(sent.get("metadata"))
+            tenant = _tenant(request)
+            cid = self.conversations.create(items, meta, tenant=tenant)
+            kept = self.conversations.get(cid, tenant=tenant)
+        except RequestError as exc:
+            return self._error("conversations", exc)
+        return JSONResponse(conversations.body(cid, kept))
+
+    async def conversation(self, request: Request) -> Response:
+        """``GET`` a conversation, ``POST`` its new ``metadata``, or ``DELETE`` it."""
+        cid, tenant = request.path_params["cid"], _tenant(request)
+        try:
+            if request.method == "DELETE":
+                self.conversations.delete(cid, tenant=tenant)
+                return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+            if request.method == "POST":
+                sent = await self._json(request)
+                meta = conversations.metadata(sent.get("metadata"))
+                self.conversations.set_metadata(cid, meta, tenant=tenant)
+            kept = self.conversations.get(cid, tenant=tenant)
+        except RequestError as exc:
+            return self._error("conversations", exc)
+        return JSONResponse(conversations.body(cid, kept))
+
+    async def conversation_items(self, request: Request) -> Response:
+        """``GET`` a conversation's items (``limit``, ``order`` asc by default, ``after``),
+        or ``POST`` more (``items``)."""
+        cid, tenant = request.path_params["cid"], _tenant(request)
+        try:
+            if request.method == "POST":
+                sent = await self._json(request)
+                added = conversations.canonical_items(sent.get("items"))
+                self.conversations.add(cid, added, tenant=tenant)
+                return JSONResponse(
+                    responses.page(added, limit=len(added) or 1, order="asc", after=None)
+                )
+            limit, order = _listing(request, default_order="asc")
+            kept = self.conversations.get(cid, tenant=tenant)
+            listed = responses.page(
+                kept.items, limit=limit, order=order, after=request.query_params.get("after")
+            )
+        except RequestError as exc:
+            return self._error("conversations", exc)
+        return JSONResponse(listed)
+
+    async def conversation_item(self, request: Request) -> Response:
+        """``GET`` one item of a conversation, or ``DELETE`` it (answered with the
+        conversation)."""
+        cid, iid, tenant = request.path_params["cid"], request.path_params["iid"], _tenant(request)
+        try:
+            if request.method == "DELETE":
+                self.conversations.remove_item(cid, iid, tenant=tenant)
+                return JSONResponse(
+                    conversations.body(cid, self.conversations.get(cid, tenant=tenant))
+                )
+            kept = self.conversations.get(cid, tenant=tenant)
+            item = next((i for i in kept.items if i["id"] == iid), None)
+            if item is None:
+                raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
+        except RequestError as exc:
+            return self._error("conversations", exc)
+        return JSONResponse(item)
 
     # -- plumbing --
 
@@ -744,6 +846,17 @@ class _AsChat:
         self.top_logprobs = req.top_logprobs
 
 
+def _listing(request: Request, *, default_order: str) -> tuple[int, str]:
+    """A list endpoint's ``limit`` (1 to 100, default 20) and ``order``."""
+    limit = request.query_params.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise RequestError("limit must be an integer from 1 to 100", param="limit")
+    order = request.query_params.get("order", default_order)
+    if order not in ("asc", "desc"):
+        raise RequestError("order must be 'asc' or 'desc'", param="order")
+    return int(limit), order
+
+
 def _tenant(request: Request) -> str | None:
     """The tenant of the request's API key, or None where the server takes no keys."""
     found = request.scope.get("state", {}).get("kvrt_tenant")
@@ -910,6 +1023,22 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
             Route("/v1/responses", server.responses, methods=["POST"]),
             Route("/v1/responses/{rid}", server.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/responses/{rid}/input_items", server.response_inputs, methods=["GET"]),
+            Route("/v1/conversations", server.new_conversation, methods=["POST"]),
+            Route(
+                "/v1/conversations/{cid}",
+                server.conversation,
+                methods=["GET", "POST", "DELETE"],
+            ),
+            Route(
+                "/v1/conversations/{cid}/items",
+                server.conversation_items,
+                methods=["GET", "POST"],
+            ),
+            Route(
+                "/v1/conversations/{cid}/items/{iid}",
+                server.conversation_item,
+                methods=["GET", "DELETE"],
+            ),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),

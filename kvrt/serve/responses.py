@@ -5,7 +5,8 @@ Input is a string or items: messages (``input_text``/``output_text`` parts),
 ``function_call`` and ``function_call_output``. ``instructions`` come first as a system
 message; ``previous_response_id`` continues a stored response's conversation (the server
 keeps recent ones, bounded by count and age; ``store: false`` keeps none), and the pool
-finds the session that holds its KV. Function ``tools``, ``tool_choice``,
+finds the session that holds its KV; ``conversation`` continues a kept conversation
+(:mod:`kvrt.serve.conversations`). Function ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``top_logprobs`` are served; any other
 field that asks for something kvrt does not do is a 400 naming it.
@@ -48,6 +49,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: dict[str, Any] | None = None
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
     store: bool | None = None
     stream: bool = False
     temperature: float | None = None
@@ -504,6 +506,9 @@ def response_body(
         "tool_choice": req.tool_choice or "auto",
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
+        "conversation": {"id": req.conversation}
+        if isinstance(req.conversation, str)
+        else req.conversation,
         "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -104,6 +104,13 @@ def add(sub: Any) -> None:
         "go first (default 64MiB)",
     )
     serve.add_argument(
+        "--conversations",
+        default=None,
+        metavar="DIR",
+        help="folder where conversations are written, to outlive restarts (default: "
+        "$KVRT_CACHE_DIR/conversations, beside the disk tier's blocks; none: memory only)",
+    )
+    serve.add_argument(
         "--loop",
         choices=("asyncio", "trio"),
         default="asyncio",
@@ -111,6 +118,15 @@ def add(sub: Any) -> None:
     )
     common(serve)
     serve.set_defaults(handler=main)
+
+
+def _conversations(given: str | None) -> str | None:
+    """``--conversations``: a folder, ``none``, or the default beside the blocks."""
+    if given is not None:
+        return None if given.lower() == "none" else given
+    from kvrt._cold import default_disk_path
+
+    return str(default_disk_path().parent / "conversations")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -133,6 +149,7 @@ def main(args: argparse.Namespace) -> None:
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_timeout=args.grammar_timeout,
         response_store_bytes=args.response_store,
+        conversations_path=_conversations(args.conversations),
         api_keys=_api_keys(args),
     )
     # Bound before the model loads: a port in use is one line and exit status 2, at once.
