@@ -1,0 +1,224 @@
+"""Agent frameworks' tool loops against ``kvrt serve``, at their defaults: tokens the
+server computed for each model request of each loop, measured side by side in one run.
+
+Each framework runs one agent with a weather tool over four user turns (each turn a tool
+call and an answer: eight model requests), the history kept the framework's way: the
+openai client resending the loop by hand with the arguments re-serialized as pydantic-ai
+does, pydantic-ai (``message_history``), the OpenAI Agents SDK (``previous_response_id``,
+on the Responses API) and LangChain with LangGraph (``MemorySaver``), each against a
+server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
+``/metrics``) is read after each request.
+
+Run: ``python benchmarks/frameworks.py`` — from another checkout's folder
+(``python /path/to/benchmarks/frameworks.py``) to measure that checkout's server. Figures
+to read, not assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from benchmarks.tool_loop import compact, free_port, serve
+
+TURNS = ["Paris", "Rome", "Oslo", "Lima"]
+PREFILLED = re.compile(r'kvrt_tokens_total\{kind="prefilled"\} (\d+)')
+
+
+class Counter:
+    """The server's prefilled-token counter, read after each model request."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.steps: list[int] = []
+        self._last = self._read()
+
+    def _read(self) -> int:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            found = PREFILLED.search(r.read().decode())
+        return int(found.group(1)) if found else 0
+
+    async def hook(self, response: Any) -> None:
+        if response.request.url.path.endswith(("/chat/completions", "/responses")):
+            await response.aread()
+            now = await asyncio.to_thread(self._read)
+            self.steps.append(now - self._last)
+            self._last = now
+
+
+def weather(city: str) -> str:
+    """Get the current weather in a city."""
+    return f"Sunny, 21 C in {city}."
+
+
+def openai_client(url: str, counter: Counter) -> Any:
+    import httpx2
+    import openai
+
+    http = httpx2.AsyncClient(event_hooks={"response": [counter.hook]}, timeout=600)
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http)
+
+
+async def raw_openai(url: str, model: str, counter: Counter) -> None:
+    client = openai_client(url, counter)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Get the current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    messages: list[dict[str, Any]] = []
+    for city in TURNS:
+        messages.append({"role": "user", "content": f"What is the weather in {city}?"})
+        for choice in ({"type": "function", "function": {"name": "weather"}}, "none"):
+            r = await client.chat.completions.create(
+                model=model, messages=messages, tools=[tool], tool_choice=choice,  # type: ignore[arg-type]
+                max_tokens=48, temperature=0,
+            )  # fmt: skip
+            message = r.choices[0].message
+            if message.tool_calls:
+                call = message.tool_calls[0]
+                arguments = compact(call.function.arguments)  # type: ignore[union-attr]
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": "weather", "arguments": arguments},
+                            }
+                        ],
+                    }
+                )
+                city_said = json.loads(arguments).get("city", city)
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": weather(city_said)}
+                )
+            else:
+                messages.append({"role": "assistant", "content": message.content or ""})
+
+
+async def pydantic_ai_loop(url: str, model: str, counter: Counter) -> None:
+    import pydantic_ai
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    chat = OpenAIChatModel(
+        model, provider=OpenAIProvider(openai_client=openai_client(url, counter))
+    )
+    agent = pydantic_ai.Agent(chat, instructions="Answer with the weather tool.")
+    agent.tool_plain(weather)
+    history: list[Any] = []
+    settings: Any = {"max_tokens": 48, "temperature": 0}
+    for city in TURNS:
+        result = await agent.run(
+            f"What is the weather in {city}?", message_history=history, model_settings=settings
+        )
+        history = result.all_messages()
+
+
+async def agents_sdk_loop(url: str, model: str, counter: Counter) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather tool.",
+        tools=[function_tool(weather)],
+        model=OpenAIResponsesModel(model=model, openai_client=openai_client(url, counter)),
+        model_settings=ModelSettings(max_tokens=48, temperature=0),
+        reset_tool_choice=True,
+    )
+    previous = None
+    for city in TURNS:
+        result = await Runner.run(
+            agent, f"What is the weather in {city}?", previous_response_id=previous, max_turns=3
+        )
+        previous = result.last_response_id
+
+
+async def langgraph_loop(url: str, model: str, counter: Counter) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.checkpoint.memory import MemorySaver
+    from langgraph.prebuilt import create_react_agent
+
+    client = openai_client(url, counter)
+    llm = ChatOpenAI(
+        model=model, api_key="unused",  # type: ignore[arg-type]
+        root_async_client=client, async_client=client.chat.completions,
+        max_tokens=48, temperature=0,  # type: ignore[call-arg]
+    )  # fmt: skip
+    graph = create_react_agent(llm, [tool(weather)], checkpointer=MemorySaver())
+    config: Any = {"configurable": {"thread_id": "one"}, "recursion_limit": 6}
+    for city in TURNS:
+        await graph.ainvoke(
+            {"messages": [("user", f"What is the weather in {city}?")]}, config=config
+        )
+
+
+LOOPS: dict[str, Callable[[str, str, Counter], Awaitable[None]]] = {
+    "openai client, re-serialized calls": raw_openai,
+    "pydantic-ai": pydantic_ai_loop,
+    "Agents SDK (Responses)": agents_sdk_loop,
+    "LangGraph": langgraph_loop,
+}
+
+
+def measure(name: str, loop: Callable[[str, str, Counter], Awaitable[None]]) -> None:
+    """One framework's loop against a server of its own (nothing cached by another)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--disk-budget", "0"]
+    command += ["--session-tokens", "4096"]
+    with tempfile.TemporaryFile() as log:
+        proc = serve(command, port, log)
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models") as r:
+                model = json.loads(r.read())["data"][0]["id"]
+            counter = Counter(url)
+            try:
+                asyncio.run(loop(url, model, counter))
+                note = ""
+            except Exception as exc:  # a framework that fails is reported, not fatal
+                note = f" (stopped: {type(exc).__name__}: {str(exc)[:80]})"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    steps = counter.steps
+    later = steps[1:]
+    mean = sum(later) / len(later) if later else 0.0
+    print(f"\n{name}: {len(steps)} requests{note}")
+    print("  " + " ".join(f"{n}" for n in steps))
+    print(f"  first {steps[0] if steps else 0}, then {mean:.1f} a request on average")
+
+
+def main() -> None:
+    print("tokens computed by kvrt serve for each model request, in order")
+    for name, loop in LOOPS.items():
+        measure(name, loop)
+
+
+if __name__ == "__main__":
+    main()
