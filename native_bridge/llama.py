@@ -657,6 +657,52 @@ class LlamaContext:
                 raise _failure(f"llama.cpp wrote {written} of {size} state bytes")
             return buf
 
+    def checkpoint_get(self, seq: int) -> npt.NDArray[np.uint8]:
+        """The recurrent state of ``seq`` alone (a hybrid's or a recurrent model's: what its
+        recurrent layers have integrated of every token so far), as llama.cpp writes it
+        with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``; attention KV is not in it."""
+        self._check_seq(seq)
+        self._check_recurrent()
+        flag = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        with self._use() as ctx:
+            size = int(llama_cpp.llama_state_seq_get_size_ext(ctx, seq, flag))
+            buf = np.empty(size, dtype=np.uint8)
+            written = llama_cpp.llama_state_seq_get_data_ext(
+                ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq, flag
+            )
+            if written != size:
+                raise _failure(f"llama.cpp wrote {written} of {size} checkpoint bytes")
+            return buf
+
+    def checkpoint_set(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
+        """Put ``seq``'s recurrent state back to a checkpoint (:meth:`checkpoint_get`); its
+        attention KV stays as it is. Then the tokens after the checkpoint can be removed
+        (:meth:`seq_rm` of the tail, which a recurrent state refuses otherwise) and
+        computed again."""
+        self._check_seq(seq)
+        self._check_recurrent()
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+            raise BridgeArgumentError("checkpoint bytes must be a contiguous 1-D uint8 array")
+        if data.size == 0:
+            raise BridgeArgumentError("checkpoint bytes are empty")
+        flag = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        with self._use() as ctx:
+            _LOG.clear()
+            read = llama_cpp.llama_state_seq_set_data_ext(
+                ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, seq, flag
+            )
+            if read != data.size:
+                raise _failure(
+                    f"llama.cpp rejected the checkpoint bytes (read {read} of {data.size})"
+                )
+
+    def _check_recurrent(self) -> None:
+        # On a model without recurrent layers the same flag means "windowed layers only".
+        if not (self._model.is_recurrent or self._model.is_hybrid):
+            raise BridgeArgumentError(
+                "this model has no recurrent layers: it keeps no recurrent state to checkpoint"
+            )
+
     def state_set(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
         """Load KV bytes into ``seq``, which must be empty."""
         self._check_seq(seq)

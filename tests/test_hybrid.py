@@ -1,0 +1,86 @@
+"""Hybrid and recurrent models (attention and recurrent layers; recurrent layers alone)
+at the bridge: what llama.cpp allows, measured on the tiny random-weight fixtures the
+suite writes (granitehybrid, lfm2, mamba2). The facts kvrt's paging of such models
+builds on:
+
+- a range in the middle can be dropped (the attention layers' cells go; the recurrent
+  state, which is not kept by position, stays), the tail cannot: the recurrent state has
+  integrated it;
+- a checkpoint (the recurrent state alone, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) put back
+  lets the tail go, and computing it again gives the logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.native_bridge.llama import BridgeArgumentError, LlamaContext, LlamaModel
+
+from ._agent import zoo_path
+
+HYBRIDS = ["granitehybrid", "lfm2", "mamba2"]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 200, n)]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def model(request: pytest.FixtureRequest) -> LlamaModel:
+    loaded = LlamaModel(zoo_path(request.param))
+    assert loaded.is_recurrent or loaded.is_hybrid
+    return loaded
+
+
+def context(model: LlamaModel) -> LlamaContext:
+    return LlamaContext(model, n_ctx=256, n_batch=64, n_threads=2)
+
+
+def test_a_checkpoint_rewinds_the_recurrent_state_exactly(model: LlamaModel) -> None:
+    ids = tokens(64, seed=1)
+    reference = context(model)
+    reference.decode(ids[:32], 0)
+    reference.decode(ids[32:], 32)
+    expected = reference.logits()
+
+    ctx = context(model)
+    ctx.decode(ids[:32], 0)
+    checkpoint = ctx.checkpoint_get(0)
+    ctx.decode(tokens(16, seed=2), 32)  # another continuation, to be taken back
+    with pytest.raises(Exception, match="could not remove"):
+        ctx.seq_rm(0, 32, 1 << 30)  # the recurrent state has seen it: no tail removal
+    ctx.checkpoint_set(0, checkpoint)
+    ctx.seq_rm(0, 32, 1 << 30)
+    assert ctx.pos_max(0) == 31
+    ctx.decode(ids[32:], 32)
+    assert np.array_equal(ctx.logits(), expected)  # bit for bit
+    for c in (reference, ctx):
+        c.close()
+
+
+def test_a_range_in_the_middle_can_go_and_the_checkpoint_is_the_recurrent_state(
+    model: LlamaModel,
+) -> None:
+    ctx = context(model)
+    ctx.decode(tokens(64, seed=3), 0)
+    whole = ctx.state_get(0)
+    checkpoint = ctx.checkpoint_get(0)
+    assert 0 < checkpoint.size <= whole.size
+    if model.is_recurrent:
+        assert checkpoint.size == whole.size  # no attention KV at all
+    else:
+        assert checkpoint.size < whole.size
+    ctx.seq_rm(0, 16, 32)  # attention cells go; the recurrent state is not kept by position
+    assert ctx.pos_max(0) == 63
+    ctx.close()
+
+
+def test_an_attention_model_has_no_checkpoint() -> None:
+    plain = LlamaModel(zoo_path("llama"))
+    ctx = context(plain)
+    ctx.decode(tokens(8, seed=4), 0)
+    with pytest.raises(BridgeArgumentError, match="no recurrent layers"):
+        ctx.checkpoint_get(0)
+    ctx.close()
+    plain.close()
