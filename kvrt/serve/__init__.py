@@ -1,8 +1,9 @@
 """``kvrt serve``: an OpenAI-compatible server over a runtime.
 
 ``/v1/chat/completions`` (streamed over server-sent events or not), ``/v1/completions``,
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text), served by Starlette on
-Hypercorn, under asyncio or trio. Requests need no header to reuse KV: a request whose
+``/v1/responses`` (and kept responses read back), ``/v1/conversations``, ``/v1/models``,
+``/health`` and ``/metrics`` (Prometheus text), served by Starlette on Hypercorn, under
+asyncio or trio; or in process through :func:`openai_client`. Requests need no header to reuse KV: a request whose
 messages extend an earlier one's finds that session (or the cold store); ``X-Session-Id``
 pins a conversation to a session of its own. Uses only kvrt's public API.
 

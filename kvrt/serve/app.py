@@ -28,6 +28,7 @@ import kvrt
 from . import conversations, openai, responses
 from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
+from .reading import read_body, tenant_of
 from .responses import Answer
 
 __all__ = ["ServeConfig", "Server", "create_app", "model_id"]
@@ -110,9 +111,13 @@ class Server:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
         self.answers = responses.ResponseStore(max_bytes=config.response_store_bytes)
+        self.kept = responses.KeptRoutes(self.answers, partial(self._error, "responses"))
         self.conversations = conversations.ConversationStore(
             max_bytes=config.response_store_bytes,
             folder=Path(config.conversations_path) if config.conversations_path else None,
+        )
+        self.conversation_routes = conversations.Routes(
+            self.conversations, partial(self._error, "conversations")
         )
         self.readers = anyio.CapacityLimiter(2)
         """Worker threads reading requests and compiling their grammars at once: a flood
@@ -195,7 +200,7 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            body = await _body(request)
+            body = await read_body(request)
 
             def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
                 openai.check_schema_bytes(body, self.config.max_grammar_bytes)
@@ -221,7 +226,7 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            body = await _body(request)
+            body = await read_body(request)
 
             def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
                 req = openai.read(body, CompletionRequest)
@@ -251,8 +256,8 @@ class Server:
         span = [0, 0]  # where the request's own input lies in kept
 
         async def start() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
-            body = await _body(request)
-            tenant = _tenant(request)
+            body = await read_body(request)
+            tenant = tenant_of(request)
 
             def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
                 openai.check_schema_bytes(body, self.config.max_grammar_bytes, responses_api=True)
@@ -299,11 +304,11 @@ class Server:
                 added = [i for m in given for i in conversations.items_of(m)]
                 added += conversations.output_items(body["output"])
                 with suppress(RequestError):  # deleted meanwhile, or full
-                    self.conversations.add(req.conversation, added, tenant=_tenant(request))
+                    self.conversations.add(req.conversation, added, tenant=tenant_of(request))
             if req.store is not False:
                 messages = kept + responses.output_messages(done)
                 self.answers.put(
-                    rid, messages, tenant=_tenant(request), inputs=(span[0], span[1]), body=body
+                    rid, messages, tenant=tenant_of(request), inputs=(span[0], span[1]), body=body
                 )
 
         def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
@@ -341,121 +346,6 @@ class Server:
 
         return await self._answer(request, "responses", reading, finish=finish, stream=stream)
 
-    async def stored_response(self, request: Request) -> Response:
-        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
-        rid, tenant = request.path_params["rid"], _tenant(request)
-        try:
-            if request.method == "DELETE":
-                self.answers.delete(rid, tenant=tenant)
-                return JSONResponse({"id": rid, "object": "response", "deleted": True})
-            found = self.answers.stored(rid, tenant=tenant)
-        except RequestError as exc:
-            return self._error("responses", exc)
-        return Response(found.body, media_type="application/json")
-
-    async def response_inputs(self, request: Request) -> Response:
-        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
-        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
-        ``after`` an item id)."""
-        rid, query = request.path_params["rid"], request.query_params
-        try:
-            limit, order = _listing(request, default_order="desc")
-            found = self.answers.stored(rid, tenant=_tenant(request))
-            listed = responses.page(
-                responses.input_items(rid, found),
-                limit=limit,
-                order=order,
-                after=query.get("after"),
-            )
-        except RequestError as exc:
-            return self._error("responses", exc)
-        return JSONResponse(listed)
-
-    # -- conversations --
-
-    async def _json(self, request: Request) -> dict[str, Any]:
-        body = await _body(request)
-        if not body.strip():
-            return {}
-        try:
-            found = msgspec.json.decode(body)
-        except (msgspec.DecodeError, RecursionError):
-            raise RequestError("the body is not valid JSON") from None
-        if not isinstance(found, dict):
-            raise RequestError("the body must be a JSON object")
-        return found
-
-    async def new_conversation(self, request: Request) -> Response:
-        """``POST /v1/conversations``: ``items`` (input items) and ``metadata``."""
-        try:
-            sent = await self._json(request)
-            unknown = sorted(set(sent) - {"items", "metadata"})
-            if unknown:
-                raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
-            items = conversations.canonical_items(sent.get("items") or [])
-            meta = conversations.metadata(sent.get("metadata"))
-            tenant = _tenant(request)
-            cid = self.conversations.create(items, meta, tenant=tenant)
-            kept = self.conversations.get(cid, tenant=tenant)
-        except RequestError as exc:
-            return self._error("conversations", exc)
-        return JSONResponse(conversations.body(cid, kept))
-
-    async def conversation(self, request: Request) -> Response:
-        """``GET`` a conversation, ``POST`` its new ``metadata``, or ``DELETE`` it."""
-        cid, tenant = request.path_params["cid"], _tenant(request)
-        try:
-            if request.method == "DELETE":
-                self.conversations.delete(cid, tenant=tenant)
-                return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
-            if request.method == "POST":
-                sent = await self._json(request)
-                meta = conversations.metadata(sent.get("metadata"))
-                self.conversations.set_metadata(cid, meta, tenant=tenant)
-            kept = self.conversations.get(cid, tenant=tenant)
-        except RequestError as exc:
-            return self._error("conversations", exc)
-        return JSONResponse(conversations.body(cid, kept))
-
-    async def conversation_items(self, request: Request) -> Response:
-        """``GET`` a conversation's items (``limit``, ``order`` asc by default, ``after``),
-        or ``POST`` more (``items``)."""
-        cid, tenant = request.path_params["cid"], _tenant(request)
-        try:
-            if request.method == "POST":
-                sent = await self._json(request)
-                added = conversations.canonical_items(sent.get("items"))
-                self.conversations.add(cid, added, tenant=tenant)
-                return JSONResponse(
-                    responses.page(added, limit=len(added) or 1, order="asc", after=None)
-                )
-            limit, order = _listing(request, default_order="asc")
-            kept = self.conversations.get(cid, tenant=tenant)
-            listed = responses.page(
-                kept.items, limit=limit, order=order, after=request.query_params.get("after")
-            )
-        except RequestError as exc:
-            return self._error("conversations", exc)
-        return JSONResponse(listed)
-
-    async def conversation_item(self, request: Request) -> Response:
-        """``GET`` one item of a conversation, or ``DELETE`` it (answered with the
-        conversation)."""
-        cid, iid, tenant = request.path_params["cid"], request.path_params["iid"], _tenant(request)
-        try:
-            if request.method == "DELETE":
-                self.conversations.remove_item(cid, iid, tenant=tenant)
-                return JSONResponse(
-                    conversations.body(cid, self.conversations.get(cid, tenant=tenant))
-                )
-            kept = self.conversations.get(cid, tenant=tenant)
-            item = next((i for i in kept.items if i["id"] == iid), None)
-            if item is None:
-                raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
-        except RequestError as exc:
-            return self._error("conversations", exc)
-        return JSONResponse(item)
-
     # -- plumbing --
 
     async def _answer(
@@ -489,7 +379,7 @@ class Server:
                     f"{PIN_HEADER} must be 1 to 100 printable characters", param=PIN_HEADER
                 ),
             )
-        scope = reuse_scope(_tenant(request), getattr(req, "cache_salt", None))
+        scope = reuse_scope(tenant_of(request), getattr(req, "cache_salt", None))
         legacy = getattr(request.state, "legacy_functions", False)
         # From here on a client that leaves stops the work: its place in the queue, or
         # the generation (a stream's own response notices, see _Stream).
@@ -846,23 +736,6 @@ class _AsChat:
         self.top_logprobs = req.top_logprobs
 
 
-def _listing(request: Request, *, default_order: str) -> tuple[int, str]:
-    """A list endpoint's ``limit`` (1 to 100, default 20) and ``order``."""
-    limit = request.query_params.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise RequestError("limit must be an integer from 1 to 100", param="limit")
-    order = request.query_params.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise RequestError("order must be 'asc' or 'desc'", param="order")
-    return int(limit), order
-
-
-def _tenant(request: Request) -> str | None:
-    """The tenant of the request's API key, or None where the server takes no keys."""
-    found = request.scope.get("state", {}).get("kvrt_tenant")
-    return found if isinstance(found, str) else None
-
-
 def reuse_scope(tenant: str | None, salt: str | None) -> str | None:
     """What a request may reuse with: requests of its tenant and cache salt alone, as the
     cache salt of the sessions serving them (a digest: any tenant name and salt make a
@@ -876,24 +749,6 @@ def reuse_scope(tenant: str | None, salt: str | None) -> str | None:
 def model_id(runtime: kvrt.Runtime, config: ServeConfig) -> str:
     """The model id the server serves (``/v1/models``) and clients send."""
     return config.model_name or Path(runtime.model_info.model.path).stem
-
-
-async def _body(request: Request) -> bytes:
-    """The request body, refused (413) as soon as it is known to pass the limit: from its
-    ``Content-Length`` before a byte is read, else while it arrives."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise RequestError("Content-Length is not a byte count")
-        if int(declared) > openai.MAX_BODY:
-            raise RequestError(f"the body is larger than {openai.MAX_BODY} bytes", status=413)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > openai.MAX_BODY:
-            raise RequestError(f"the body is larger than {openai.MAX_BODY} bytes", status=413)
-        parts.append(part)
-    return b"".join(parts)
 
 
 class _Left:
@@ -1021,22 +876,22 @@ def create_app(runtime: kvrt.Runtime, config: ServeConfig | None = None) -> Star
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/responses", server.responses, methods=["POST"]),
-            Route("/v1/responses/{rid}", server.stored_response, methods=["GET", "DELETE"]),
-            Route("/v1/responses/{rid}/input_items", server.response_inputs, methods=["GET"]),
-            Route("/v1/conversations", server.new_conversation, methods=["POST"]),
+            Route("/v1/responses/{rid}", server.kept.one, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{rid}/input_items", server.kept.inputs, methods=["GET"]),
+            Route("/v1/conversations", server.conversation_routes.create, methods=["POST"]),
             Route(
                 "/v1/conversations/{cid}",
-                server.conversation,
+                server.conversation_routes.one,
                 methods=["GET", "POST", "DELETE"],
             ),
             Route(
                 "/v1/conversations/{cid}/items",
-                server.conversation_items,
+                server.conversation_routes.items,
                 methods=["GET", "POST"],
             ),
             Route(
                 "/v1/conversations/{cid}/items/{iid}",
-                server.conversation_item,
+                server.conversation_routes.item,
                 methods=["GET", "DELETE"],
             ),
             Route("/v1/models", server.models, methods=["GET"]),

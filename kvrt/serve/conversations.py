@@ -23,15 +23,19 @@ import re
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 import kvrt
 
 from .openai import RequestError
-from .responses import to_messages
+from .reading import listing, read_json, tenant_of
+from .responses import page, to_messages
 
 _log = logging.getLogger("kvrt.serve")
 
@@ -41,6 +45,7 @@ touched)."""
 
 __all__ = [
     "ConversationStore",
+    "Routes",
     "body",
     "canonical_items",
     "conversation_id",
@@ -330,3 +335,82 @@ def body(cid: str, kept: _Kept) -> dict[str, Any]:
         "created_at": kept.created_at,
         "metadata": kept.metadata,
     }
+
+
+class Routes:
+    """The Conversations API's routes over a store; ``error`` makes a refusal's
+    response (the server's, which counts it)."""
+
+    def __init__(self, store: ConversationStore, error: Callable[[RequestError], Response]) -> None:
+        self.store, self.error = store, error
+
+    async def create(self, request: Request) -> Response:
+        """``POST /v1/conversations``: ``items`` (input items) and ``metadata``."""
+        try:
+            sent = await read_json(request)
+            unknown = sorted(set(sent) - {"items", "metadata"})
+            if unknown:
+                raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
+            items = canonical_items(sent.get("items") or [])
+            meta = metadata(sent.get("metadata"))
+            tenant = tenant_of(request)
+            cid = self.store.create(items, meta, tenant=tenant)
+            kept = self.store.get(cid, tenant=tenant)
+        except RequestError as exc:
+            return self.error(exc)
+        return JSONResponse(body(cid, kept))
+
+    async def one(self, request: Request) -> Response:
+        """``GET`` a conversation, ``POST`` its new ``metadata``, or ``DELETE`` it."""
+        cid, tenant = request.path_params["cid"], tenant_of(request)
+        try:
+            if request.method == "DELETE":
+                self.store.delete(cid, tenant=tenant)
+                return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+            if request.method == "POST":
+                sent = await read_json(request)
+                meta = metadata(sent.get("metadata"))
+                self.store.set_metadata(cid, meta, tenant=tenant)
+            kept = self.store.get(cid, tenant=tenant)
+        except RequestError as exc:
+            return self.error(exc)
+        return JSONResponse(body(cid, kept))
+
+    async def items(self, request: Request) -> Response:
+        """``GET`` a conversation's items (``limit``, ``order`` asc by default, ``after``),
+        or ``POST`` more (``items``)."""
+        cid, tenant = request.path_params["cid"], tenant_of(request)
+        try:
+            if request.method == "POST":
+                sent = await read_json(request)
+                added = canonical_items(sent.get("items"))
+                self.store.add(cid, added, tenant=tenant)
+                return JSONResponse(page(added, limit=len(added) or 1, order="asc", after=None))
+            limit, order = listing(request, default_order="asc")
+            kept = self.store.get(cid, tenant=tenant)
+            listed = page(
+                kept.items, limit=limit, order=order, after=request.query_params.get("after")
+            )
+        except RequestError as exc:
+            return self.error(exc)
+        return JSONResponse(listed)
+
+    async def item(self, request: Request) -> Response:
+        """``GET`` one item of a conversation, or ``DELETE`` it (answered with the
+        conversation)."""
+        cid, iid, tenant = (
+            request.path_params["cid"],
+            request.path_params["iid"],
+            tenant_of(request),
+        )
+        try:
+            if request.method == "DELETE":
+                self.store.remove_item(cid, iid, tenant=tenant)
+                return JSONResponse(body(cid, self.store.get(cid, tenant=tenant)))
+            kept = self.store.get(cid, tenant=tenant)
+            item = next((i for i in kept.items if i["id"] == iid), None)
+            if item is None:
+                raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
+        except RequestError as exc:
+            return self.error(exc)
+        return JSONResponse(item)

@@ -21,12 +21,16 @@ from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any, Protocol
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 import kvrt
 
 from .openai import MAX_BODY, RequestError, chat_logprob, check_salt, usage
+from .reading import listing, tenant_of
 
 __all__ = [
+    "KeptRoutes",
     "ResponseStore",
     "ResponsesRequest",
     "Stored",
@@ -669,3 +673,41 @@ async def events(
         "response.completed" if body["status"] == "completed" else "response.incomplete",
         response=body,
     )
+
+
+class KeptRoutes:
+    """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
+    (the server's, which counts it)."""
+
+    def __init__(self, store: ResponseStore, error: Callable[[RequestError], Response]) -> None:
+        self.store, self.error = store, error
+
+    async def one(self, request: Request) -> Response:
+        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
+        rid, tenant = request.path_params["rid"], tenant_of(request)
+        try:
+            if request.method == "DELETE":
+                self.store.delete(rid, tenant=tenant)
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+            found = self.store.stored(rid, tenant=tenant)
+        except RequestError as exc:
+            return self.error(exc)
+        return Response(found.body, media_type="application/json")
+
+    async def inputs(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
+        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
+        ``after`` an item id)."""
+        rid, query = request.path_params["rid"], request.query_params
+        try:
+            limit, order = listing(request, default_order="desc")
+            found = self.store.stored(rid, tenant=tenant_of(request))
+            listed = page(
+                input_items(rid, found),
+                limit=limit,
+                order=order,
+                after=query.get("after"),
+            )
+        except RequestError as exc:
+            return self.error(exc)
+        return JSONResponse(listed)
