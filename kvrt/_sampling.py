@@ -44,7 +44,11 @@ class Sampler:
             logits[self._biased] += self._bias
         if p.temperature == 0.0 or p.top_k == 1:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = logits.astype(np.float64) / p.temperature
+        if not np.all(np.isfinite(scaled) | np.isneginf(logits)):
+            # So small a temperature that the scaled logits overflow: greedy, its limit.
+            return int(np.argmax(logits))
         order = np.argsort(-scaled, kind="stable")
         if p.top_k:
             order = order[: p.top_k]

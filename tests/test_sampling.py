@@ -93,3 +93,10 @@ def test_logit_bias_is_checked() -> None:
         SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
     with pytest.raises(InvalidArgumentError, match="vocabulary"):
         Sampler(SamplingParams(logit_bias={64: 1.0}), n_vocab=64)
+
+
+@given(logits_st, st.sampled_from([2.2e-309, 1e-300, 5e-324]))
+def test_a_vanishing_temperature_is_greedy(logits: np.ndarray, t: float) -> None:
+    """A subnormal temperature overflowed the scaled logits into NaN probabilities."""
+    token = Sampler(SamplingParams(temperature=t, seed=1)).choose(logits)
+    assert logits[token] == np.max(logits)  # one of the likeliest (ties are drawn)

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import re
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,7 +36,7 @@ import kvrt
 
 from .openai import RequestError
 from .reading import listing, read_json, tenant_of
-from .responses import page, to_messages
+from .responses import locked, page, to_messages
 
 _log = logging.getLogger("kvrt.serve")
 
@@ -189,6 +190,7 @@ class ConversationStore:
         self.folder = folder
         self.bytes = 0
         self._kept: OrderedDict[tuple[str | None, str], _Kept] = OrderedDict()
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -243,6 +245,7 @@ class ConversationStore:
 
     # -- the API --
 
+    @locked
     def create(
         self, items: list[dict[str, Any]], meta: dict[str, str], *, tenant: str | None
     ) -> str:
@@ -253,6 +256,7 @@ class ConversationStore:
         self._trim(keep=(tenant, cid))
         return cid
 
+    @locked
     def get(self, cid: str, *, tenant: str | None, param: str | None = None) -> _Kept:
         found = self._kept.get((tenant, cid))
         if found is None:
@@ -272,6 +276,7 @@ class ConversationStore:
         self._kept.move_to_end((tenant, cid))
         return found
 
+    @locked
     def add(self, cid: str, items: list[dict[str, Any]], *, tenant: str | None) -> None:
         kept = self.get(cid, tenant=tenant)
         size = len(msgspec.json.encode(items))
@@ -288,10 +293,12 @@ class ConversationStore:
         self._write(tenant, cid, {"op": "add", "items": items})
         self._trim(keep=(tenant, cid))
 
+    @locked
     def set_metadata(self, cid: str, meta: dict[str, str], *, tenant: str | None) -> None:
         self.get(cid, tenant=tenant).metadata = meta
         self._write(tenant, cid, {"op": "metadata", "metadata": meta})
 
+    @locked
     def remove_item(self, cid: str, item_id: str, *, tenant: str | None) -> None:
         kept = self.get(cid, tenant=tenant)
         at = next((i for i, item in enumerate(kept.items) if item["id"] == item_id), None)
@@ -302,6 +309,7 @@ class ConversationStore:
         self.bytes -= size
         self._write(tenant, cid, {"op": "remove", "id": item_id})
 
+    @locked
     def delete(self, cid: str, *, tenant: str | None) -> None:
         kept = self.get(cid, tenant=tenant)
         del self._kept[tenant, cid]
@@ -313,6 +321,7 @@ class ConversationStore:
             except OSError as exc:
                 _log.warning("conversation %s: its file %s stays: %s", cid, path, exc)
 
+    @locked
     def messages(self, cid: str, *, tenant: str | None) -> list[kvrt.Message]:
         """What the conversation holds, as the messages a response's context begins with."""
         kept = self.get(cid, tenant=tenant, param="conversation")

@@ -14,11 +14,13 @@ field that asks for something kvrt does not do is a 400 naming it.
 
 from __future__ import annotations
 
+import functools
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 from starlette.requests import Request
@@ -278,6 +280,21 @@ def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
     return [kvrt.Message(role="assistant", content=done.text)]
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked(method: F) -> F:
+    """A store's method, run holding the store's lock: the event loop and the worker
+    threads that read requests (and the conversations they continue) share a store."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(F, run)
+
+
 class Stored(msgspec.Struct, frozen=True):
     """One kept response: its conversation (without instructions), where its own input
     lies in it, and the response object as it was answered."""
@@ -303,11 +320,13 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         """What the kept responses take (their conversations' and bodies' JSON size)."""
+        self._lock = threading.RLock()
         self._kept: OrderedDict[tuple[str | None, str], tuple[float, int, Stored]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
 
+    @locked
     def put(
         self,
         rid: str,
@@ -331,6 +350,7 @@ class ResponseStore:
         self.bytes += size
         self._trim()
 
+    @locked
     def stored(self, rid: str, *, tenant: str | None = None, param: str | None = None) -> Stored:
         """The kept response, or a 404."""
         self._trim()
@@ -345,6 +365,7 @@ class ResponseStore:
             )
         return found[2]
 
+    @locked
     def get(self, rid: str, *, tenant: str | None = None) -> list[kvrt.Message]:
         """The conversation a ``previous_response_id`` continues, or a 404."""
         try:
@@ -358,6 +379,7 @@ class ResponseStore:
                 code="previous_response_not_found",
             ) from None
 
+    @locked
     def delete(self, rid: str, *, tenant: str | None = None) -> None:
         """Forget a kept response, or a 404."""
         self.stored(rid, tenant=tenant)
