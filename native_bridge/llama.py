@@ -396,6 +396,11 @@ class LlamaModel:
         raise _failure("applying the chat template failed")
 
 
+STATE_HEAD = 8
+"""Bytes before the first section of a sequence's state (measured: a checkpoint's bytes
+after them are the last bytes of the whole state)."""
+
+
 class LlamaContext:
     """One KV cache on a shared model: sequence 0 plus a scratch sequence."""
 
@@ -695,6 +700,39 @@ class LlamaContext:
                 raise _failure(
                     f"llama.cpp rejected the checkpoint bytes (read {read} of {data.size})"
                 )
+
+    def range_with_checkpoint(
+        self, start: int, end: int, checkpoint: npt.NDArray[np.uint8]
+    ) -> npt.NDArray[np.uint8]:
+        """The state bytes of [start, end) of the main sequence with ``checkpoint`` as
+        their recurrent state instead of the current one: a block of a hybrid model as it
+        was when computed (its checkpoint taken after its last token), which another
+        context loads (:meth:`state_set` into the scratch sequence, then :meth:`seq_cp`)
+        and continues bit for bit.
+
+        State bytes are a head, the attention section, then the recurrent section; a
+        checkpoint is the head and the recurrent section. Checked: the range's bytes must
+        end with the current checkpoint's section, else the layout is not what kvrt
+        knows and nothing is returned."""
+        self._check_recurrent()
+        self._check_range(start, end)
+        current = self.checkpoint_get(MAIN_SEQ)
+        if checkpoint.dtype != np.uint8 or checkpoint.size != current.size:
+            raise BridgeArgumentError(
+                f"a checkpoint of this context is {current.size} bytes, got {checkpoint.size}"
+            )
+        recurrent = current.size - STATE_HEAD
+        self.seq_clear(SCRATCH_SEQ)
+        self.seq_cp(MAIN_SEQ, SCRATCH_SEQ, start, end)
+        try:
+            data = self.state_get(SCRATCH_SEQ)
+        finally:
+            self.seq_clear(SCRATCH_SEQ)
+        if data.size < current.size or not np.array_equal(
+            data[data.size - recurrent :], current[STATE_HEAD:]
+        ):
+            raise _failure("llama.cpp's state bytes are not laid out as kvrt reads them")
+        return np.concatenate([data[: data.size - recurrent], checkpoint[STATE_HEAD:]])
 
     def _check_recurrent(self) -> None:
         # On a model without recurrent layers the same flag means "windowed layers only".

@@ -7,7 +7,9 @@ builds on:
   state, which is not kept by position, stays), the tail cannot: the recurrent state has
   integrated it;
 - a checkpoint (the recurrent state alone, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) put back
-  lets the tail go, and computing it again gives the logits bit for bit.
+  lets the tail go, and computing it again gives the logits bit for bit;
+- a block restores in another context exactly only with the checkpoint taken after its
+  last token: a range exported later carries the recurrent state as it is then.
 """
 
 from __future__ import annotations
@@ -84,3 +86,36 @@ def test_an_attention_model_has_no_checkpoint() -> None:
         ctx.checkpoint_get(0)
     ctx.close()
     plain.close()
+
+
+@pytest.mark.parametrize("name", ["granitehybrid", "lfm2"])
+def test_a_block_with_its_checkpoint_restores_in_another_context(name: str) -> None:
+    """A hybrid's block as a cold entry would carry it: its attention cells and the
+    recurrent state after its last token (not the state when it is exported, which has
+    seen later tokens). Loaded into a new context, the continuation is bit-exact against
+    computing it there."""
+    model = LlamaModel(zoo_path(name))
+    ids = tokens(64, seed=5)
+    ctx = context(model)
+    ctx.decode(ids[:32], 0)
+    checkpoint = ctx.checkpoint_get(0)
+    ctx.decode(ids[32:], 32)  # the context goes on: its recurrent state moves on
+    block = ctx.range_with_checkpoint(0, 32, checkpoint)
+    as_exported = ctx.range_with_checkpoint(0, 32, ctx.checkpoint_get(0))
+    reference = context(model)
+    reference.decode(ids[:32], 0)
+    reference.decode(ids[32:40], 32)
+    expected = reference.logits()
+    for data, exact in ((block, True), (as_exported, False)):
+        other = context(model)
+        other.state_set(1, data)
+        other.seq_cp(1, 0, 0, 32)
+        other.seq_clear(1)
+        other.decode(ids[32:40], 32)
+        assert np.array_equal(other.logits(), expected) is exact
+        other.close()
+    with pytest.raises(BridgeArgumentError, match="bytes"):
+        ctx.range_with_checkpoint(0, 32, checkpoint[:-1])
+    for c in (ctx, reference):
+        c.close()
+    model.close()
