@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from benchmarks.tool_loop import compact, free_port, serve
+from benchmarks.tool_loop import compact, free_port, serve, tool_message
 
 TURNS = ["Paris", "Rome", "Oslo", "Lima"]
 PREFILLED = re.compile(r'kvrt_tokens_total\{kind="prefilled"\} (\d+)')
@@ -57,7 +57,8 @@ def weather(city: str) -> str:
     return f"Sunny, 21 C in {city}."
 
 
-def openai_client(url: str, counter: Counter) -> Any:
+def counted_client(url: str, counter: Counter) -> Any:
+    """An ``AsyncOpenAI`` whose every response is counted by ``counter``."""
     import httpx2
     import openai
 
@@ -66,7 +67,7 @@ def openai_client(url: str, counter: Counter) -> Any:
 
 
 async def raw_openai(url: str, model: str, counter: Counter) -> None:
-    client = openai_client(url, counter)
+    client = counted_client(url, counter)
     tool = {
         "type": "function",
         "function": {
@@ -91,23 +92,8 @@ async def raw_openai(url: str, model: str, counter: Counter) -> None:
             if message.tool_calls:
                 call = message.tool_calls[0]
                 arguments = compact(call.function.arguments)  # type: ignore[union-attr]
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": None,
-                        "tool_calls": [
-                            {
-                                "id": call.id,
-                                "type": "function",
-                                "function": {"name": "weather", "arguments": arguments},
-                            }
-                        ],
-                    }
-                )
-                city_said = json.loads(arguments).get("city", city)
-                messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "content": weather(city_said)}
-                )
+                said = json.loads(arguments).get("city", city)
+                messages += tool_message(call.id, "weather", arguments, 0, result=weather(said))
             else:
                 messages.append({"role": "assistant", "content": message.content or ""})
 
@@ -118,7 +104,7 @@ async def pydantic_ai_loop(url: str, model: str, counter: Counter) -> None:
     from pydantic_ai.providers.openai import OpenAIProvider
 
     chat = OpenAIChatModel(
-        model, provider=OpenAIProvider(openai_client=openai_client(url, counter))
+        model, provider=OpenAIProvider(openai_client=counted_client(url, counter))
     )
     agent = pydantic_ai.Agent(chat, instructions="Answer with the weather tool.")
     agent.tool_plain(weather)
@@ -146,7 +132,7 @@ async def agents_sdk_loop(url: str, model: str, counter: Counter) -> None:
         name="weather",
         instructions="Answer with the weather tool.",
         tools=[function_tool(weather)],
-        model=OpenAIResponsesModel(model=model, openai_client=openai_client(url, counter)),
+        model=OpenAIResponsesModel(model=model, openai_client=counted_client(url, counter)),
         model_settings=ModelSettings(max_tokens=48, temperature=0),
         reset_tool_choice=True,
     )
@@ -164,7 +150,7 @@ async def langgraph_loop(url: str, model: str, counter: Counter) -> None:
     from langgraph.checkpoint.memory import MemorySaver
     from langgraph.prebuilt import create_react_agent
 
-    client = openai_client(url, counter)
+    client = counted_client(url, counter)
     llm = ChatOpenAI(
         model=model, api_key="unused",  # type: ignore[arg-type]
         root_async_client=client, async_client=client.chat.completions,

@@ -100,8 +100,15 @@ async def grammar_cost(backend: str, n: int = 48) -> dict[str, float]:
 
 
 def tool_message(
-    call_id: str, name: str, arguments: str, step: int, content: str | None = None
+    call_id: str,
+    name: str,
+    arguments: str,
+    step: int,
+    content: str | None = None,
+    result: str | None = None,
 ) -> list[dict[str, Any]]:
+    """The assistant's call and the tool's answer (``result``, by default the weather in
+    the step's city), as a framework sends them back."""
     return [
         {
             "role": "assistant",
@@ -114,7 +121,11 @@ def tool_message(
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": call_id, "content": f"Sunny, 21 C in {CITIES[step]}."},
+        {
+            "role": "tool",
+            "tool_call_id": call_id,
+            "content": result if result is not None else f"Sunny, 21 C in {CITIES[step]}.",
+        },
     ]
 
 

@@ -19,8 +19,8 @@ KIND = "engine_turn"
 @register(KIND, "least_served")
 class LeastServed:
     """The call whose command has had the least engine time so far, then the one that
-    waited longest: a short request (a two-token chat, a health probe's reply) goes
-    before the next step of a long one, and commands of equal age take turns. A command
+    waited longest: a short request (a two-token chat) goes before the next step of a
+    long one, and commands of equal age take turns. A command
     is only ever passed over by commands younger than itself, so none waits for ever
     unless newer ones keep the engine busy without a pause."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.native_bridge.llama import BridgeArgumentError, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import BridgeArgumentError, BridgeCallError, LlamaContext, LlamaModel
 
 from ._agent import zoo_path
 
@@ -50,7 +50,7 @@ def test_a_checkpoint_rewinds_the_recurrent_state_exactly(model: LlamaModel) -> 
     ctx.decode(ids[:32], 0)
     checkpoint = ctx.checkpoint_get(0)
     ctx.decode(tokens(16, seed=2), 32)  # another continuation, to be taken back
-    with pytest.raises(Exception, match="could not remove"):
+    with pytest.raises(BridgeCallError, match="could not remove"):
         ctx.seq_rm(0, 32, 1 << 30)  # the recurrent state has seen it: no tail removal
     ctx.checkpoint_set(0, checkpoint)
     ctx.seq_rm(0, 32, 1 << 30)
@@ -75,6 +75,8 @@ def test_a_range_in_the_middle_can_go_and_the_checkpoint_is_the_recurrent_state(
         assert checkpoint.size < whole.size
     ctx.seq_rm(0, 16, 32)  # attention cells go; the recurrent state is not kept by position
     assert ctx.pos_max(0) == 63
+    after = ctx.state_get(0).size
+    assert after == whole.size if model.is_recurrent else after < whole.size
     ctx.close()
 
 

@@ -191,6 +191,18 @@ async def test_what_a_local_text_model_cannot_do_is_refused_by_name(anyio_backen
                 {"functions": [WEATHER], "tools": [{"type": "function", "function": WEATHER}]},
                 "functions",
             ),
+            ({"functions": [1]}, "functions[0]"),
+            ({"functions": [WEATHER], "function_call": "bogus"}, "function_call"),
+            ({"functions": [WEATHER], "function_call": {"name": "other"}}, "function_call"),
+            (
+                {
+                    "messages": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "", "function_call": "get_weather"},
+                    ]
+                },
+                "messages[1].function_call",
+            ),
         ):
             status, body, _ = await in_thread(
                 post, url, "/v1/chat/completions", chat(model, **fields)
@@ -198,6 +210,13 @@ async def test_what_a_local_text_model_cannot_do_is_refused_by_name(anyio_backen
             assert status == 400 and body["error"]["param"] == param, body
         status, body, _ = await in_thread(
             post, url, "/v1/chat/completions", chat(model, modalities=["text"])
+        )
+        assert status == 200, body
+        # A response's message sent back whole carries "function_call": null: no call.
+        dumped = {"role": "assistant", "content": "Hi.", "function_call": None, "refusal": None}
+        history = [{"role": "user", "content": "Hi"}, dumped, {"role": "user", "content": "Bye"}]
+        status, body, _ = await in_thread(
+            post, url, "/v1/chat/completions", chat(model, messages=history)
         )
         assert status == 200, body
 
@@ -319,3 +338,33 @@ def test_conversations_that_leave_memory_are_read_back_from_their_files(tmp_path
     unwritten = ConversationStore()
     kept = unwritten.create(said, {}, tenant=None)
     assert unwritten.messages(kept, tenant=None)[0].content == "Hi."
+
+
+async def test_another_tenant_cannot_reach_kept_responses_or_conversations(
+    anyio_backend: str,
+) -> None:
+    async with server(api_keys={"key-a": "a", "key-b": "b"}) as (_, url):
+        a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key=k) for k in ("key-a", "key-b"))
+        model = str((await in_thread(a.models.list)).data[0].id)
+        conv = await in_thread(
+            lambda: a.conversations.create(items=[{"role": "user", "content": "PIN 4417"}])
+        )
+        kept = await in_thread(
+            lambda: a.responses.create(model=model, input="Hi", max_output_tokens=2)
+        )
+        for reach in (
+            lambda: b.conversations.retrieve(conv.id),
+            lambda: b.conversations.items.list(conv.id),
+            lambda: b.conversations.delete(conv.id),
+            lambda: b.responses.retrieve(kept.id),
+            lambda: b.responses.input_items.list(kept.id),
+            lambda: b.responses.delete(kept.id),
+            lambda: b.responses.create(
+                model=model, input="Hi", conversation=conv.id, max_output_tokens=2
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                await in_thread(reach)
+        # Still there for its own tenant.
+        assert (await in_thread(lambda: a.conversations.items.list(conv.id))).data
+        assert (await in_thread(a.responses.retrieve, kept.id)).id == kept.id

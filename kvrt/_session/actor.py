@@ -221,7 +221,7 @@ class Actor:
         self.generation.check_placed()
         await self.placement.last_logits()  # reported by no status: its tally goes
         held = self.gate.override
-        logits = held if held is not None else await self.gate.call("logits", self.ctx.logits)
+        logits = held if held is not None else await self.gate.logits()
         return np.array(logits, dtype=np.float32, copy=True)
 
     async def _snapshot(

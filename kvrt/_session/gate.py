@@ -1,6 +1,7 @@
 """The engine gate: every engine call goes through here, in a worker thread when the
-runtime's engine turns give it a slot (:mod:`kvrt._turns`); residency is derived from what the engine holds (never stored); the
-tallies and the status of a call are counted here.
+runtime's engine turns give it a slot (:mod:`kvrt._turns`); residency is derived from
+what the engine holds (never stored); the tallies and the status of a call are counted
+here.
 
 The hot-window bookkeeping it consults (:mod:`.layout`) is synchronous and free of
 ``await``.
@@ -37,10 +38,6 @@ from .provenance import APPROXIMATE, Place, Provenance, partial_key
 __all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
 
 T = TypeVar("T")
-
-LIGHT_CALLS = frozenset({"evict", "logits"})
-"""Engine calls that compute nothing (a KV range dropped, the logits copied out): they run
-without waiting for the engine's turn (see :mod:`kvrt._turns`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +165,15 @@ class EngineGate:
         fn: Callable[..., T],
         *args: Any,
         writes: Sequence[Written] = (),
+        light: bool = False,
         **kwargs: Any,
     ) -> T:
         """Run ``fn`` in a worker thread on the engine's next turn for this session (its
         time counts to the command's :attr:`served`). ``writes`` are the positions
         the call makes resident: their marks are set right before it runs (see
         :mod:`.provenance`); the caller's tally records their sources
-        (:meth:`Tally.wrote`)."""
+        (:meth:`Tally.wrote`). A ``light`` call computes nothing (:meth:`drop`,
+        :meth:`logits`) and waits for no turn."""
         if self.fault is not None:
             self.fault(label)
         for w in writes:
@@ -184,7 +183,7 @@ class EngineGate:
         self._resident = None
         try:
             return await self.turns.run(
-                self.served, label, partial(fn, *args, **kwargs), light=label in LIGHT_CALLS
+                self.served, label, partial(fn, *args, **kwargs), light=light
             )
         finally:
             self._resident = None  # the engine's record may have changed
@@ -249,6 +248,14 @@ class EngineGate:
             return self.provenance.new_label(), missing
         return None, 0
 
+    async def drop(self, start: int, end: int) -> None:
+        """Drop the resident tokens in [start, end), leaving a gap (no computation)."""
+        await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, light=True)
+
+    async def logits(self) -> Logits:
+        """The engine's logits after the last decoded token (copied out, no computation)."""
+        return await self.call("logits", self.ctx.logits, light=True)
+
     async def logits_after(self, block: Block) -> Logits | None:
         """The engine's logits after ``block``'s last token, if it holds them and they were
         computed with exact KV (as that token's mark says), else None."""
@@ -257,7 +264,7 @@ class EngineGate:
             return None
         if self.provenance.inexact(held, held + 1, self.resident()):
             return None
-        return await self.call("logits", self.ctx.logits)
+        return await self.logits()
 
     def is_approximate(self, block: Block, resident: dict[int, int] | None = None) -> bool:
         """Whether resident tokens of ``block`` hold approximate KV."""

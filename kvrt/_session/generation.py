@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._backend import EvictMode, Logits, SamplingParams
+from .._backend import Logits, SamplingParams
 from .._call_formats import CallFormat, CallStream
 from .._errors import ContextNotPlacedError, InvalidRangeError
 from .._grammar import Constraint, Grammar
@@ -123,7 +123,7 @@ class Generation:
             if self.gate.override is not None:
                 logits: Logits = self.gate.override
             else:
-                logits = await self.gate.call("logits", self.ctx.logits)
+                logits = await self.gate.logits()
             self.gate.override = None
             label = self.gate.label_at(self.window.length)[0]
             while produced < cmd.max_tokens:
@@ -272,7 +272,7 @@ class Generation:
         self.window.truncate(position)
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
-            await self.gate.call("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+            await self.gate.drop(tail[0], tail[-1] + 1)
 
 
 def _split(stream: CallStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 
-from .._backend import AdmitMode, EvictMode
+from .._backend import AdmitMode
 from .._cold import ColdEntry, ColdKey
 from .._errors import (
     ColdStoreFullError,
@@ -142,7 +142,7 @@ class Paging:
                 )
             else:
                 self.gate.choices[block.id] = "evicted, tokens only (cold admission policy)"
-        await self.gate.call("evict", self.ctx.evict, run[0].start, run[-1].end, EvictMode.GAP)
+        await self.gate.drop(run[0].start, run[-1].end)
         return Tally(evicted=sum(b.n_tokens for b in run))
 
     def room(self, keep: set[int]) -> int:
@@ -221,9 +221,7 @@ class Paging:
             moved = await self.make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
             if inside:  # leading tokens of a block kept at the tail: the copy replaces them
-                await self.gate.call(
-                    "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
-                )
+                await self.gate.drop(inside[0], inside[-1] + 1)
             began = time.perf_counter()
             await self.gate.call(
                 "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
@@ -424,7 +422,7 @@ class Paging:
         ):
             holder = next(b for b in self.window.blocks if b.start <= at - 1 < b.end)
             keep = keep | {holder.id}
-            await self.gate.call("evict", self.ctx.evict, at - 1, at, EvictMode.GAP)
+            await self.gate.drop(at - 1, at)
             tokens, at = [before, *tokens], at - 1
             moved.prefilled += 1
         moved += await self.make_room(len(tokens), keep)
@@ -491,5 +489,5 @@ class Paging:
         await self.gate.tidy()
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
-            await self.gate.call("evict", self.ctx.evict, tail[0], tail[-1] + 1, EvictMode.GAP)
+            await self.gate.drop(tail[0], tail[-1] + 1)
         return moved

@@ -12,7 +12,6 @@ from functools import partial
 
 import anyio
 
-from .._backend import EvictMode
 from .._errors import (
     HotWindowFullError,
     InvalidContextError,
@@ -271,9 +270,7 @@ class Placement:
                     moved += await self.paging.evict_blocks([block])
                 elif resident_partial:  # a fragment, not a block: no copy to keep of it
                     inside = [p for p in self.ctx.positions if block.start <= p < block.end]
-                    await self.gate.call(
-                        "evict", self.ctx.evict, inside[0], inside[-1] + 1, EvictMode.GAP
-                    )
+                    await self.gate.drop(inside[0], inside[-1] + 1)
                 placing.refresh.add(block.id)
         return moved
 
@@ -392,9 +389,7 @@ class Placement:
             self.gate.observed_restore(began, entry.n_bytes)
             moved.wrote(marks)
             if shared < held:  # the cold block may also be this one's prefix (it grew)
-                await self.gate.call(
-                    "evict", self.ctx.evict, start + shared, start + held, EvictMode.GAP
-                )
+                await self.gate.drop(start + shared, start + held)
         moved.restored += shared
         return moved
 
@@ -433,7 +428,7 @@ class Placement:
             self.gate.override = held[2]  # kept only while the whole context was exact
             return Tally()
         if resident.get(last) == token:
-            await self.gate.call("evict", self.ctx.evict, last, last + 1, EvictMode.GAP)
+            await self.gate.drop(last, last + 1)
         moved = (await self.paging.compute([token], last, {tail.id}))[2]
         moved.prefilled += 1
         return moved

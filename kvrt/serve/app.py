@@ -300,8 +300,7 @@ class Server:
 
         def store(rid: str, req: Any, done: kvrt.Completion, body: dict[str, Any]) -> None:
             if req.conversation is not None:
-                given = [m for m in kept[span[0] : span[1]]]
-                added = [i for m in given for i in conversations.items_of(m)]
+                added = [i for m in kept[span[0] : span[1]] for i in conversations.items_of(m)]
                 added += conversations.output_items(body["output"])
                 with suppress(RequestError):  # deleted meanwhile, or full
                     self.conversations.add(req.conversation, added, tenant=tenant_of(request))
@@ -587,21 +586,15 @@ class Server:
                 raise RequestError(f"{name} must be a finite number", param=name)
         sampling = ("temperature", "top_p", "top_k", "seed")
         bias = openai.logit_bias(req)
-        try:  # checked now, so a bad value is a 400 before any work
-            kvrt.SamplingParams(
+        try:  # checked now (the bias against the vocabulary too), a 400 before any work
+            params = kvrt.SamplingParams(
                 **{k: options[k] for k in sampling if options[k] is not None}, logit_bias=bias
             )
+            kvrt.Sampler(params, self.runtime.engine.facts.n_vocab)
         except kvrt.KvrtError as exc:
             param = next((k for k in (*sampling, "logit_bias") if k in str(exc)), None)
             raise RequestError(str(exc), param=param) from None
         if bias is not None:
-            n_vocab = self.runtime.engine.facts.n_vocab
-            if max(bias) >= n_vocab:
-                raise RequestError(
-                    f"logit_bias names token {max(bias)}, past this model's vocabulary "
-                    f"({n_vocab:,} tokens)",
-                    param="logit_bias",
-                )
             options["sampling"] = {"logit_bias": bias}
         options["logprobs"] = openai.logprobs(req)
         return options

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +35,7 @@ import kvrt
 
 from .openai import RequestError
 from .reading import listing, read_json, tenant_of
-from .responses import locked, page, to_messages
+from .responses import locked, message_items, new_id, page, to_messages
 
 _log = logging.getLogger("kvrt.serve")
 
@@ -54,10 +53,6 @@ __all__ = [
     "metadata",
     "output_items",
 ]
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def metadata(value: Any, where: str = "metadata") -> dict[str, str]:
@@ -96,40 +91,7 @@ def canonical_items(items: Any, where: str = "items") -> list[dict[str, Any]]:
 
 def items_of(message: kvrt.Message) -> list[dict[str, Any]]:
     """A kept message as conversation items, with fresh ids."""
-    if message.role == "tool":
-        return [
-            {
-                "type": "function_call_output",
-                "id": _new_id("fco"),
-                "call_id": message.tool_call_id,
-                "output": message.content,
-                "status": "completed",
-            }
-        ]
-    found: list[dict[str, Any]] = []
-    if message.content or not message.tool_calls:
-        kind = "output_text" if message.role == "assistant" else "input_text"
-        found.append(
-            {
-                "type": "message",
-                "id": _new_id("msg"),
-                "role": message.role,
-                "content": [{"type": kind, "text": message.content}],
-                "status": "completed",
-            }
-        )
-    for cid, name, arguments in message.tool_calls:
-        found.append(
-            {
-                "type": "function_call",
-                "id": _new_id("fc"),
-                "call_id": cid,
-                "name": name,
-                "arguments": arguments,
-                "status": "completed",
-            }
-        )
-    return found
+    return message_items(message, new_id)
 
 
 def output_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -249,7 +211,7 @@ class ConversationStore:
     def create(
         self, items: list[dict[str, Any]], meta: dict[str, str], *, tenant: str | None
     ) -> str:
-        cid = _new_id("conv")
+        cid = new_id("conv")
         kept = self._kept[tenant, cid] = _Kept(int(time.time()), meta, [])
         self._write(tenant, cid, {"op": "create", "created_at": kept.created_at, "metadata": meta})
         self.add(cid, items, tenant=tenant)

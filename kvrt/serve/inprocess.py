@@ -155,6 +155,14 @@ async def openai_client(
         ) from None
     base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
     http = importlib.import_module(base.__module__.split(".")[0])
+    if not isinstance(runtime, kvrt.Runtime):
+        raise kvrt.ArgumentTypeError(
+            f"runtime must be a kvrt.Runtime (from kvrt.open_runtime), got {type(runtime).__name__}"
+        )
+    if config is not None and not isinstance(config, ServeConfig):
+        raise kvrt.ArgumentTypeError(
+            f"config must be a kvrt.serve.ServeConfig, got {type(config).__name__}"
+        )
     config = config or ServeConfig()
     app = create_app(runtime, config)
     keys = config.tenants()

@@ -335,16 +335,25 @@ def legacy_functions(request: ChatRequest) -> bool:
             "give tools and tool_choice, or the legacy functions and function_call, not both",
             param="functions",
         )
-    request.tools = [{"type": "function", "function": f} for f in request.functions or ()]
-    choice = request.function_call
-    if isinstance(choice, dict):
-        if set(choice) != {"name"}:
+    functions = request.functions or []
+    for i, f in enumerate(functions):
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise RequestError(
-                'function_call must be "none", "auto" or {"name": ...}', param="function_call"
+                f"functions[{i}] must be an object with a name", param=f"functions[{i}]"
             )
+    request.tools = [{"type": "function", "function": f} for f in functions]
+    choice = request.function_call
+    names = [f["name"] for f in functions]
+    if isinstance(choice, dict) and set(choice) == {"name"} and choice["name"] in names:
         request.tool_choice = {"type": "function", "function": {"name": choice["name"]}}
-    else:
+    elif choice is None or choice in ("none", "auto"):
         request.tool_choice = choice
+    else:
+        raise RequestError(
+            f'function_call must be "none", "auto" or {{"name": ...}} naming one of the '
+            f"functions ({', '.join(names) or 'none given'}), got {str(choice)[:80]}",
+            param="function_call",
+        )
     request.parallel_tool_calls = False
     return True
 
@@ -359,8 +368,14 @@ def legacy_messages(messages: list[Any]) -> list[Any]:
         if not isinstance(m, dict):
             out.append(m)
             continue
-        if m.get("role") == "assistant" and isinstance(m.get("function_call"), dict):
+        if m.get("role") == "assistant" and m.get("function_call") is not None:
+            # (None, as a response's message dumped whole carries it, is no call)
             fc = m["function_call"]
+            if not isinstance(fc, dict) or set(fc) != {"name", "arguments"}:
+                raise RequestError(
+                    f"messages[{i}].function_call must be an object of name and arguments",
+                    param=f"messages[{i}].function_call",
+                )
             cid = f"call_legacy_{i}"
             open_calls[str(fc.get("name"))] = cid
             call = {"id": cid, "type": "function", "function": fc}

@@ -15,6 +15,7 @@ field that asks for something kvrt does not do is a 400 naming it.
 from __future__ import annotations
 
 import functools
+import itertools
 import secrets
 import threading
 import time
@@ -38,6 +39,8 @@ __all__ = [
     "Stored",
     "events",
     "input_items",
+    "message_items",
+    "new_id",
     "page",
     "read",
     "response_body",
@@ -397,47 +400,56 @@ class ResponseStore:
             self.bytes -= size
 
 
+def message_items(message: kvrt.Message, id_of: Callable[[str], str]) -> list[dict[str, Any]]:
+    """A kept message as the items the API lists: its text (a message), then each of its
+    calls (``function_call``); a tool message is a ``function_call_output``. ``id_of``
+    gives each item's id from its kind's prefix (``msg``, ``fc``, ``fco``)."""
+    if message.role == "tool":
+        return [
+            {
+                "type": "function_call_output",
+                "id": id_of("fco"),
+                "call_id": message.tool_call_id,
+                "output": message.content,
+                "status": "completed",
+            }
+        ]
+    found: list[dict[str, Any]] = []
+    if message.content or not message.tool_calls:
+        kind = "output_text" if message.role == "assistant" else "input_text"
+        found.append(
+            {
+                "type": "message",
+                "id": id_of("msg"),
+                "role": message.role,
+                "content": [{"type": kind, "text": message.content}],
+                "status": "completed",
+            }
+        )
+    for cid, name, arguments in message.tool_calls:
+        found.append(
+            {
+                "type": "function_call",
+                "id": id_of("fc"),
+                "call_id": cid,
+                "name": name,
+                "arguments": arguments,
+                "status": "completed",
+            }
+        )
+    return found
+
+
 def input_items(rid: str, stored: Stored) -> list[dict[str, Any]]:
     """The items its request's ``input`` gave, as the API lists them (ids derived from the
-    response's: ``{rid}_in_{i}``)."""
+    response's: ``{rid}_in_{n}``)."""
     start, end = stored.inputs
-    items: list[dict[str, Any]] = []
-    for i, m in enumerate(stored.messages[start:end]):
-        iid = f"{rid}_in_{i}"
-        if m.role == "tool":
-            items.append(
-                {
-                    "type": "function_call_output",
-                    "id": iid,
-                    "call_id": m.tool_call_id,
-                    "output": m.content or "",
-                    "status": "completed",
-                }
-            )
-            continue
-        for j, (cid, name, arguments) in enumerate(m.tool_calls or ()):
-            items.append(
-                {
-                    "type": "function_call",
-                    "id": f"{iid}_{j}",
-                    "call_id": cid,
-                    "name": name,
-                    "arguments": arguments,
-                    "status": "completed",
-                }
-            )
-        if m.content or not m.tool_calls:
-            kind = "output_text" if m.role == "assistant" else "input_text"
-            items.append(
-                {
-                    "type": "message",
-                    "id": iid,
-                    "role": m.role,
-                    "content": [{"type": kind, "text": m.content or ""}],
-                    "status": "completed",
-                }
-            )
-    return items
+    n = itertools.count()
+
+    def id_of(_: str) -> str:
+        return f"{rid}_in_{next(n)}"
+
+    return [item for m in stored.messages[start:end] for item in message_items(m, id_of)]
 
 
 def page(
