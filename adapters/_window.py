@@ -38,7 +38,7 @@ from kvrt.backend import (
     SamplingParams,
 )
 
-__all__ = ["KvWindow", "as_position", "check_tokens"]
+__all__ = ["KvWindow", "as_position", "check_tokens", "chunk_bounds"]
 
 
 def as_position(value: object, name: str) -> int:
@@ -55,7 +55,7 @@ def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
             raise InvalidTokenError(f"token id {tok} is outside the vocabulary [0, {n_vocab})")
 
 
-def _chunk_bounds(n: int, step: int) -> list[int]:
+def chunk_bounds(n: int, step: int) -> list[int]:
     """Where a prefill of ``n`` tokens is cut into batches of at most ``step``: never with a
     last batch of one token after a longer one (the last two share the tokens instead). On
     some CPUs (x86-64 without AVX-512) llama.cpp runs one-token batches through other
@@ -65,6 +65,16 @@ def _chunk_bounds(n: int, step: int) -> list[int]:
     if len(cuts) > 2 and cuts[-1] - cuts[-2] == 1 and step > 1:
         cuts[-2] -= 1
     return cuts
+
+
+def _chunk_bounds_at(cuts: list[int], at: set[int]) -> list[int]:
+    """``cuts`` with cuts added at ``at``, leaving out any that would make a one-token
+    chunk."""
+    out = set(cuts)
+    for cut in sorted(at):
+        if all(abs(cut - c) > 1 for c in out):
+            out.add(cut)
+    return sorted(out)
 
 
 class KvWindow(abc.ABC):
@@ -122,6 +132,23 @@ class KvWindow(abc.ABC):
 
     @abc.abstractmethod
     def _is_end(self, token: int) -> bool: ...
+
+    # -- recurrent state (engines with recurrent layers override these) --
+
+    @property
+    def _keeps_states(self) -> bool:
+        """The engine has a recurrent state to checkpoint after chosen positions."""
+        return False
+
+    def _keep_state(self, position: int, asked: bool) -> None:  # noqa: B027
+        """Checkpoint the recurrent state, which has just seen every token before
+        ``position``; ``asked``: a position the caller named (a block end), else the end
+        of a prefill."""
+
+    def _resumable(self, end: int) -> bool:
+        """Whether a block ending at ``end`` exports with what the engine needs to go on
+        after it (:attr:`~kvrt.backend.ColdBlockMeta.resumable`)."""
+        return True
 
     # -- the record --
 
@@ -200,12 +227,15 @@ class KvWindow(abc.ABC):
         *,
         start: int | None = None,
         checkpoint: Checkpoint | None = None,
+        keep_state_at: Sequence[int] = (),
     ) -> Logits:
         """Compute KV for ``tokens`` after the last resident token; the last token's logits.
 
         ``start`` may only differ from :attr:`next_position` while the window is empty.
         Work goes in chunks with ``checkpoint()`` between them; if it raises, the chunks
-        already done stay resident and recorded.
+        already done stay resident and recorded. On an engine with recurrent layers the
+        chunks are also cut at ``keep_state_at`` (never into a one-token chunk) and the
+        recurrent state is checkpointed there and at the end.
         """
         toks = list(tokens)
         if not toks:
@@ -219,13 +249,19 @@ class KvWindow(abc.ABC):
         if pos < 0:
             raise InvalidRangeError(f"start position must be >= 0, got {pos}")
         self._check_room(len(toks), f"prefilling {len(toks)} tokens")
-        cuts = _chunk_bounds(len(toks), self.chunk_tokens)
+        cuts = chunk_bounds(len(toks), self.chunk_tokens)
+        asked: set[int] = set()
+        if self._keeps_states:
+            asked = {p - pos for p in keep_state_at if 0 < p - pos <= len(toks)}
+            cuts = _chunk_bounds_at(cuts, asked)
         for k, end in itertools.pairwise(cuts):
             if k and checkpoint is not None:
                 checkpoint()
             chunk = toks[k:end]
             self._compute_and_record(chunk, pos + k)
             self._counters.prefill_tokens += len(chunk)
+            if self._keeps_states and (end in asked or end == len(toks)):
+                self._keep_state(pos + end, end in asked)
         return self.logits()
 
     def step(self, token: int) -> Logits:
@@ -322,6 +358,7 @@ class KvWindow(abc.ABC):
             start=s,
             tokens=tuple(self._tokens[i:j]),
             n_bytes=int(data.size),
+            resumable=self._resumable(s + j - i),
         )
         self._counters.exported_tokens += j - i
         self._counters.exported_bytes += int(data.size)

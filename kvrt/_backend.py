@@ -119,8 +119,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """The model's RoPE in words: pair layout, base, scaling (linear, YaRN, LongRoPE,
     Llama 3 frequency factors) and the magnitude it scales keys by."""
     layer_kinds: tuple[str, ...] = ()
-    """Each layer's kind, ``global`` (attends to every position) or ``windowed`` (the
-    sliding window), where the engine lets kvrt tell them apart (empty where not)."""
+    """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
+    sliding window) or ``recurrent`` (keeps a recurrent state, no KV), where the engine lets kvrt tell them apart (empty where not)."""
     rope_original_context: int | None = None
     """The context YaRN or LongRoPE scaling starts from (LongRoPE: its short factors serve
     contexts up to it), where the model scales RoPE."""
@@ -135,6 +135,13 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     exact_in_place: bool = True
     """A block restored at its own positions is bit-identical to recomputing it (false
     where the KV cache re-quantizes on import)."""
+    recurrent: str | None = None
+    """``hybrid`` (attention layers beside recurrent ones: Granite 4, LFM2) or
+    ``recurrent`` (recurrent layers alone: Mamba-2); None for attention-only models."""
+    checkpoint_bytes: int = 0
+    """Bytes of one checkpoint of the recurrent state (constant: it does not grow with
+    the context); each cold block of such a model carries one, taken after its last
+    token. 0 for attention-only models."""
 
 
 class TemplateSource(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,6 +172,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """The KV cache precision restores work at."""
     notes: tuple[str, ...] = ()
     """What else to know, in words."""
+    recurrent: bool = False
+    """The model has recurrent layers: removing the window's tail puts the recurrent
+    state back to the nearest checkpoint before it and computes the tokens from there
+    again."""
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -246,6 +257,11 @@ class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     """The block's tokens."""
     n_bytes: int
     """Size of the KV bytes."""
+    resumable: bool = True
+    """The bytes hold all the engine needs to go on after the block's last token. False
+    for a block of a model with recurrent layers exported without the checkpoint taken
+    after its last token: it comes back only before resident tokens, never as the end of
+    a context."""
 
     @property
     def n_tokens(self) -> int:
@@ -286,6 +302,11 @@ class EngineContext(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
     @property
+    def facts(self) -> ModelFacts:
+        """What the engine knows of the model this context runs."""
+        ...
+
+    @property
     def fingerprint(self) -> str:
         """The identity of the KV this context computes (what its cold blocks carry and
         what a block must carry to come back): the model's fingerprint, plus any setting
@@ -298,7 +319,13 @@ class EngineContext(Protocol):
         *,
         start: int | None = None,
         checkpoint: Checkpoint | None = None,
-    ) -> Logits: ...
+        keep_state_at: Sequence[int] = (),
+    ) -> Logits:
+        """``keep_state_at``: positions (block ends) after which an engine with recurrent
+        layers keeps a checkpoint of the recurrent state, so blocks ending there export
+        whole and the context can go back there; others ignore it."""
+        ...
+
     def step(self, token: int) -> Logits: ...
     def logits(self) -> Logits: ...
     def evict(self, start: int, end: int, mode: EvictMode) -> int: ...

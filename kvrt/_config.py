@@ -139,6 +139,10 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Which blocks are copied to the cold store as soon as they are computed."""
     message_class: str = "system_pinned"
     """Which cache class a chat message's segment gets from its role."""
+    checkpoint: str = "every_block"
+    """After which blocks a model with recurrent layers keeps a checkpoint of its
+    recurrent state (``every_block``; ``kv_sized``: where the block's KV bytes are at least
+    the checkpoint's, and after stable classes)."""
     engine_turn: str = "least_served"
     """Which session's waiting engine call runs next (``least_served``: the command that
     has had the least engine time, so short requests are not queued behind long ones;
@@ -235,6 +239,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policies", "approximate", "KVRT_APPROXIMATE_POLICY"),
     Setting("policies", "partial_window", "KVRT_PARTIAL_WINDOW_POLICY"),
     Setting("policies", "write_through", "KVRT_WRITE_THROUGH_POLICY"),
+    Setting("policies", "checkpoint", "KVRT_CHECKPOINT_POLICY"),
     Setting("policies", "message_class", "KVRT_MESSAGE_CLASS_POLICY"),
     Setting("policies", "engine_turn", "KVRT_ENGINE_TURN_POLICY"),
 )

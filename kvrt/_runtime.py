@@ -240,6 +240,7 @@ class Runtime(metaclass=NoPublicConstructor):
             partial_window=self.policy("partial_window", partial_window),
             write_through=self.policy("write_through", write_through),
             message_class=self.policy("message_class", message_class),
+            checkpoint=self.policy("checkpoint", None),
             runtime=self._policies.values(),
         )
         self._serial += 1

@@ -10,6 +10,7 @@ __all__ = [
     "ApproximateQuery",
     "BlockView",
     "CacheClass",
+    "CheckpointView",
     "ColdEntryView",
     "PartialWindowQuery",
     "Residency",
@@ -128,6 +129,18 @@ class PartialWindowQuery(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     hot: bool
     """The KV is in the hot window (else in this session's own cold copy)."""
+
+
+class CheckpointView(msgspec.Struct, frozen=True, kw_only=True):
+    """What a checkpoint policy sees of one block of a model with recurrent layers."""
+
+    cache_class: CacheClass
+    n_tokens: int
+    kv_bytes: int
+    """The block's attention KV bytes."""
+    checkpoint_bytes: int
+    """Bytes of the checkpoint of the recurrent state the block would carry (the same for
+    every block of the model)."""
 
 
 class TurnView(msgspec.Struct, frozen=True, kw_only=True):

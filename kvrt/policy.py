@@ -17,6 +17,7 @@ orders or accepts among what may.
 | ``write_through`` | :class:`WriteThrough` | which blocks are copied to the cold store as soon as they are computed |
 | ``message_class`` | :class:`MessageClass` | which cache class a chat message's segment gets from its role |
 | ``engine_turn`` | :class:`EngineTurn` | which session's waiting engine call runs next |
+| ``checkpoint`` | :class:`Checkpoints` | after which blocks a model with recurrent layers keeps its recurrent state |
 
 Register a factory (usually the class) under a kind and a name, then pick it by that name
 in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
@@ -54,6 +55,7 @@ from ._types import (
     ApproximateQuery,
     BlockView,
     CacheClass,
+    CheckpointView,
     ColdEntryView,
     PartialWindowQuery,
     RestoreQuery,
@@ -68,6 +70,8 @@ __all__ = [
     "BlockView",
     "CacheClass",
     "Calibrating",
+    "CheckpointView",
+    "Checkpoints",
     "ColdAdmission",
     "ColdEntryView",
     "ColdVictim",
@@ -164,6 +168,16 @@ class EngineTurn(Protocol):
 
 
 @runtime_checkable
+class Checkpoints(Protocol):
+    def keep(self, block: CheckpointView) -> bool:
+        """Whether the recurrent state is checkpointed after ``block`` as it is computed
+        (a model with attention and recurrent layers). A block with its checkpoint can end
+        a restored context, in any session, and the context can go back to its end without
+        computing again; one without comes back only before resident tokens."""
+        ...
+
+
+@runtime_checkable
 class Blending(Protocol):
     """Optional for an approximate-hit policy: compute part of an accepted hit afresh.
 
@@ -235,6 +249,7 @@ KINDS: dict[str, type] = {
     "write_through": WriteThrough,
     "message_class": MessageClass,
     "engine_turn": EngineTurn,
+    "checkpoint": Checkpoints,
 }
 """Every policy kind and the protocol its policies implement."""
 

@@ -14,6 +14,7 @@ from kvrt.policy import names as names
 from kvrt.policy import register as register
 
 from . import approximate as approximate
+from . import checkpoint as checkpoint
 from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import engine_turn as engine_turn
@@ -26,6 +27,8 @@ from .approximate import AllowApproximate as AllowApproximate
 from .approximate import AllowStableApproximate as AllowStableApproximate
 from .approximate import BlendApproximate as BlendApproximate
 from .approximate import NeverApproximate as NeverApproximate
+from .checkpoint import EveryBlock as EveryBlock
+from .checkpoint import KvSized as KvSized
 from .cold_admission import AdmitAll as AdmitAll
 from .cold_admission import SkipSmallVolatile as SkipSmallVolatile
 from .cold_victim import ColdClassThenLRU as ColdClassThenLRU

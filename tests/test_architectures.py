@@ -330,19 +330,27 @@ async def test_a_large_longrope_session_computes_what_a_small_one_left(
 # -- refused for the true reason --
 
 
-@pytest.mark.parametrize("name", RECURRENT)
-def test_recurrent_and_hybrid_models_are_refused_for_what_they_are(name: str) -> None:
-    v = zoo.VARIANTS[name]
-    if v.architecture == "mamba2":
-        want = r"is a recurrent model \(mamba2\): its 2 layers keep a recurrent state"
-    else:
-        n = sum(1 for i in range(v.layers) if v.kv_heads_of(i))
-        want = (
-            rf"is a hybrid model \({v.architecture}\): llama.cpp keeps a recurrent state for "
-            rf"it beside the attention KV of {n} of its {v.layers} layers"
-        )
+def test_a_recurrent_model_is_refused_for_what_it_is() -> None:
+    want = r"is a recurrent model \(mamba2\): its 2 layers keep a recurrent state"
     with pytest.raises(ModelLoadError, match=want):
-        kvrt.load_engine("llama", model=zoo_path(name))
+        kvrt.load_engine("llama", model=zoo_path("mamba2"))
+
+
+@pytest.mark.parametrize("name", [n for n in RECURRENT if zoo.VARIANTS[n].architecture != "mamba2"])
+def test_a_hybrid_says_which_layers_are_recurrent_and_what_a_checkpoint_costs(
+    name: str,
+) -> None:
+    """(Its paging is tested in test_hybrid_sessions.)"""
+    v = zoo.VARIANTS[name]
+    engine = kvrt.load_engine("llama", model=zoo_path(name))
+    try:
+        facts = engine.facts
+        kinds = ["global" if v.kv_heads_of(i) else "recurrent" for i in range(v.layers)]
+        assert facts.recurrent == "hybrid" and list(facts.layer_kinds) == kinds
+        assert facts.checkpoint_bytes > 0 and facts.kv_bytes_per_token > 0
+        assert facts.key_shift == "none"
+    finally:
+        engine.close()
 
 
 CRASH = """

@@ -18,12 +18,22 @@ llama.cpp's own shift (``llama_memory_seq_add``) does that where it is right; wh
 would scale YaRN or LongRoPE keys again, or crash on quantized keys, the window turns them
 itself: out as bytes, turned in numpy (:func:`~native_bridge.llama_keys.shift_cells`),
 back in at the new positions.
+
+On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it has
+integrated every token computed, in order, and is never evicted. The window checkpoints it
+(``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions the session names (block ends)
+and after each prefill; a block exported where its checkpoint is held carries it in place
+of the current state, so it can end a restored context in any session. Removing the
+window's tail puts the state back to the nearest checkpoint before it and computes the
+resident tokens from there again; a block admitted before resident tokens leaves the
+state as it was.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,12 +41,19 @@ import numpy.typing as npt
 
 from kvrt import ColdBlockMismatchError, InvalidRangeError
 from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
-from kvrt.native_bridge.llama import KV_TYPES, MAIN_SEQ, SCRATCH_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import (
+    KV_TYPES,
+    MAIN_SEQ,
+    SCRATCH_SEQ,
+    STATE_HEAD,
+    LlamaContext,
+    LlamaModel,
+)
 from kvrt.native_bridge.llama_keys import key_rotation, order_cells, shift_cells
 
 from .._errors import translate_errors
 from .._sketch import QUERY_TOKENS
-from .._window import KvWindow, check_tokens
+from .._window import KvWindow, check_tokens, chunk_bounds
 from ._keys import KeyReader
 from ._rope import ModelRope
 
@@ -82,6 +99,13 @@ class LlamaEngineContext(KvWindow):
         self._in_order = True
         """Cell ``k`` holds position ``k`` for every resident position, which are ``0...n-1``:
         the layout of a fresh context. Cleared by anything that may leave it otherwise."""
+        self._recurrent = bool(facts.checkpoint_bytes)
+        self._states: dict[int, npt.NDArray[np.uint8]] = {}
+        """Position -> the recurrent state after every token before it (a hybrid's)."""
+        self._asked: set[int] = set()
+        """Of ``_states``, the positions a prefill was asked to keep (block ends); the others
+        (ends of prefills) are kept only while the latest."""
+        self._run_end: int | None = None
 
     @classmethod
     def create(
@@ -146,6 +170,13 @@ class LlamaEngineContext(KvWindow):
                 "windowed layers keep every position, so in-place restores inside and beyond "
                 "the sliding window are bit-exact"
             )
+        if self._recurrent:
+            notes = [
+                "recurrent layers: their state has seen every token computed, in order; it "
+                "is checkpointed after each block and each prefill, and removing the tail "
+                "computes again from the nearest checkpoint before it",
+                "ranges come back at their own positions only (a recurrent state cannot move)",
+            ]
         return Capabilities(
             remove_middle=True,
             position_shift=self.can_shift,
@@ -154,6 +185,7 @@ class LlamaEngineContext(KvWindow):
             sliding_window=self._facts.sliding_window_live,
             kv_type=self._facts.kv_type,
             notes=tuple(notes),
+            recurrent=self._recurrent,
         )
 
     def _is_end(self, token: int) -> bool:
@@ -167,6 +199,71 @@ class LlamaEngineContext(KvWindow):
         with translate_errors("decoding"):
             self._ctx.decode(chunk, start)
         self._in_order = self._in_order and start == n
+
+    # -- the recurrent state --
+
+    @property
+    def _keeps_states(self) -> bool:
+        return self._recurrent
+
+    def _keep_state(self, position: int, asked: bool) -> None:
+        with translate_errors("checkpointing the recurrent state"):
+            state = self._ctx.checkpoint_get(MAIN_SEQ)
+        if not asked:  # the previous prefill's end goes, unless a block ends there
+            for p in [p for p in self._states if p not in self._asked and p != position]:
+                del self._states[p]
+        self._states[position] = state
+        if asked:
+            self._asked.add(position)
+
+    def _resumable(self, end: int) -> bool:
+        return not self._recurrent or end in self._states or end == self.next_position
+
+    def _forget_states(self, after: int) -> None:
+        for p in [p for p in self._states if p > after]:
+            del self._states[p]
+            self._asked.discard(p)
+
+    def _rewind(self, i: int, start: int) -> None:
+        """Remove the window's tail, record entries ``i:`` from ``start``: the recurrent
+        state goes back to the nearest checkpoint at or before ``start`` (or to the start),
+        the cells from there go, and the resident tokens between are computed again. If
+        computing fails, the window is left empty (the record too) and the error raised.
+
+        The state goes back to just after the last token left (entry ``i - 1``), not to
+        ``start``: positions between them are gaps, which the next token follows."""
+        start = self._positions[i - 1] + 1 if i else 0
+        at = max((p for p in self._states if p <= start), default=None)
+        if at is None:
+            self._ctx.clear()
+            k = 0
+        else:
+            self._ctx.checkpoint_set(MAIN_SEQ, self._states[at])
+            self._ctx.seq_rm(MAIN_SEQ, at, 1 << 30)
+            k = bisect.bisect_left(self._positions, at)
+        self._forget_states(start)
+        redo = list(zip(self._positions[k:i], self._tokens[k:i], strict=True))
+        if not redo:
+            return
+        self._in_order = False
+        try:
+            runs: list[list[tuple[int, int]]] = []
+            for p, t in redo:
+                if runs and runs[-1][-1][0] == p - 1:
+                    runs[-1].append((p, t))
+                else:
+                    runs.append([(p, t)])
+            for run in runs:
+                first, chunk = run[0][0], [t for _, t in run]
+                cuts = chunk_bounds(len(chunk), self.chunk_tokens)
+                for a, b in itertools.pairwise(cuts):
+                    self._ctx.decode(chunk[a:b], first + a)
+        except BaseException:
+            self._drop_all()
+            raise
+        self._counters.prefill_tokens += len(redo)
+        self._states[start] = self._ctx.checkpoint_get(MAIN_SEQ)
+        self._logits_pos = redo[-1][0]
 
     @property
     def cells_in_order(self) -> bool:
@@ -186,7 +283,7 @@ class LlamaEngineContext(KvWindow):
             return
         first, last = self._positions[0], self._positions[-1] + 1
         with translate_errors("laying the window out in position order"):
-            pieces = [order_cells(self._cells(s, e)) for s, e in self._spans(first, last)]
+            pieces = [self._ordered(self._cells(s, e)) for s, e in self._spans(first, last)]
             self._ctx.clear()
             try:
                 for piece in pieces:
@@ -197,6 +294,14 @@ class LlamaEngineContext(KvWindow):
         self._in_order = self._positions[-1] == len(self._positions) - 1
         self._counters.relayouts += 1
         self._counters.relayout_tokens += len(self._positions)
+
+    def _ordered(self, data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+        """State bytes with their cells in position order; a hybrid's recurrent section,
+        which ends them, kept as it is."""
+        if not self._recurrent:
+            return order_cells(data)
+        cut = data.size - (self._facts.checkpoint_bytes - STATE_HEAD)
+        return np.concatenate([order_cells(data[:cut]), data[cut:]])
 
     def _cells(self, start: int, end: int) -> npt.NDArray[np.uint8]:
         """The state bytes of the window's positions in [start, end), through the scratch
@@ -223,7 +328,14 @@ class LlamaEngineContext(KvWindow):
 
     def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
         with translate_errors(f"evicting [{start}, {end})"):
+            if self._recurrent and j == len(self._positions):
+                self._rewind(i, start)
+                return
             last = self._positions[-1]
+            if self._recurrent:  # a rewind into a gap has nothing to compute from
+                for p in [p for p in self._states if start < p < end]:
+                    del self._states[p]
+                    self._asked.discard(p)
             self._in_order = self._in_order and j == len(self._positions) and not shift_tail
             if shift_tail and self._turn:
                 self._slide_turning(start, end, last + 1)
@@ -272,6 +384,8 @@ class LlamaEngineContext(KvWindow):
             self._ctx.seq_clear(SCRATCH_SEQ)
 
     def _drop_all(self) -> None:
+        self._states.clear()
+        self._asked.clear()
         self._ctx.clear()
         self._positions.clear()
         self._tokens.clear()
@@ -287,10 +401,50 @@ class LlamaEngineContext(KvWindow):
                 f"{most} positions of a range)"
             )
         with translate_errors(f"exporting [{start}, {end})"):
+            state = self._states.get(end) if self._recurrent else None
+            if state is not None and end != self.next_position:
+                return self._ctx.range_with_checkpoint(start, end, state)
             return self._cells(start, end)
+
+    def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
+        """As :meth:`KvWindow.admit_run`; on a model with recurrent layers a run ending the
+        window must end with a resumable block (its recurrent state comes in with it)."""
+        if not self._recurrent or not blocks:
+            super().admit_run(blocks)
+            return
+        last = blocks[-1].meta
+        if bisect.bisect_left(self._positions, last.end) == len(self._positions):
+            self._check_resumable(blocks[-1])
+        self._run_end = last.end
+        try:
+            super().admit_run(blocks)
+        except BaseException:
+            # a block of the run may end the window without its recurrent state
+            if self._positions and not self._resumable(self.next_position):
+                self.evict(blocks[0].meta.start, self.next_position)
+            raise
+        finally:
+            self._run_end = None
+
+    def _check_resumable(self, block: ColdBlock) -> None:
+        if not block.meta.resumable:
+            raise ColdBlockMismatchError(
+                f"the cold block [{block.meta.start}, {block.meta.end}) carries no "
+                "checkpoint of the recurrent state after it: it can come back only before "
+                "resident tokens, not as the end of the window"
+            )
 
     def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
+        tail = self._recurrent and i == len(self._positions)
+        if tail and (self._run_end is None or meta.end >= self._run_end):
+            self._check_resumable(block)
+        with translate_errors("checkpointing the recurrent state"):
+            before = (
+                self._ctx.checkpoint_get(MAIN_SEQ)
+                if self._recurrent and not tail and self._positions
+                else None
+            )
         self._in_order = self._in_order and i == len(self._positions) == target + skip
         moved = target != meta.start
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
@@ -301,6 +455,8 @@ class LlamaEngineContext(KvWindow):
             self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
             try:
                 got = (self._ctx.pos_min(SCRATCH_SEQ), self._ctx.pos_max(SCRATCH_SEQ) + 1)
+                if self._recurrent:  # the recurrent part's single cell sits at the end
+                    got = (first, got[1]) if got[0] >= first else got
                 if got != (first, first + meta.n_tokens):
                     raise ColdBlockMismatchError(
                         f"cold block bytes hold positions [{got[0]}, {got[1]}), "
@@ -311,6 +467,13 @@ class LlamaEngineContext(KvWindow):
                 self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target + skip, target + meta.n_tokens)
             finally:
                 self._ctx.seq_clear(SCRATCH_SEQ)
+            # Copying a range in brings its recurrent state along: the block's own after it
+            # at the tail, the window's own back before resident tokens.
+            if before is not None:
+                self._ctx.checkpoint_set(MAIN_SEQ, before)
+            elif tail and meta.resumable:
+                self._states[meta.end] = self._ctx.checkpoint_get(MAIN_SEQ)
+                self._asked.add(meta.end)
 
     # -- key sketches (kvrt.backend.KeySketching) --
 
@@ -363,6 +526,8 @@ class LlamaEngineContext(KvWindow):
         with translate_errors("clearing the context"):
             self._ctx.clear()
         self._in_order = True
+        self._states.clear()
+        self._asked.clear()
 
     @property
     def closed(self) -> bool:

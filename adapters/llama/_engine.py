@@ -21,6 +21,7 @@ from kvrt.native_bridge.llama import (
     FLOAT_KV_TYPES,
     KV_TYPES,
     MAIN_SEQ,
+    STATE_HEAD,
     LlamaContext,
     LlamaModel,
     kv_type_row_bytes,
@@ -75,10 +76,10 @@ _WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6}
 def _layer_kinds(
     model: LlamaModel, header: GgufFile, arch: str, cache_layers: list[int]
 ) -> tuple[str, ...]:
-    """Each layer's kind where it can be told, for a model kvrt runs (every layer attends):
-    windowed from the file's window pattern read as llama.cpp reads it, kept only if it
+    """Each layer's kind where it can be told, for a model kvrt runs: recurrent where
+    llama.cpp gives a layer no KV heads (a hybrid's), windowed from the file's window pattern read as llama.cpp reads it, kept only if it
     agrees with the number of layers llama.cpp put in the windowed cache; global else."""
-    kinds = ["global"] * model.n_layer
+    kinds = ["global" if heads else "recurrent" for heads in _attention_heads(model)]
     n_windowed = sum(cache_layers[1:]) if model.n_swa else 0
     if not n_windowed:
         return tuple(kinds)
@@ -190,16 +191,23 @@ class LlamaEngine:
         return config.flash_attention == "on"
 
     @staticmethod
-    def _cache_parts(model: LlamaModel, kv_type: str, flash: bool) -> tuple[StatePart, ...]:
+    def _cache_parts(
+        model: LlamaModel, kv_type: str, flash: bool
+    ) -> tuple[tuple[StatePart, ...], int]:
         """The KV caches llama.cpp builds for this model, read from one token's state bytes:
         one part per cache (global layers, then windowed ones), each with its layers' bytes
-        per token."""
+        per token; and the bytes of a checkpoint of the recurrent state (0 without one),
+        whose section ends the state bytes."""
         ctx = LlamaContext(
             model, n_ctx=16, n_batch=8, n_threads=1, kv_type=kv_type, flash_attn=flash
         )
         try:
             ctx.decode([0], 0)
-            return state_parts(ctx.state_get(MAIN_SEQ))
+            data = ctx.state_get(MAIN_SEQ)
+            if not (model.is_hybrid or model.is_recurrent):
+                return state_parts(data), 0
+            checkpoint = ctx.checkpoint_get(MAIN_SEQ).size
+            return state_parts(data[: data.size - (checkpoint - STATE_HEAD)]), checkpoint
         finally:
             ctx.close()
 
@@ -215,16 +223,8 @@ class LlamaEngine:
                 "recurrent state and none holds attention KV, so there is no window to "
                 "page; kvrt does not run recurrent models yet"
             )
-        if model.is_hybrid:
-            # llama.cpp says which layers attend (KV heads) but not which keep state (an
-            # MLP-only layer has neither): name what is certain.
-            raise ModelLoadError(
-                f"{path} is a hybrid model ({arch}): llama.cpp keeps a recurrent state for "
-                f"it beside the attention KV of {attention} of its {model.n_layer} layers; "
-                "kvrt pages attention KV but not yet the recurrent state, which has "
-                "integrated every token and cannot be cut into blocks, so it cannot "
-                "restore this model's context exactly"
-            )
+        if model.is_hybrid and not attention:
+            raise ModelLoadError(f"{path} is a hybrid model ({arch}) with no attention layers")
         if model.n_layer <= 0 or model.n_head <= 0 or not any(kinds):
             raise ModelLoadError(f"{path} has no attention layers kvrt can page")
 
@@ -244,7 +244,7 @@ class LlamaEngine:
             ) from exc
         with translate_errors(f"reading the KV layout of {path}"):
             flash = LlamaEngine.flash_attention(config)
-            parts = LlamaEngine._cache_parts(model, config.kv_type, flash)
+            parts, checkpoint = LlamaEngine._cache_parts(model, config.kv_type, flash)
             header = GgufFile(path)
             rope = model_rope(model, meta.architecture, header)
         swa = parts[1:] if model.n_swa else ()
@@ -262,7 +262,11 @@ class LlamaEngine:
             f"|rope_base={meta.rope_freq_base}|swa={model.n_swa}"
             # Windowed layers export every cell (KEEP_SEQ): blocks from before that differ.
             + ("|swa_cells=all" if model.n_swa else "")
-            + f"|v_trans={int(parts[0].v_trans)}"  # flash attention stores V untransposed
+            + f"|v_trans={int(parts[0].v_trans)}"
+            # A hybrid's cold bytes end with the recurrent state after the block
+            + (
+                f"|recurrent={checkpoint}" if checkpoint else ""
+            )  # flash attention stores V untransposed
             # llama.cpp stores quantized keys rotated unless told not to: other bytes
             + (
                 "|k_rot=off"
@@ -311,7 +315,9 @@ class LlamaEngine:
                 if rope.identity(0)
                 else None
             ),
-            key_shift=shift,
+            key_shift="none" if checkpoint else shift,
+            recurrent="hybrid" if model.is_hybrid else "recurrent" if checkpoint else None,
+            checkpoint_bytes=checkpoint,
         )
         return facts, rope
 

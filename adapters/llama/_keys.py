@@ -34,8 +34,9 @@ class KeyReader:
     @classmethod
     def for_model(cls, facts: ModelFacts, rope: ModelRope) -> KeyReader | None:
         """A reader, or None where keys cannot be compared across positions here: a
-        sliding window (two caches in the bytes), or a multi-axis RoPE."""
-        if facts.sliding_window_live or not rope.turnable:
+        sliding window (two caches in the bytes), recurrent layers (their state in the
+        bytes; layers without keys), or a multi-axis RoPE."""
+        if facts.sliding_window_live or facts.recurrent or not rope.turnable:
             return None
         return cls(
             n_layer=facts.n_layers,

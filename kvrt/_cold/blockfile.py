@@ -62,6 +62,8 @@ class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     kv_fingerprint: str = ""
     """The fingerprint of the KV itself (what an engine checks before loading it), where it
     is not the key's: a salted key (see :func:`~kvrt._cold.entry.salted`)."""
+    resumable: bool = True
+    """See :attr:`kvrt.backend.ColdBlockMeta.resumable`."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -82,6 +84,7 @@ def encode(entry: ColdEntry) -> tuple[bytes, memoryview]:
             tokens=list(meta.tokens),
             logits=0 if entry.logits is None else int(entry.logits.size),
             kv_fingerprint="" if meta.fingerprint == key.fingerprint else meta.fingerprint,
+            resumable=meta.resumable,
         )
     )
     kv = np.ascontiguousarray(entry.data)
@@ -149,6 +152,7 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
         start=header.start,
         tokens=tuple(header.tokens),
         n_bytes=kv_len,
+        resumable=header.resumable,
     )
     at = PREFIX.size + header_len
     data = buf[at : at + kv_len]

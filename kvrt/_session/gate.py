@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
-from .._backend import Engine, EngineContext, EvictMode, Logits
+from .._backend import Engine, EngineContext, EvictMode, Logits, ModelFacts
 from .._cold import ColdKey, ColdStore
 from .._config import SessionConfig
 from .._replies import ReplyMemory
 from .._reports import ContextStatus, SessionCounters, TokenOrigins
 from .._turns import EngineTurns, Served
-from .._types import Residency
+from .._types import CheckpointView, Residency
 from ..policy import (
     Approximate,
     Calibrating,
+    Checkpoints,
     ColdAdmission,
     HotEviction,
     MessageClass,
@@ -51,9 +52,28 @@ class SessionPolicies:
     partial_window: PartialWindow
     write_through: WriteThrough
     message_class: MessageClass
+    checkpoint: Checkpoints
     runtime: Iterable[object] = ()
     """Every policy instance of the runtime (a live view): those that calibrate themselves
     learn from every session's measured restores and prefills."""
+
+    def checkpointed(self, blocks: Sequence[Block], facts: ModelFacts) -> list[int]:
+        """The ends of ``blocks`` after which the checkpoint policy keeps the recurrent
+        state, on a model that has one."""
+        if not facts.checkpoint_bytes:
+            return []
+        return [
+            b.end
+            for b in blocks
+            if self.checkpoint.keep(
+                CheckpointView(
+                    cache_class=b.cache_class,
+                    n_tokens=b.n_tokens,
+                    kv_bytes=b.n_tokens * facts.kv_bytes_per_token,
+                    checkpoint_bytes=facts.checkpoint_bytes,
+                )
+            )
+        ]
 
     def learners(self) -> list[Calibrating]:
         found = [p for p in self.runtime if isinstance(p, Calibrating)]

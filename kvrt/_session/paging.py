@@ -37,8 +37,7 @@ __all__ = ["Paging"]
 
 
 class Paging:
-    """Moves blocks between the hot window and the cold store: the executor of every
-    block move, through the session's engine gate."""
+    """Moves blocks between the hot window and the cold store, through the engine gate."""
 
     def __init__(self, gate: EngineGate) -> None:
         self.gate = gate
@@ -213,6 +212,11 @@ class Paging:
         while len(run) > 1 and sum(b.n_tokens for b in run) > room:
             run.pop()  # the rest come back in a later run, once earlier blocks can go
         entries = entries[: len(run)]
+        ends = self.ctx.next_position <= run[-1].end  # the run ends the window: a hybrid's
+        while ends and entries and not entries[-1].block.meta.resumable:  # with its state
+            entries.pop()
+        if not (run := run[: len(entries)]):
+            return 0, Tally()
         marks = [
             Written(b.start, b.end, e.key.prefix if e.key.session_local else None, "restored")
             for b, e in zip(run, entries, strict=True)
@@ -368,8 +372,9 @@ class Paging:
             done = self.window.resident_prefix(first, self.gate.resident())
             if first.start + done != self.ctx.next_position:
                 done = 0
-            tokens = [t for b in blocks for t in b.tokens][done:]
-            label, missing, moved = await self.compute(tokens, first.start + done, keep | ids)
+            tokens, at = [t for b in blocks for t in b.tokens][done:], first.start + done
+            states = self.policies.checkpointed(blocks, self.ctx.facts)
+            label, missing, moved = await self.compute(tokens, at, keep | ids, states=states)
             if stable:
                 await self.write_back(stable, spare=True)
         # Leading tokens already resident were reused, or restored from a block that
@@ -398,7 +403,7 @@ class Paging:
         return moved
 
     async def compute(
-        self, tokens: list[int], at: int, keep: set[int]
+        self, tokens: list[int], at: int, keep: set[int], *, states: Sequence[int] = ()
     ) -> tuple[str | None, int, Tally]:
         """Prefill ``tokens`` from position ``at``, the window's tail, within the budget
         (never evicting ``keep``); the provenance label the KV got, how many earlier
@@ -435,6 +440,7 @@ class Paging:
             tokens,
             start=at,
             checkpoint=anyio.from_thread.check_cancelled,
+            keep_state_at=states,
             writes=marks,
         )
         self.gate.observed_prefill(began, at, len(tokens))

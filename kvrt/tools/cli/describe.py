@@ -73,6 +73,11 @@ def _dependent(m: Any, hot: int) -> str:
 
 def _restores(m: Any) -> str:
     exact = "bit-exact" if m.exact_in_place else f"approximate ({m.kv_type} re-quantizes)"
+    if m.checkpoint_bytes:
+        return (
+            f"in place {exact}, with the recurrent state checkpointed after the block; at "
+            "other positions not available (the recurrent state has seen the positions)"
+        )
     return (
         f"in place {exact}; at other positions approximate, {_TURNS.get(m.key_shift, m.key_shift)}"
     )
@@ -126,6 +131,18 @@ def print_info(info: ModelInfo) -> None:
         ),
         ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
         ("KV bytes per token", kv_bytes),
+        *(
+            [
+                (
+                    "recurrent state",
+                    f"{m.recurrent} model: {m.layer_kinds.count('recurrent')} of "
+                    f"{m.n_layers} layers recurrent; a checkpoint is "
+                    f"{m.checkpoint_bytes:,} bytes, carried by each cold block",
+                )
+            ]
+            if m.checkpoint_bytes
+            else []
+        ),
         ("restores", _restores(m)),
         *(
             [("cold bytes per token", f"{m.cold_bytes_per_token:,} (as the state reads back)")]

@@ -1,0 +1,129 @@
+"""Hybrid models (attention and recurrent layers) through kvrt's sessions, on the suite's
+tiny random-weight fixtures (granitehybrid, lfm2): every context kvrt labels exact gives
+logits bit for bit equal to computing it at once in a fresh context, and the greedy
+continuation of ``llama_cpp.Llama`` itself — restored in place, in a new session, after an
+edit in the middle, under churn, from disk after a restart.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvrt
+from kvrt import Segment
+
+from ._agent import llama_cpp_greedy, tiny, zoo_path
+
+HYBRIDS = ["granitehybrid", "lfm2"]
+WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "window", "block", "state"]
+
+
+def segments(seed: int = 3, edit: int | None = None) -> list[Segment]:
+    """A system prompt, four files of random words and a question (about 700 tokens);
+    ``edit``: that file's text changed."""
+    rng = random.Random(seed)
+    files = [" ".join(rng.choice(WORDS) for _ in range(110)) for _ in range(4)]
+    if edit is not None:
+        files[edit] = "an edited file: " + files[edit]
+    return [
+        Segment("system", "You review code.", cache_class=kvrt.CacheClass.TASK_PINNED),
+        *(Segment(f"file{i}", text) for i, text in enumerate(files)),
+        Segment("user", "Which file is longest?"),
+    ]
+
+
+def fresh(
+    engine: kvrt.backend.Engine, tokens: list[int], n: int = 8
+) -> tuple[np.ndarray, list[int]]:
+    """Logits after ``tokens`` computed at once in a fresh context, and its greedy tokens."""
+    ctx = engine.open_context(len(tokens) + n + 8)
+    try:
+        logits = ctx.prefill(tokens).copy()
+        return logits, ctx.generate(n, stop_at_end=False)
+    finally:
+        ctx.close()
+
+
+def tokens_of(s: kvrt.Session) -> list[int]:
+    """The session's logical context, read from its layout (for checks only)."""
+    return [t for b in s._actor.window.blocks for t in b.tokens]
+
+
+async def check(s: kvrt.Session, want: tuple[np.ndarray, list[int]]) -> None:
+    logits = await s.next_logits()
+    assert np.array_equal(logits, want[0]), f"max |Δlogit| {np.abs(logits - want[0]).max()}"
+    got = (await s.generate(len(want[1]), stop_at_end=False)).tokens
+    assert list(got) == want[1]
+
+
+CONFIG = kvrt.Config(
+    disk=kvrt.DiskConfig(budget=0),
+    session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
+)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])
+async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
+    name: str, anyio_backend: str
+) -> None:
+    engine = tiny(name)
+    assert engine.facts.recurrent == "hybrid" and engine.facts.checkpoint_bytes > 0
+    assert "recurrent" in engine.facts.layer_kinds
+    context = segments()
+    async with kvrt.open_runtime(engine=engine, config=CONFIG) as rt:
+        async with rt.open_session(hot_tokens=1024) as a:
+            status = await a.ensure_context(context)
+            assert status.exact and status.prefilled_tokens == status.logical_tokens
+            tokens = tokens_of(a)
+            want = fresh(engine, tokens)
+            # llama.cpp's own greedy decoding of the same prompt: the independent reference
+            assert llama_cpp_greedy(zoo_path(name), tokens, 8) == want[1]
+            await check(a, want)
+            # churn: a file in the middle leaves the window, comes back from cold in place
+            await a.evict("file1")
+            again = await a.ensure_context(context)
+            assert again.exact and again.restored_tokens > 0
+            await check(a, want)
+            # an edit in the middle: the recurrent state goes back before it
+            edited = segments(edit=2)
+            status = await a.ensure_context(edited)
+            assert status.exact and status.reused_tokens > 0
+            await check(a, fresh(engine, tokens_of(a)))
+        async with rt.open_session(hot_tokens=1024) as b:
+            # a new session: the blocks come back with their checkpoints
+            status = await b.ensure_context(context)
+            assert status.exact and status.restored_tokens >= status.logical_tokens // 2
+            await check(b, want)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_hybrid_restores_exactly_from_disk_after_a_restart(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    engine = tiny("granitehybrid")
+    config = kvrt.Config(
+        disk=kvrt.DiskConfig(path=str(tmp_path), budget=1 << 30),
+        session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
+    )
+    context = segments(seed=5)
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        await s.ensure_context(context)
+        want = fresh(engine, tokens_of(s))
+        await s.evict("file3")  # the files reach the disk tier through cold
+        await s.evict("file0")
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        status = await s.ensure_context(context)
+        assert status.exact and status.restored_tokens > 0
+        assert any("disk" in (b.choice or "") for b in s.explain().blocks)
+        await check(s, want)
