@@ -66,10 +66,11 @@ def trace(turns: int) -> list[list[kvrt.Segment]]:
 
 
 async def kvrt_trace(
-    contexts: list[list[kvrt.Segment]], *, fresh: bool, hot: int
+    contexts: list[list[kvrt.Segment]], *, fresh: bool, hot: int, model: str | None = None
 ) -> dict[str, Any]:
     computed, began = 0, time.perf_counter()
-    async with kvrt.open_runtime(config=kvrt.Config(disk=kvrt.DiskConfig(budget=0))) as rt:
+    config = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
+    async with kvrt.open_runtime(config=config, model=model) as rt:
         tokenize = rt.engine.tokenize
         prompts = [
             [t for i, seg in enumerate(c) for t in tokenize(seg.text, add_special=i == 0)]
@@ -92,13 +93,13 @@ async def kvrt_trace(
     }
 
 
-def ram_cache_trace(prompts: list[list[int]]) -> dict[str, Any]:
+def ram_cache_trace(prompts: list[list[int]], model: str | None = None) -> dict[str, Any]:
     from llama_cpp.llama_cache import LlamaRAMCache
 
     from kvrt.adapters.llama import reference_llama
 
     llm = reference_llama(
-        str(kvrt.embedded_model_path()),
+        model or str(kvrt.embedded_model_path()),
         n_ctx=max(len(p) for p in prompts) + 16,
         verbose=False,
         flash_attn=False,
@@ -127,12 +128,13 @@ def ram_cache_trace(prompts: list[list[int]]) -> dict[str, Any]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2)")
     args = parser.parse_args()
     contexts = trace(args.turns)
-    one = await kvrt_trace(contexts, fresh=False, hot=4096)
-    each = await kvrt_trace(contexts, fresh=True, hot=4096)
+    one = await kvrt_trace(contexts, fresh=False, hot=4096, model=args.model)
+    each = await kvrt_trace(contexts, fresh=True, hot=4096, model=args.model)
     prompts = one["prompts"]
-    ram = await anyio.to_thread.run_sync(ram_cache_trace, prompts)
+    ram = await anyio.to_thread.run_sync(ram_cache_trace, prompts, args.model)
     total = sum(len(p) for p in prompts)
     print(f"{args.turns} turns, {total} context tokens in all (largest {max(map(len, prompts))})")
     print(f"{'system':<44} {'computed':>9} {'seconds':>8} {'held MiB':>9}")

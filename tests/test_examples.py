@@ -218,13 +218,21 @@ def test_the_fidelity_benchmark_reports_every_condition(
 
 
 def test_the_architectures_benchmark_measures_each_variant() -> None:
-    argv = ["-m", "benchmarks.architectures", "--variants", "llama,qwen2-yarn-1l,granitehybrid"]
+    argv = [
+        "-m",
+        "benchmarks.architectures",
+        "--variants",
+        "llama,qwen2-yarn-1l,granitehybrid,mamba2",
+    ]
     rows = {r["variant"]: r for r in json.loads(run(*argv, "--json"))}
     assert rows["llama"]["in_place_delta"] == 0 and rows["llama"]["key_shift"] == "engine"
     yarn = rows["qwen2-yarn-1l"]
     assert yarn["key_shift"] == "kvrt" and yarn["in_place_delta"] == 0
     assert yarn["moved_delta"] < 0.06 < 0.6 < float(yarn["engine_shift"])
-    assert "the attention KV of 1 of its 3 layers" in rows["granitehybrid"]["refused"]
+    hybrid = rows["granitehybrid"]
+    assert hybrid["refused"] is None and hybrid["in_place_delta"] == 0
+    assert hybrid["layers"] == "recurrent, global, recurrent" and hybrid["key_shift"] == "none"
+    assert "keep a recurrent state and none holds attention KV" in rows["mamba2"]["refused"]
 
 
 def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:

@@ -127,3 +127,37 @@ async def test_a_hybrid_restores_exactly_from_disk_after_a_restart(
         assert status.exact and status.restored_tokens > 0
         assert any("disk" in (b.choice or "") for b in s.explain().blocks)
         await check(s, want)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_blocks_without_a_checkpoint_never_end_a_restored_context(
+    anyio_backend: str,
+) -> None:
+    """Under ``kv_sized`` the fixture's volatile blocks (64 tokens of 256 KV bytes each,
+    against a 39,756-byte checkpoint) carry none. A new session sending the same files
+    with another question restores up to the last block that carries one (the system
+    prompt's), computes the rest, and is exact."""
+    engine = tiny("granitehybrid")
+    config = kvrt.Config(
+        disk=kvrt.DiskConfig(budget=0),
+        session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
+        policies=kvrt.PolicyConfig(checkpoint="kv_sized", write_through="all"),
+    )
+    context = segments(seed=9)
+    other = [*context[:-1], Segment("user", "Which file is shortest, and why?")]
+    async with kvrt.open_runtime(engine=engine, config=config) as rt:
+        async with rt.open_session(hot_tokens=1024) as a:
+            await a.ensure_context(context)
+        async with rt.open_session(hot_tokens=1024) as b:
+            status = await b.ensure_context(other)
+            assert status.exact
+            system = len(engine.tokenize(context[0].text))
+            assert 0 < status.restored_tokens <= max(system, 64)
+            assert status.prefilled_tokens > 0
+            await check(b, fresh(engine, tokens_of(b)))
+        async with rt.open_session(hot_tokens=1024) as c:
+            # the whole context: its last block carries its checkpoint, so every block
+            # before it comes back too (their own states are replaced by the next one's)
+            status = await c.ensure_context(context)
+            assert status.exact and status.restored_tokens == status.logical_tokens
+            await check(c, fresh(engine, tokens_of(c)))

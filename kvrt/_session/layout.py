@@ -162,6 +162,9 @@ class HotWindow:
         self.partial_copies: dict[ColdKey, ColdKey] = {}
         """A block's exact key -> the key of this session's own cold copy of its
         partial-window KV (see :mod:`.provenance`), which no other session asks for."""
+        self.unresumable: set[ColdKey] = set()
+        """Cold copies that cannot end this window (a hybrid's blocks exported without the
+        recurrent state after them): computed instead of restored at the window's end."""
         self.required: frozenset[str] = frozenset()
         """Segments the last ``ensure_context`` required visible: protected like the sinks
         until the next context is placed."""
@@ -303,7 +306,7 @@ class HotWindow:
         if all(resident.get(block.start + i) == t for i, t in enumerate(block.tokens)):
             return Residency.HOT
         key = block.key(self.fingerprint)
-        if key in cold:
+        if key in cold and key not in self.unresumable:
             return Residency.COLD
         local = self.partial_copies.get(key)
         if local is not None and local in cold:

@@ -214,7 +214,7 @@ class Paging:
         entries = entries[: len(run)]
         ends = self.ctx.next_position <= run[-1].end  # the run ends the window: a hybrid's
         while ends and entries and not entries[-1].block.meta.resumable:  # with its state
-            entries.pop()
+            self.window.unresumable.add(entries.pop().key)
         if not (run := run[: len(entries)]):
             return 0, Tally()
         marks = [

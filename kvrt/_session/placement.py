@@ -367,6 +367,8 @@ class Placement:
         moved = Tally()
         if self.ctx.capabilities.sliding_window:
             return moved  # not measured exact there: windowed layers keep only the window's KV
+        if self.ctx.capabilities.recurrent:
+            return moved  # dropping the block's tail computes its head again from a checkpoint
         found = self.cold.leading(self.window.fingerprint, block.prefix, block.start, block.tokens)
         if found is None:
             return moved
