@@ -269,8 +269,11 @@ class EngineGate:
         return None, 0
 
     async def drop(self, start: int, end: int) -> None:
-        """Drop the resident tokens in [start, end), leaving a gap (no computation)."""
-        await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, light=True)
+        """Drop the resident tokens in [start, end), leaving a gap (no computation, but on
+        a hybrid a dropped tail is computed again from a checkpoint: then it takes a turn)."""
+        # On a model with recurrent layers, dropping the tail computes from a checkpoint.
+        light = not self.ctx.capabilities.recurrent
+        await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, light=light)
 
     async def logits(self) -> Logits:
         """The engine's logits after the last decoded token (copied out, no computation)."""
