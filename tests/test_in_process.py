@@ -33,8 +33,10 @@ async def test_streams_arrive_as_they_are_made_and_a_closed_one_frees_its_sessio
                 arrivals.append(time.perf_counter())
                 text += chunk.choices[0].delta.content
         assert len(arrivals) >= 10 and text
-        # Buffered (httpx's ASGITransport) every chunk lands at once, at the end.
-        assert arrivals[-1] - arrivals[0] > 0.3 * (arrivals[-1] - started)
+        # Buffered (httpx's ASGITransport) every chunk lands at once, at the end, within
+        # microseconds of each other; streamed, 24 tokens take a fifth of a second or more
+        # to decode on any machine the suite runs on (slower machines only spread them more).
+        assert arrivals[-1] - arrivals[0] > 0.05, arrivals[-1] - started
         whole = await client.chat.completions.create(
             model=client.kvrt_model, messages=ASK, max_tokens=24, temperature=0
         )
@@ -90,9 +92,11 @@ async def test_an_agents_sdk_agent_and_a_langchain_model_in_process(anyio_backen
             name="brief",
             instructions="Answer briefly.",
             model=OpenAIResponsesModel(model=client.kvrt_model, openai_client=client),
-            model_settings=ModelSettings(max_tokens=12, temperature=0),
+            # The SDK fails a run whose answer is cut at max_tokens (`response.incomplete`):
+            # a question SmolLM2 answers in six tokens.
+            model_settings=ModelSettings(max_tokens=16, temperature=0),
         )
-        streamed = Runner.run_streamed(agent, "Name a colour.")
+        streamed = Runner.run_streamed(agent, "What is 2 + 2?")
         kinds = [event.type async for event in streamed.stream_events()]
         assert "raw_response_event" in kinds and streamed.final_output
         llm = ChatOpenAI(
