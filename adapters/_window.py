@@ -34,6 +34,7 @@ from kvrt.backend import (
     EvictMode,
     Logits,
     ModelFacts,
+    Recompute,
     Sampler,
     SamplingParams,
 )
@@ -98,8 +99,10 @@ class KvWindow(abc.ABC):
     def _read_logits(self) -> Logits: ...
 
     @abc.abstractmethod
-    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
-        """Drop record entries ``i:j`` (positions [start, end)); shift later ones down if asked."""
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> int:
+        """Drop record entries ``i:j`` (positions [start, end)); shift later ones down if
+        asked. The first entry dropped: ``i``, or an earlier one where the engine had to
+        drop more of the window's tail (see :meth:`recomputed_by_evict`)."""
 
     @abc.abstractmethod
     def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
@@ -144,6 +147,11 @@ class KvWindow(abc.ABC):
         """Checkpoint the recurrent state, which has just seen every token before
         ``position``; ``asked``: a position the caller named (a block end), else the end
         of a prefill."""
+
+    def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
+        """What a gap eviction of [start, end) computes again (an engine with recurrent
+        layers, removing the window's tail); None: it only removes the range."""
+        return None
 
     def _resumable(self, end: int) -> bool:
         """Whether a block ending at ``end`` exports with what the engine needs to go on
@@ -326,8 +334,8 @@ class KvWindow(abc.ABC):
         shift = mode is EvictMode.SLIDE and j < len(self._positions)
         if shift and not self.can_shift:
             raise EngineError("this model's KV cache cannot shift positions: use gap eviction")
-        self._remove(i, j, s, e, shift)
-        if self._logits_pos is not None and s <= self._logits_pos < e:
+        i = self._remove(i, j, s, e, shift)
+        if self._logits_pos is not None and self._positions[i] <= self._logits_pos < e:
             self._logits_pos = None
         del self._positions[i:j]
         del self._tokens[i:j]

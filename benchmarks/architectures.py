@@ -6,6 +6,8 @@ in this run against contexts that never evicted:
 
 - **in place**: three blocks evicted and restored in the opposite order, the next
   token's logits against a context that never evicted them (max |Δ|; 0 is bit-identical);
+  on a recurrent model (no KV, nothing to evict), the first half's block restored with
+  its checkpoint into a new context that computes the rest, against computing it all;
 - **turned** (one-layer variants, where keys and values depend only on a token and its
   position, so a moved key must equal one computed there): a range slid out and admitted
   at the tail, keys turned as kvrt turns them on this model, against the same tokens at
@@ -83,6 +85,22 @@ def _in_place(engine: kvrt.backend.Engine, tokens: list[int], probe: list[int]) 
         mirror.close()
 
 
+def _resumed(engine: kvrt.backend.Engine, tokens: list[int], probe: list[int]) -> float:
+    """A recurrent model's (no KV, nothing to evict): a block ending with its checkpoint,
+    restored into a new context that computes the rest, against computing it all."""
+    cut = len(tokens) // 2
+    ctx, other, mirror = (engine.open_context(1024) for _ in range(3))
+    try:
+        ctx.prefill(tokens[:cut])
+        other.admit(ctx.export(0, cut), AdmitMode.IN_PLACE)
+        other.prefill(tokens[cut:])
+        mirror.prefill(tokens)
+        return _delta(other.prefill(probe), mirror.prefill(probe))
+    finally:
+        for c in (ctx, other, mirror):
+            c.close()
+
+
 def _moved(engine: kvrt.backend.Engine, tokens: list[int], probe: list[int]) -> float:
     a, b = 30, 50
     ctx, fresh = engine.open_context(1024), engine.open_context(1024)
@@ -150,7 +168,8 @@ def measure(name: str, folder: str, kv_type: str) -> Row:
         row.context_dependent = facts.context_dependent_kv
         tokens = engine.tokenize(TEXT)[:600]
         probe = engine.tokenize(PROBE, add_special=False)
-        row.in_place_delta = _in_place(engine, tokens, probe)
+        restore = _resumed if facts.recurrent == "recurrent" else _in_place
+        row.in_place_delta = restore(engine, tokens, probe)
         if facts.key_shift != "none" and v.layers == 1:
             row.moved_delta = _moved(engine, tokens[:200], probe)
         if v.layers == 1:

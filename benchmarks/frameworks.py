@@ -22,7 +22,7 @@ import re
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from benchmarks.tool_loop import compact, free_port, serve, tool_message
@@ -85,13 +85,13 @@ async def raw_openai(url: str, model: str, counter: Counter) -> None:
         messages.append({"role": "user", "content": f"What is the weather in {city}?"})
         for choice in ({"type": "function", "function": {"name": "weather"}}, "none"):
             r = await client.chat.completions.create(
-                model=model, messages=messages, tools=[tool], tool_choice=choice,  # type: ignore[arg-type]
+                model=model, messages=messages, tools=[tool], tool_choice=choice,
                 max_tokens=48, temperature=0,
             )  # fmt: skip
             message = r.choices[0].message
             if message.tool_calls:
                 call = message.tool_calls[0]
-                arguments = compact(call.function.arguments)  # type: ignore[union-attr]
+                arguments = compact(call.function.arguments)
                 said = json.loads(arguments).get("city", city)
                 messages += tool_message(call.id, "weather", arguments, 0, result=weather(said))
             else:
@@ -164,7 +164,7 @@ async def langgraph_loop(url: str, model: str, counter: Counter) -> None:
         )
 
 
-LOOPS: dict[str, Callable[[str, str, Counter], Awaitable[None]]] = {
+LOOPS: dict[str, Callable[[str, str, Counter], Coroutine[Any, Any, None]]] = {
     "openai client, re-serialized calls": raw_openai,
     "pydantic-ai": pydantic_ai_loop,
     "Agents SDK (Responses)": agents_sdk_loop,
@@ -172,7 +172,7 @@ LOOPS: dict[str, Callable[[str, str, Counter], Awaitable[None]]] = {
 }
 
 
-def measure(name: str, loop: Callable[[str, str, Counter], Awaitable[None]]) -> None:
+def measure(name: str, loop: Callable[[str, str, Counter], Coroutine[Any, Any, None]]) -> None:
     """One framework's loop against a server of its own (nothing cached by another)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"

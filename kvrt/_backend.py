@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
     "EvictMode",
     "KeySketching",
     "ModelFacts",
+    "Recompute",
     "SamplingParams",
 ]
 
@@ -120,7 +121,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     Llama 3 frequency factors) and the magnitude it scales keys by."""
     layer_kinds: tuple[str, ...] = ()
     """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
-    sliding window) or ``recurrent`` (keeps a recurrent state, no KV), where the engine lets kvrt tell them apart (empty where not)."""
+    sliding window), ``recurrent`` (keeps a recurrent state, no KV) or ``global+recurrent``
+    (attention beside a recurrent mixer, as Falcon-H1's), where the engine lets kvrt tell them apart (empty where not)."""
     rope_original_context: int | None = None
     """The context YaRN or LongRoPE scaling starts from (LongRoPE: its short factors serve
     contexts up to it), where the model scales RoPE."""
@@ -244,6 +246,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 check_number(f"sampling.logit_bias[{token}]", bias, low=-100.0, high=100.0)
 
 
+class Recompute(NamedTuple):
+    """What removing the window's tail does on an engine with recurrent layers: the
+    state goes back to a checkpoint and the resident tokens in [first, end) are computed
+    again from it. Tokens are removed from ``removed_from`` on: the range's start, or an
+    earlier position where resident tokens follow a gap before the range, which cannot
+    be computed again (the recurrent state would skip the gap's tokens)."""
+
+    first: int
+    end: int
+    removed_from: int
+
+
 class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to check cold KV bytes before they go back into an engine."""
 
@@ -329,6 +343,12 @@ class EngineContext(Protocol):
     def step(self, token: int) -> Logits: ...
     def logits(self) -> Logits: ...
     def evict(self, start: int, end: int, mode: EvictMode) -> int: ...
+    def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
+        """What a gap eviction of [start, end) computes again (an engine with recurrent
+        layers, removing the window's tail), and from where it removes tokens; None
+        where it only removes the range."""
+        ...
+
     def export(self, start: int, end: int) -> ColdBlock: ...
     def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]: ...
     def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int: ...

@@ -299,6 +299,11 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
         memory_tokens = tokens_for_bytes(budget, kvpt, inputs.layers)
         if memory_tokens == 0:
             notes.append("memory leaves no room for a hot window")
+    elif inputs.kv_bytes_per_token == 0:
+        notes.append(
+            "the model keeps no KV (a recurrent state of one size whatever the context): "
+            "memory does not bound the hot window, and nothing is paged out of it"
+        )
     elif kvpt is None:
         notes.append("KV bytes per token unknown: memory does not bound the hot window")
 
@@ -317,7 +322,7 @@ def resolve_capacity(inputs: CapacityInputs) -> Capacity:
 
     cold_bpt = inputs.cold_bytes_per_token or kvpt
     cold_tokens = cold_bytes // cold_bpt if cold_bpt is not None else 0
-    if cold_bpt is None and cold_bytes:
+    if cold_bpt is None and cold_bytes and inputs.kv_bytes_per_token != 0:
         notes.append("KV bytes per token unknown: the cold budget cannot be counted in tokens")
     disk_tokens = inputs.disk_bytes // cold_bpt if cold_bpt is not None else 0
     if cold_bpt is not None and kvpt is not None and cold_bpt != kvpt:

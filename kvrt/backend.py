@@ -50,6 +50,7 @@ from ._backend import EvictMode as EvictMode
 from ._backend import KeySketching as KeySketching
 from ._backend import Logits as Logits
 from ._backend import ModelFacts as ModelFacts
+from ._backend import Recompute as Recompute
 from ._backend import SamplingParams as SamplingParams
 from ._backend import TemplateSource as TemplateSource
 from ._config import EngineConfig as EngineConfig

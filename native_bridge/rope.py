@@ -29,8 +29,10 @@ import numpy.typing as npt
 
 from ._errors import BridgeArgumentError
 
-__all__ = ["ROPE_NEOX", "ROPE_NORM", "Rope", "hadamard", "turn"]
+__all__ = ["ROPE_NEOX", "ROPE_NONE", "ROPE_NORM", "Rope", "hadamard", "turn"]
 
+ROPE_NONE = -1
+"""llama.cpp's rope type for attention without positions (Nemotron-H) or no attention."""
 ROPE_NORM = 0
 """llama.cpp's rope type for adjacent pairs (LLaMA-style GGUFs)."""
 ROPE_NEOX = 2

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvrt
-from kvrt import AdmitMode, ColdBlockMismatchError, EvictMode, ModelLoadError, Segment
+from kvrt import AdmitMode, ColdBlockMismatchError, EvictMode, Segment
 from kvrt._session.tokens import context_tokens
 from kvrt.backend import KeySketching
 from kvrt.testing import zoo
@@ -330,25 +330,28 @@ async def test_a_large_longrope_session_computes_what_a_small_one_left(
 # -- refused for the true reason --
 
 
-def test_a_recurrent_model_is_refused_for_what_it_is() -> None:
-    want = r"is a recurrent model \(mamba2\): its 2 layers keep a recurrent state"
-    with pytest.raises(ModelLoadError, match=want):
-        kvrt.load_engine("llama", model=zoo_path("mamba2"))
-
-
-@pytest.mark.parametrize("name", [n for n in RECURRENT if zoo.VARIANTS[n].architecture != "mamba2"])
-def test_a_hybrid_says_which_layers_are_recurrent_and_what_a_checkpoint_costs(
+@pytest.mark.parametrize("name", RECURRENT)
+def test_a_recurrent_model_says_which_layers_are_recurrent_and_what_a_checkpoint_costs(
     name: str,
 ) -> None:
-    """(Its paging is tested in test_hybrid_sessions.)"""
+    """(Its paging is tested in test_hybrid_sessions.) A hybrid whose every layer has
+    attention heads runs attention beside a recurrent mixer (Falcon-H1)."""
     v = zoo.VARIANTS[name]
     engine = kvrt.load_engine("llama", model=zoo_path(name))
     try:
         facts = engine.facts
-        kinds = ["global" if v.kv_heads_of(i) else "recurrent" for i in range(v.layers)]
+        assert facts.checkpoint_bytes > 0 and facts.key_shift == "none"
+        if v.architecture == "mamba2":
+            assert facts.recurrent == "recurrent" and facts.kv_bytes_per_token == 0
+            assert facts.layer_kinds == ("recurrent",) * v.layers and facts.head_dim == 0
+            assert facts.rope == "none: no attention layers"
+            return
+        heads = [v.kv_heads_of(i) for i in range(v.layers)]
+        kinds = ["global" if n else "recurrent" for n in heads]
+        if all(heads):
+            kinds = ["global+recurrent"] * v.layers
         assert facts.recurrent == "hybrid" and list(facts.layer_kinds) == kinds
-        assert facts.checkpoint_bytes > 0 and facts.kv_bytes_per_token > 0
-        assert facts.key_shift == "none"
+        assert facts.kv_bytes_per_token > 0
     finally:
         engine.close()
 

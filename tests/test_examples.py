@@ -232,7 +232,9 @@ def test_the_architectures_benchmark_measures_each_variant() -> None:
     hybrid = rows["granitehybrid"]
     assert hybrid["refused"] is None and hybrid["in_place_delta"] == 0
     assert hybrid["layers"] == "recurrent, global, recurrent" and hybrid["key_shift"] == "none"
-    assert "keep a recurrent state and none holds attention KV" in rows["mamba2"]["refused"]
+    mamba = rows["mamba2"]  # restored with its checkpoint into a new context
+    assert mamba["refused"] is None and mamba["in_place_delta"] == 0
+    assert mamba["layers"] == "recurrent, recurrent" and mamba["key_shift"] == "none"
 
 
 def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:

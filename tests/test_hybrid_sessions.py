@@ -1,8 +1,11 @@
-"""Hybrid models (attention and recurrent layers) through kvrt's sessions, on the suite's
-tiny random-weight fixtures (granitehybrid, lfm2): every context kvrt labels exact gives
-logits bit for bit equal to computing it at once in a fresh context, and the greedy
-continuation of ``llama_cpp.Llama`` itself — restored in place, in a new session, after an
-edit in the middle, under churn, from disk after a restart.
+"""Hybrid models (attention and recurrent layers) and recurrent ones (Mamba-2) through
+kvrt's sessions, on the suite's tiny random-weight fixtures (every hybrid layout the zoo
+writes: Granite 4 and LFM2 with the attention layer in the middle or first, Nemotron-H's
+attention without RoPE, Falcon-H1's attention beside a recurrent mixer in every layer):
+every context kvrt labels exact gives logits bit for bit equal to computing it at once in
+a fresh context, and the greedy continuation of ``llama_cpp.Llama`` itself — restored in
+place, in a new session, after an edit in the middle, from disk after a restart and from
+a Redis server in another runtime. (Churn on the engine contexts: ``test_churn``.)
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import pytest
 
 import kvrt
 from kvrt import Segment
+from kvrt.testing import zoo
 
 from ._agent import llama_cpp_greedy, tiny, zoo_path
+from .test_remote_tier import Server, server
 
-HYBRIDS = ["granitehybrid", "lfm2"]
+__all__ = ["server"]
+
+HYBRIDS = [n for n, v in zoo.VARIANTS.items() if v.recurrent and v.architecture != "mamba2"]
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "window", "block", "state"]
 
 
@@ -73,7 +80,7 @@ async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
 ) -> None:
     engine = tiny(name)
     assert engine.facts.recurrent == "hybrid" and engine.facts.checkpoint_bytes > 0
-    assert "recurrent" in engine.facts.layer_kinds
+    assert any("recurrent" in kind for kind in engine.facts.layer_kinds)
     context = segments()
     async with kvrt.open_runtime(engine=engine, config=CONFIG) as rt:
         async with rt.open_session(hot_tokens=1024) as a:
@@ -101,11 +108,12 @@ async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
             await check(b, want)
 
 
+@pytest.mark.parametrize("name", ["granitehybrid", "mamba2"])
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_a_hybrid_restores_exactly_from_disk_after_a_restart(
-    tmp_path: Path, anyio_backend: str
+async def test_restored_exactly_from_disk_after_a_restart(
+    tmp_path: Path, name: str, anyio_backend: str
 ) -> None:
-    engine = tiny("granitehybrid")
+    engine = tiny(name)
     config = kvrt.Config(
         disk=kvrt.DiskConfig(path=str(tmp_path), budget=1 << 30),
         session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
@@ -117,8 +125,9 @@ async def test_a_hybrid_restores_exactly_from_disk_after_a_restart(
     ):
         await s.ensure_context(context)
         want = fresh(engine, tokens_of(s))
-        await s.evict("file3")  # the files reach the disk tier through cold
-        await s.evict("file0")
+        if engine.facts.recurrent == "hybrid":
+            await s.evict("file3")  # the files reach the disk tier through cold
+            await s.evict("file0")
     async with (
         kvrt.open_runtime(engine=engine, config=config) as rt,
         rt.open_session(hot_tokens=1024) as s,
@@ -127,6 +136,77 @@ async def test_a_hybrid_restores_exactly_from_disk_after_a_restart(
         assert status.exact and status.restored_tokens > 0
         assert any("disk" in (b.choice or "") for b in s.explain().blocks)
         await check(s, want)
+
+
+@pytest.mark.parametrize("name", ["granitehybrid", "mamba2"])
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_restored_exactly_from_a_redis_server_in_another_runtime(
+    server: Server, name: str, anyio_backend: str
+) -> None:
+    """The blocks and their checkpoints cross a real ``redis-server``: a second runtime,
+    its RAM empty, restores the context from it bit-exactly."""
+    engine = tiny(name)
+    config = kvrt.Config(
+        disk=kvrt.DiskConfig(budget=0),
+        remote=kvrt.RemoteConfig(url=server.url),
+        session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
+    )
+    context = segments(seed=7)
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        await s.ensure_context(context)
+        want = fresh(engine, tokens_of(s))
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        status = await s.ensure_context(context)
+        assert status.exact and status.restored_tokens > status.logical_tokens // 2
+        assert any("remote" in (b.choice or "") for b in s.explain().blocks)
+        assert rt.cold_stats().remote_hits > 0
+        await check(s, want)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])
+async def test_a_recurrent_model_reuses_prefixes_exactly(anyio_backend: str) -> None:
+    """Mamba-2 keeps no KV, only a state of one size that has integrated every token: no
+    window to page, and a context sharing a prefix with one kvrt has seen restores the
+    state after its last shared block and computes from there, bit for bit. Only the
+    window's tail can leave it (a middle range is refused, naming why)."""
+    engine = tiny("mamba2")
+    facts = engine.facts
+    assert facts.recurrent == "recurrent" and facts.kv_bytes_per_token == 0
+    assert facts.checkpoint_bytes > 0 and set(facts.layer_kinds) == {"recurrent"}
+    context = segments(seed=11)
+    async with kvrt.open_runtime(engine=engine, config=CONFIG) as rt:
+        assert rt.model_info.hot_context_tokens == facts.trained_context
+        async with rt.open_session() as a:
+            status = await a.ensure_context(context)
+            assert status.exact and status.prefilled_tokens == status.logical_tokens
+            tokens = tokens_of(a)
+            want = fresh(engine, tokens)
+            assert llama_cpp_greedy(zoo_path("mamba2"), tokens, 8) == want[1]
+            await check(a, want)
+            with pytest.raises(kvrt.InvalidRangeError, match="only the window's tail can leave"):
+                await a.evict("file1")
+            # still usable: the generated tokens leave the tail (back to the checkpoint
+            # kept after the prefill); the last token's logits are computed again from
+            # the checkpoint after the block before it
+            placed = await a.ensure_context(context)
+            assert placed.exact and 0 < placed.prefilled_tokens < 64
+            await check(a, want)
+            edited = await a.ensure_context(segments(seed=11, edit=2))
+            assert edited.exact and edited.reused_tokens > 0 and edited.prefilled_tokens > 0
+            await check(a, fresh(engine, tokens_of(a)))
+        async with rt.open_session() as b:
+            status = await b.ensure_context(context)
+            assert status.exact and status.restored_tokens == status.logical_tokens
+            await check(b, want)
+        async with rt.open_session(hot_tokens=256) as c:
+            with pytest.raises(kvrt.ContextTooLargeError, match="planner context is 256"):
+                await c.ensure_context(context)
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
@@ -161,3 +241,31 @@ async def test_blocks_without_a_checkpoint_never_end_a_restored_context(
             status = await c.ensure_context(context)
             assert status.exact and status.restored_tokens == status.logical_tokens
             await check(c, fresh(engine, tokens_of(c)))
+
+
+@pytest.mark.parametrize("name", ["granitehybrid", "falcon-h1"])
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_an_edit_behind_a_gap_without_checkpoints_is_computed_exactly(
+    name: str, anyio_backend: str
+) -> None:
+    """Under ``kv_sized`` the files' blocks carry no checkpoint. With a file in the middle
+    evicted (a gap in the attention KV) an edit of the last file removes the window's
+    tail: the state goes back to the system prompt's checkpoint, and the tokens after the
+    gap cannot be computed from there (the state would skip the gap), so they leave too
+    and are placed again. What the session then labels exact is bit for bit a fresh
+    computation."""
+    engine = tiny(name)
+    config = kvrt.Config(
+        disk=kvrt.DiskConfig(budget=0),
+        session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
+        policies=kvrt.PolicyConfig(checkpoint="kv_sized"),
+    )
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=1024) as s,
+    ):
+        await s.ensure_context(segments(seed=13))
+        await s.evict("file1")
+        status = await s.ensure_context(segments(seed=13, edit=3))
+        assert status.exact
+        await check(s, fresh(engine, tokens_of(s)))

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrt import ColdBlockMismatchError, InvalidRangeError
-from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
+from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts, Recompute
 from kvrt.native_bridge.llama import (
     KV_TYPES,
     MAIN_SEQ,
@@ -76,8 +76,13 @@ class LlamaEngineContext(KvWindow):
         self._ctx = ctx
         self._model: LlamaModel = ctx.model
         self._rope = rope
+        self._state_only = facts.recurrent == "recurrent"
+        """A recurrent model (Mamba-2): no attention KV at all, its state is the whole
+        window, so only the window's tail can leave it."""
         windowed = bool(facts.sliding_window_live)
-        self._ropes = rope.ropes(ctx.n_ctx_seq, windowed=windowed)
+        recurrent = bool(facts.checkpoint_bytes)
+        # Keys never move on a model with recurrent layers (some, as Nemotron-H's, have no RoPE).
+        self._ropes = () if recurrent else rope.ropes(ctx.n_ctx_seq, windowed=windowed)
         """How this context rotates keys: one per KV cache (global, then windowed)."""
         identity = rope.identity(ctx.n_ctx_seq)
         self._fingerprint = (
@@ -178,7 +183,7 @@ class LlamaEngineContext(KvWindow):
                 "ranges come back at their own positions only (a recurrent state cannot move)",
             ]
         return Capabilities(
-            remove_middle=True,
+            remove_middle=not self._state_only,
             position_shift=self.can_shift,
             exact_in_place=True,
             exact_tail=False,
@@ -224,46 +229,71 @@ class LlamaEngineContext(KvWindow):
             del self._states[p]
             self._asked.discard(p)
 
-    def _rewind(self, i: int, start: int) -> None:
-        """Remove the window's tail, record entries ``i:`` from ``start``: the recurrent
-        state goes back to the nearest checkpoint at or before ``start`` (or to the start),
-        the cells from there go, and the resident tokens between are computed again. If
+    def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
+        if not self._recurrent:
+            return None
+        _, _, i, j = self._resident_slice(start, end)
+        if j != len(self._positions):
+            return None  # a middle range: its attention cells go, nothing is computed
+        _, k, cut = self._rewind_span(i)
+        if k == cut == i:
+            return None  # a checkpoint right before the range: nothing to compute
+        p = self._positions
+        first = p[k] if k < cut else p[cut]
+        return Recompute(first, p[cut - 1] + 1 if k < cut else first, p[cut])
+
+    def _rewind_span(self, i: int) -> tuple[int | None, int, int]:
+        """Removing record entries ``i:`` (the window's tail): the checkpoint the state
+        goes back to (None: none, the start), the first entry ``k`` computed again from
+        it, and the first entry removed, ``i`` or the entry after the first gap in
+        ``k:i``: tokens after a gap cannot be computed again (the recurrent state would
+        skip the gap's tokens), so they go too."""
+        last = self._positions[i - 1] + 1 if i else 0
+        at = max((p for p in self._states if p <= last), default=None)
+        k = 0 if at is None else bisect.bisect_left(self._positions, at)
+        for n in range(k + 1, i):
+            if self._positions[n] != self._positions[n - 1] + 1:
+                return at, k, n
+        return at, k, i
+
+    def _rewind(self, i: int) -> int:
+        """Remove the window's tail, record entries ``i:`` on (see :meth:`_rewind_span`
+        for where they start); the first entry removed. The recurrent state goes back to
+        the nearest checkpoint at or before the last token kept (or to the start), the
+        cells from there go, and the resident tokens between are computed again. If
         computing fails, the window is left empty (the record too) and the error raised.
 
-        The state goes back to just after the last token left (entry ``i - 1``), not to
-        ``start``: positions between them are gaps, which the next token follows."""
-        start = self._positions[i - 1] + 1 if i else 0
-        at = max((p for p in self._states if p <= start), default=None)
+        Tokens computed again attend over the cells before them in cache order, so those
+        are laid out in position order first where they may not be (as before any
+        computation on a whole context): what is computed again then equals what was, as
+        long as no token before them left the window (the session labels it otherwise)."""
+        at, k, i = self._rewind_span(i)
+        last = self._positions[i - 1] + 1 if i else 0
+        redo = self._tokens[k:i]
+        if redo and k:
+            self.relayout()  # the record still matches the engine here
         if at is None:
             self._ctx.clear()
-            k = 0
         else:
             self._ctx.checkpoint_set(MAIN_SEQ, self._states[at])
-            self._ctx.seq_rm(MAIN_SEQ, at, 1 << 30)
-            k = bisect.bisect_left(self._positions, at)
-        self._forget_states(start)
-        redo = list(zip(self._positions[k:i], self._tokens[k:i], strict=True))
+            self._ctx.seq_rm(MAIN_SEQ, at, 1 << 30)  # the tail: the cells left keep their order
+        if not k:
+            self._in_order = True  # no cell is left
+        self._forget_states(last)
         if not redo:
-            return
-        self._in_order = False
+            return i
+        first = self._positions[k]
         try:
-            runs: list[list[tuple[int, int]]] = []
-            for p, t in redo:
-                if runs and runs[-1][-1][0] == p - 1:
-                    runs[-1].append((p, t))
-                else:
-                    runs.append([(p, t)])
-            for run in runs:
-                first, chunk = run[0][0], [t for _, t in run]
-                cuts = chunk_bounds(len(chunk), self.chunk_tokens)
-                for a, b in itertools.pairwise(cuts):
-                    self._ctx.decode(chunk[a:b], first + a)
+            for a, b in itertools.pairwise(chunk_bounds(len(redo), self.chunk_tokens)):
+                self._ctx.decode(redo[a:b], first + a)
         except BaseException:
             self._drop_all()
             raise
+        self._in_order = self._in_order and first == k
         self._counters.prefill_tokens += len(redo)
-        self._states[start] = self._ctx.checkpoint_get(MAIN_SEQ)
-        self._logits_pos = redo[-1][0]
+        self._states[last] = self._ctx.checkpoint_get(MAIN_SEQ)
+        self._logits_pos = last - 1
+        return i
 
     @property
     def cells_in_order(self) -> bool:
@@ -278,8 +308,8 @@ class LlamaEngineContext(KvWindow):
         The cells go out and back in pieces of at most :attr:`ModelFacts.max_block_tokens`
         positions, so a windowed layer's KV is kept for every position, as in a block.
         """
-        if self._in_order or not self._positions:
-            self._in_order = True
+        if self._in_order or not self._positions or self._state_only:
+            self._in_order = True  # a recurrent model's state has no cells to order
             return
         first, last = self._positions[0], self._positions[-1] + 1
         with translate_errors("laying the window out in position order"):
@@ -326,11 +356,16 @@ class LlamaEngineContext(KvWindow):
         with translate_errors("reading logits"):
             return self._ctx.logits()
 
-    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> int:
         with translate_errors(f"evicting [{start}, {end})"):
             if self._recurrent and j == len(self._positions):
-                self._rewind(i, start)
-                return
+                return self._rewind(i)
+            if self._state_only:
+                raise InvalidRangeError(
+                    f"[{start}, {end}) is not the end of the window: a recurrent model "
+                    f"({self._facts.architecture}) keeps no KV, only a state that has "
+                    "integrated every token, so only the window's tail can leave it"
+                )
             last = self._positions[-1]
             if self._recurrent:  # a rewind into a gap has nothing to compute from
                 for p in [p for p in self._states if start < p < end]:
@@ -339,10 +374,11 @@ class LlamaEngineContext(KvWindow):
             self._in_order = self._in_order and j == len(self._positions) and not shift_tail
             if shift_tail and self._turn:
                 self._slide_turning(start, end, last + 1)
-                return
+                return i
             self._ctx.seq_rm(MAIN_SEQ, start, end)
             if shift_tail:
                 self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
+        return i
 
     def _slide_turning(self, start: int, end: int, stop: int) -> None:
         """Remove [start, end) and move [end, stop) down to ``start``, the keys turned in
@@ -437,6 +473,11 @@ class LlamaEngineContext(KvWindow):
     def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
         tail = self._recurrent and i == len(self._positions)
+        if self._state_only and not tail:
+            raise InvalidRangeError(
+                f"a recurrent model ({self._facts.architecture}) keeps no KV: a block comes "
+                f"back only at the end of the window, not before position {self._positions[i]}"
+            )
         if tail and (self._run_end is None or meta.end >= self._run_end):
             self._check_resumable(block)
         with translate_errors("checkpointing the recurrent state"):

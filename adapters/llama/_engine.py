@@ -77,9 +77,15 @@ def _layer_kinds(
     model: LlamaModel, header: GgufFile, arch: str, cache_layers: list[int]
 ) -> tuple[str, ...]:
     """Each layer's kind where it can be told, for a model kvrt runs: recurrent where
-    llama.cpp gives a layer no KV heads (a hybrid's), windowed from the file's window pattern read as llama.cpp reads it, kept only if it
+    llama.cpp gives a layer no KV heads (a hybrid's), global+recurrent on a hybrid whose
+    every layer has KV heads (attention beside a recurrent mixer), windowed from the file's window pattern read as llama.cpp reads it, kept only if it
     agrees with the number of layers llama.cpp put in the windowed cache; global else."""
-    kinds = ["global" if heads else "recurrent" for heads in _attention_heads(model)]
+    heads = _attention_heads(model)
+    if model.is_hybrid and all(heads):
+        # Falcon-H1: every layer runs attention beside a recurrent mixer (llama.cpp keeps
+        # no per-layer account of which layers are recurrent but the KV heads).
+        return ("global+recurrent",) * model.n_layer
+    kinds = ["global" if n else "recurrent" for n in heads]
     n_windowed = sum(cache_layers[1:]) if model.n_swa else 0
     if not n_windowed:
         return tuple(kinds)
@@ -207,6 +213,13 @@ class LlamaEngine:
             if not (model.is_hybrid or model.is_recurrent):
                 return state_parts(data), 0
             checkpoint = ctx.checkpoint_get(MAIN_SEQ).size
+            if model.is_recurrent:  # the recurrent state is the whole state: no KV cache
+                if checkpoint != data.size:
+                    raise EngineError(
+                        f"a recurrent model's state is {data.size} bytes but its checkpoint "
+                        f"{checkpoint}: not laid out as kvrt reads it"
+                    )
+                return (), checkpoint
             return state_parts(data[: data.size - (checkpoint - STATE_HEAD)]), checkpoint
         finally:
             ctx.close()
@@ -218,11 +231,9 @@ class LlamaEngine:
         kinds = _attention_heads(model)
         attention = sum(1 for n in kinds if n > 0)
         if model.is_recurrent:
-            raise ModelLoadError(
-                f"{path} is a recurrent model ({arch}): its {model.n_layer} layers keep a "
-                "recurrent state and none holds attention KV, so there is no window to "
-                "page; kvrt does not run recurrent models yet"
-            )
+            if model.n_layer <= 0:
+                raise ModelLoadError(f"{path} is a recurrent model ({arch}) with no layers")
+            return  # no KV to page: its recurrent state is checkpointed after blocks
         if model.is_hybrid and not attention:
             raise ModelLoadError(f"{path} is a hybrid model ({arch}) with no attention layers")
         if model.n_layer <= 0 or model.n_head <= 0 or not any(kinds):
@@ -233,27 +244,34 @@ class LlamaEngine:
         model: LlamaModel, meta: GgufMetadata, config: EngineConfig, path: str
     ) -> tuple[ModelFacts, ModelRope]:
         LlamaEngine._refuse_unpageable(model, meta.architecture, path)
-        head_dim_k = meta.head_dim_k or model.n_embd // model.n_head
+        # A recurrent model (Mamba-2) has no attention heads and no KV cache.
+        head_dim_k = 0 if model.is_recurrent else meta.head_dim_k or model.n_embd // model.n_head
         head_dim_v = meta.head_dim_v or head_dim_k
-        try:
-            row = kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_k)
-            row += kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_v)
-        except BridgeError as exc:
-            raise ModelLoadError(
-                f"KV type {config.kv_type} does not fit this model: {exc}"
-            ) from exc
+        row = 0
+        if not model.is_recurrent:
+            try:
+                row = kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_k)
+                row += kv_type_row_bytes(config.kv_type, model.n_head_kv * head_dim_v)
+            except BridgeError as exc:
+                raise ModelLoadError(
+                    f"KV type {config.kv_type} does not fit this model: {exc}"
+                ) from exc
         with translate_errors(f"reading the KV layout of {path}"):
             flash = LlamaEngine.flash_attention(config)
             parts, checkpoint = LlamaEngine._cache_parts(model, config.kv_type, flash)
             header = GgufFile(path)
             rope = model_rope(model, meta.architecture, header)
         swa = parts[1:] if model.n_swa else ()
-        shift = key_shift(
-            rope,
-            config.kv_type,
-            _head_dims(model, bool(swa)),
-            empty_cache=any(not part.layers for part in parts),
-            path=path,
+        shift = (
+            key_shift(
+                rope,
+                config.kv_type,
+                _head_dims(model, bool(swa)),
+                empty_cache=any(not part.layers for part in parts),
+                path=path,
+            )
+            if parts
+            else "none"
         )
         digest = file_digest(Path(path))
         layout = (
@@ -262,7 +280,7 @@ class LlamaEngine:
             f"|rope_base={meta.rope_freq_base}|swa={model.n_swa}"
             # Windowed layers export every cell (KEEP_SEQ): blocks from before that differ.
             + ("|swa_cells=all" if model.n_swa else "")
-            + f"|v_trans={int(parts[0].v_trans)}"
+            + (f"|v_trans={int(parts[0].v_trans)}" if parts else "")
             # A hybrid's cold bytes end with the recurrent state after the block
             + (
                 f"|recurrent={checkpoint}" if checkpoint else ""
@@ -302,7 +320,7 @@ class LlamaEngine:
             n_swa_layers=sum(len(part.layers) for part in swa),
             kv_bytes_per_token_swa=sum(part.bytes_per_token for part in swa),
             rope_freq_base_swa=_float(model.info.get("freq_base_swa")) if model.n_swa else None,
-            rope=rope.describe(),
+            rope="none: no attention layers" if model.is_recurrent else rope.describe(),
             layer_kinds=_layer_kinds(
                 model, header, meta.architecture, [len(p.layers) for p in parts]
             ),

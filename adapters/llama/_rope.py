@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from kvrt import ConfigError
 from kvrt.native_bridge.llama import FLOAT_KV_TYPES, KV_TYPES, LlamaModel
 from kvrt.native_bridge.llama_keys import TURNABLE_KEY_TYPES, key_rotation
-from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
+from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NONE, ROPE_NORM, Rope
 
 from ._gguf import GgufFile
 
@@ -121,6 +121,8 @@ class ModelRope:
 
     def describe(self) -> str:
         """In words: the scaling and what it depends on."""
+        if self.rope_type == ROPE_NONE:
+            return "none: attention without positions"
         kind = {ROPE_NORM: "adjacent pairs", ROPE_NEOX: "split halves"}.get(
             self.rope_type, f"rope type {self.rope_type}"
         )

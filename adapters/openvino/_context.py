@@ -93,11 +93,12 @@ class OpenVinoEngineContext(KvWindow):
             raise EngineError("no logits: decode something first")
         return self._last_logits.copy()
 
-    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> None:
+    def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> int:
         with translate_errors(f"evicting [{start}, {end})"):
             self._req.remove(i, j)
             if shift_tail and i < self._req.length:
                 self._req.rotate(i, self._req.length, start - end)
+        return i
 
     def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:
         with translate_errors(f"exporting [{start}, {end})"):

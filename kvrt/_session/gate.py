@@ -33,7 +33,7 @@ from ..policy import (
     Restore,
     WriteThrough,
 )
-from .layout import Block, HotWindow
+from .layout import Block, HotWindow, runs_of
 from .provenance import APPROXIMATE, Place, Provenance, partial_key
 
 __all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
@@ -268,12 +268,26 @@ class EngineGate:
             return self.provenance.new_label(), missing
         return None, 0
 
-    async def drop(self, start: int, end: int) -> None:
-        """Drop the resident tokens in [start, end), leaving a gap (no computation, but on
-        a hybrid a dropped tail is computed again from a checkpoint: then it takes a turn)."""
-        # On a model with recurrent layers, dropping the tail computes from a checkpoint.
-        light = not self.ctx.capabilities.recurrent
-        await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, light=light)
+    async def drop(self, start: int, end: int) -> Tally:
+        """Drop the resident tokens in [start, end), leaving a gap: no computation, but on
+        a model with recurrent layers a dropped tail puts the state back to a checkpoint
+        and computes the resident tokens from there again (see
+        :class:`~kvrt.backend.Recompute`; resident tokens after a gap before the range go
+        too: their KV is computed again, or restored, when the context needs them). Then
+        the call takes a turn, the tokens computed again are marked with what they attend
+        to now (the window may have lost tokens before them since they were first
+        computed) and counted as prefilled."""
+        redo = self.ctx.recomputed_by_evict(start, end)
+        if redo is None:
+            await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, light=True)
+            return Tally()
+        label, _ = self.label_at(redo.end)
+        positions = [p for p in self.ctx.positions if redo.first <= p < redo.end]
+        marks = [Written(a, b, label, "prefilled") for a, b in runs_of(positions)]
+        await self.call("evict", self.ctx.evict, start, end, EvictMode.GAP, writes=marks)
+        moved = Tally(prefilled=len(positions))
+        moved.wrote(marks)
+        return moved
 
     async def logits(self) -> Logits:
         """The engine's logits after the last decoded token (copied out, no computation)."""
@@ -312,18 +326,17 @@ class EngineGate:
             return None
         return partial_key(exact, labels)
 
-    async def tidy(self) -> None:
-        """Remove resident tokens that belong to no whole block (half-done work)."""
-        for start, end in self.window.strays(self.resident()):
-            try:
-                await self.turns.run(
-                    self.served,
-                    "tidy",
-                    partial(self.ctx.evict, start, end, EvictMode.GAP),
-                    light=True,
-                )
-            finally:
-                self._resident = None
+    async def tidy(self) -> Tally:
+        """Remove resident tokens that belong to no whole block (half-done work); on an
+        engine that can remove only the window's tail (a recurrent model), everything
+        from the first of them on."""
+        strays = self.window.strays(self.resident())
+        if strays and not self.ctx.capabilities.remove_middle:
+            strays = [(strays[0][0], self.ctx.next_position)]
+        moved = Tally()
+        for start, end in strays:
+            moved += await self.drop(start, end)
+        return moved
 
     # -- what the context holds (derived) --
 

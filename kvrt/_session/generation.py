@@ -192,7 +192,7 @@ class Generation:
         kept = tail.kept_tokens
         tokens = tuple(t for b in self.window.blocks for t in b.tokens)[start : start + kept]
         if tail.stopped:
-            await self._drop_from(start + kept)
+            tally += await self._drop_from(start + kept)
         content, tool_calls = tail.text, cast(tuple[ToolCall, ...], ())
         if stream is not None:
             # The calls as they were streamed (each distinct complete one, even when
@@ -267,12 +267,11 @@ class Generation:
             token=token, text=raw.decode("utf-8", errors="replace"), raw=raw, logprob=logprob
         )
 
-    async def _drop_from(self, position: int) -> None:
+    async def _drop_from(self, position: int) -> Tally:
         """Remove the context from ``position`` on (a stop sequence): nothing to keep."""
         self.window.truncate(position)
         tail = [p for p in self.ctx.positions if p >= position]
-        if tail:
-            await self.gate.drop(tail[0], tail[-1] + 1)
+        return await self.gate.drop(tail[0], tail[-1] + 1) if tail else Tally()
 
 
 def _split(stream: CallStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:

@@ -8,7 +8,7 @@ leave the bookkeeping believing something that is not so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -23,7 +23,18 @@ from .._errors import (
 )
 from .._types import BlockView, CacheClass, Residency
 
-__all__ = ["Block", "HotWindow", "Segment"]
+__all__ = ["Block", "HotWindow", "Segment", "runs_of"]
+
+
+def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
+    """Ascending positions as [start, end) ranges of consecutive ones."""
+    ranges: list[tuple[int, int]] = []
+    for p in positions:
+        if ranges and ranges[-1][1] == p:
+            ranges[-1] = (ranges[-1][0], p + 1)
+        else:
+            ranges.append((p, p + 1))
+    return ranges
 
 
 class Segment(msgspec.Struct, frozen=True):
@@ -345,14 +356,7 @@ class HotWindow:
     def strays(self, resident: Mapping[int, int]) -> list[tuple[int, int]]:
         """Resident position ranges the context does not keep (see :meth:`kept_positions`)."""
         owned = self.kept_positions(self.blocks, resident)
-        loose = sorted(p for p in resident if p not in owned)
-        ranges: list[tuple[int, int]] = []
-        for p in loose:
-            if ranges and ranges[-1][1] == p:
-                ranges[-1] = (ranges[-1][0], p + 1)
-            else:
-                ranges.append((p, p + 1))
-        return ranges
+        return runs_of(sorted(p for p in resident if p not in owned))
 
     # -- eviction rules --
 

@@ -82,6 +82,23 @@ class Paging:
             moved += await self._evict_run(run, strict=strict)
         return moved
 
+    async def evict_leaving(self, blocks: Sequence[Block]) -> Tally:
+        """Evict ``blocks`` that leave the window with everything after them (a context's
+        replaced blocks, or those past where it diverges). On an engine that can remove
+        only the window's tail (a recurrent model), they leave from the last one down,
+        each once the tokens after it have gone."""
+        if self.ctx.capabilities.remove_middle:
+            return await self.evict_blocks(blocks)
+        moved = Tally()
+        for block in sorted(blocks, key=lambda b: b.start, reverse=True):
+            if self.gate.state(block) is not Residency.HOT:
+                continue
+            after = [p for p in self.ctx.positions if p >= block.end]
+            if after:
+                moved += await self.gate.drop(after[0], after[-1] + 1)
+            moved += await self.evict_block(block)
+        return moved
+
     async def _evict_run(self, run: list[Block], *, strict: bool) -> Tally:
         """Commit the run's KV to the cold store, then drop it from the window.
 
@@ -141,8 +158,9 @@ class Paging:
                 )
             else:
                 self.gate.choices[block.id] = "evicted, tokens only (cold admission policy)"
-        await self.gate.drop(run[0].start, run[-1].end)
-        return Tally(evicted=sum(b.n_tokens for b in run))
+        moved = await self.gate.drop(run[0].start, run[-1].end)
+        moved.evicted += sum(b.n_tokens for b in run)
+        return moved
 
     def room(self, keep: set[int]) -> int:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
@@ -158,9 +176,22 @@ class Paging:
             ),
         )
 
+    def drops_alone(self, position: int) -> bool:
+        """Whether dropping the window's tail from ``position`` removes only it (on a
+        model with recurrent layers it may have to remove more: a gap before it)."""
+        redo = self.ctx.recomputed_by_evict(position, self.ctx.next_position)
+        return redo is None or redo.removed_from == position
+
     async def make_room(self, need: int, keep: set[int]) -> Tally:
         """Evict by policy until ``need`` more tokens fit; never touches ``keep`` or protected blocks."""
         moved = Tally()
+        if self.ctx.n_ctx - self.ctx.n_resident < need and not self.ctx.capabilities.remove_middle:
+            raise HotWindowFullError(
+                f"the hot window ({self.ctx.n_ctx} tokens) cannot make room for {need} more: "
+                f"{self.ctx.facts.architecture} is a recurrent model, whose state has "
+                "integrated every token, so nothing can be paged out of it (open the "
+                "session with more hot_tokens)"
+            )
         while self.ctx.n_ctx - self.ctx.n_resident < need:
             resident = self.gate.resident()
             shielded = self.window.protected() | keep
@@ -225,7 +256,7 @@ class Paging:
             moved = await self.make_room(sum(b.n_tokens for b in run), keep | {b.id for b in run})
             inside = [p for p in self.ctx.positions if run[0].start <= p < run[-1].end]
             if inside:  # leading tokens of a block kept at the tail: the copy replaces them
-                await self.gate.drop(inside[0], inside[-1] + 1)
+                moved += await self.gate.drop(inside[0], inside[-1] + 1)
             began = time.perf_counter()
             await self.gate.call(
                 "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
@@ -424,10 +455,11 @@ class Paging:
             and self.ctx.next_position == at
             and (before := self.window.token_at(at - 1)) is not None
             and resident.get(at - 1) == before
+            and self.drops_alone(at - 1)
         ):
             holder = next(b for b in self.window.blocks if b.start <= at - 1 < b.end)
             keep = keep | {holder.id}
-            await self.gate.drop(at - 1, at)
+            moved += await self.gate.drop(at - 1, at)
             tokens, at = [before, *tokens], at - 1
             moved.prefilled += 1
         moved += await self.make_room(len(tokens), keep)
@@ -490,10 +522,12 @@ class Paging:
         return copied
 
     async def truncate_from(self, position: int) -> Tally:
-        """Clear every resident token at ``position`` or later, committing whole blocks first."""
-        moved = await self.evict_blocks([b for b in self.window.blocks if b.start >= position])
-        await self.gate.tidy()
+        """Clear every resident token at ``position`` or later, committing whole blocks
+        first. On an engine that can remove only the window's tail (a recurrent model),
+        the blocks leave from the last one down, each once what follows it has gone."""
+        moved = await self.evict_leaving([b for b in self.window.blocks if b.start >= position])
+        moved += await self.gate.tidy()
         tail = [p for p in self.ctx.positions if p >= position]
         if tail:
-            await self.gate.drop(tail[0], tail[-1] + 1)
+            moved += await self.gate.drop(tail[0], tail[-1] + 1)
         return moved

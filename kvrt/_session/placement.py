@@ -130,11 +130,11 @@ class Placement:
         stale.sort(key=lambda b: b.start)
         superseded = [b for b in stale if any(p in kept for p in range(b.start, b.end))]
         await self.paging.write_back(superseded, local=True)
-        tally += await self.paging.evict_blocks([b for b in stale if b not in superseded])
+        tally += await self.paging.evict_leaving([b for b in stale if b not in superseded])
         self.gate.placed = False
         self.window.adopt(layout)
         self.window.required = frozenset(require)
-        await self.gate.tidy()
+        tally += await self.gate.tidy()
         tally += await self._place(layout)
         tally += await self.last_logits()
         self.gate.placed = True
@@ -270,7 +270,7 @@ class Placement:
                     moved += await self.paging.evict_blocks([block])
                 elif resident_partial:  # a fragment, not a block: no copy to keep of it
                     inside = [p for p in self.ctx.positions if block.start <= p < block.end]
-                    await self.gate.drop(inside[0], inside[-1] + 1)
+                    moved += await self.gate.drop(inside[0], inside[-1] + 1)
                 placing.refresh.add(block.id)
         return moved
 
@@ -391,7 +391,7 @@ class Placement:
             self.gate.observed_restore(began, entry.n_bytes)
             moved.wrote(marks)
             if shared < held:  # the cold block may also be this one's prefix (it grew)
-                await self.gate.drop(start + shared, start + held)
+                moved += await self.gate.drop(start + shared, start + held)
         moved.restored += shared
         return moved
 
@@ -429,8 +429,19 @@ class Placement:
         ):
             self.gate.override = held[2]  # kept only while the whole context was exact
             return Tally()
+        moved = Tally()
+        if resident.get(last) == token and not self.paging.drops_alone(last):
+            # On a model with recurrent layers, the state before the last token lies
+            # behind a gap (no checkpoint after it): the last block is computed again,
+            # after what comes back before it, instead of restored as the window's end.
+            self.window.unresumable.add(tail.key(self.window.fingerprint))
+            moved += await self.paging.truncate_from(tail.start)
+            moved += await self._place(self.window.blocks)
+            if self.ctx.logits_position == last:
+                return moved
+            resident = self.gate.resident()
         if resident.get(last) == token:
-            await self.gate.drop(last, last + 1)
-        moved = (await self.paging.compute([token], last, {tail.id}))[2]
+            moved += await self.gate.drop(last, last + 1)
+        moved += (await self.paging.compute([token], last, {tail.id}))[2]
         moved.prefilled += 1
         return moved

@@ -40,16 +40,23 @@ def main(args: argparse.Namespace) -> None:
         print_info(info)
 
 
-_NAMES = {"global": "global", "windowed": "sliding-window", "recurrent": "recurrent"}
+_NAMES = {
+    "global": "global",
+    "windowed": "sliding-window",
+    "recurrent": "recurrent",
+    "global+recurrent": "attention beside a recurrent mixer",
+}
+_LETTERS = {"global": "g", "windowed": "w", "recurrent": "r", "global+recurrent": "b"}
 
 
 def _kinds(n_layers: int, kinds: tuple[str, ...]) -> str:
     """Layer kinds counted, then laid out one letter a layer (g global, w windowed, r
-    recurrent): ``6: 2 global, 4 sliding-window (wwgwwg)``."""
+    recurrent, b both attention and a recurrent mixer):
+    ``6: 2 global, 4 sliding-window (wwgwwg)``."""
     counts = {k: kinds.count(k) for k in (*_NAMES, *kinds) if k in kinds}
     text = f"{n_layers}: " + ", ".join(f"{n} {_NAMES.get(k, k)}" for k, n in counts.items())
     if len(counts) > 1 and len(kinds) <= 64:
-        text += f" ({''.join(k[0] for k in kinds)})"
+        text += f" ({''.join(_LETTERS.get(k, k[0]) for k in kinds)})"
     return text
 
 
@@ -73,6 +80,11 @@ def _dependent(m: Any, hot: int) -> str:
 
 def _restores(m: Any) -> str:
     exact = "bit-exact" if m.exact_in_place else f"approximate ({m.kv_type} re-quantizes)"
+    if m.recurrent == "recurrent":
+        return (
+            f"a shared prefix: the recurrent state after its last block comes back {exact} "
+            "and the rest is computed from there; nothing is paged out of the window"
+        )
     if m.checkpoint_bytes:
         return (
             f"in place {exact}, with the recurrent state checkpointed after the block; at "
@@ -81,6 +93,13 @@ def _restores(m: Any) -> str:
     return (
         f"in place {exact}; at other positions approximate, {_TURNS.get(m.key_shift, m.key_shift)}"
     )
+
+
+def _held(m: Any, budget: int, tokens: int) -> str:
+    """What a cold tier's budget holds: tokens of KV, or a recurrent model's checkpoints."""
+    if m.recurrent == "recurrent":
+        return f"{budget // m.checkpoint_bytes:,} checkpoints"
+    return f"{tokens:,} tokens"
 
 
 def print_info(info: ModelInfo) -> None:
@@ -135,7 +154,7 @@ def print_info(info: ModelInfo) -> None:
             [
                 (
                     "recurrent state",
-                    f"{m.recurrent} model: {m.layer_kinds.count('recurrent')} of "
+                    f"{m.recurrent} model: {sum('recurrent' in k for k in m.layer_kinds)} of "
                     f"{m.n_layers} layers recurrent; a checkpoint is "
                     f"{m.checkpoint_bytes:,} bytes, carried by each cold block",
                 )
@@ -155,12 +174,13 @@ def print_info(info: ModelInfo) -> None:
         ("usable for kvrt", format_size(c.usable_bytes)),
         (
             "host cold budget",
-            f"{format_size(c.host_cold_budget_bytes)} ({c.cold_store_tokens:,} tokens)",
+            f"{format_size(c.host_cold_budget_bytes)} ({_held(m, c.host_cold_budget_bytes, c.cold_store_tokens)})",
         ),
         (
             "disk tier",
             (
-                f"{format_size(c.disk_budget_bytes)} ({c.disk_store_tokens:,} tokens) in {c.disk_path}"
+                f"{format_size(c.disk_budget_bytes)} "
+                f"({_held(m, c.disk_budget_bytes, c.disk_store_tokens)}) in {c.disk_path}"
                 if c.disk_budget_bytes
                 else "off (disk.budget 0)"
             ),
