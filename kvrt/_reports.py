@@ -384,6 +384,11 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     relevance: ``keys`` (key vectors), ``lexical`` (the policy's token score), or
     ``lexical: <why>`` where a key-scoring policy had to fall back (the engine cannot read
     this model's keys); None where the policy scores nothing."""
+    recurrent_seen_tokens: int | None = None
+    """On a model with recurrent layers (a hybrid's or a recurrent model's), the context
+    tokens its recurrent state has integrated, in order: every one up to the window's last
+    resident token, cold segments included, while the attention layers see the hot ones
+    only (``segments``). None on a model without recurrent layers."""
     problems: list[str]
     """What does not match, if anything."""
 

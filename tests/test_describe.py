@@ -157,3 +157,24 @@ def test_cli_usage_errors(argv: list[str]) -> None:
     proc = _kvrt(*argv)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["mamba2", "granitehybrid", "falcon-h1"])
+def test_cli_table_of_a_model_with_recurrent_layers(name: str) -> None:
+    """What a checkpoint costs and what a restore is, in the table; a recurrent model's
+    cold budgets in checkpoints (it keeps no KV to count in tokens)."""
+    from ._agent import zoo_path
+
+    args = ("describe", "--model", zoo_path(name), "--mem-cold", "64MiB")
+    proc = _kvrt(*args, env={"COLUMNS": "400"})  # wide enough that no cell folds
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "recurrent state" in out and "a checkpoint is 39,756 bytes" in out
+    if name == "mamba2":
+        assert "2: 2 recurrent" in out and f"({64 * 2**20 // 39756:,} checkpoints)" in out
+        assert "nothing is paged out of the window" in out
+        assert "the model keeps no KV" in out
+    elif name == "falcon-h1":
+        assert "2: 2 attention beside a recurrent mixer" in out
+    else:
+        assert "3: 1 global, 2 recurrent (rgr)" in out and "hybrid model: 2 of 3" in out

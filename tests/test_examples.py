@@ -237,6 +237,21 @@ def test_the_architectures_benchmark_measures_each_variant() -> None:
     assert mamba["layers"] == "recurrent, recurrent" and mamba["key_shift"] == "none"
 
 
+def test_the_hybrid_benchmark_measures_checkpoints_restores_and_the_agent_trace() -> None:
+    argv = ["-m", "benchmarks.hybrid", "--variants", "granitehybrid,mamba2", "--turns", "2"]
+    out = run(*argv, "--tokens", "256", "--block", "64", "--json")
+    rows = {r["variant"]: r for r in json.loads(out)}
+    hybrid, mamba = rows["granitehybrid"], rows["mamba2"]
+    # a hybrid's block carries its attention KV and the checkpoint after it; Mamba-2's is
+    # the checkpoint alone
+    assert hybrid["block_cold_bytes"] > hybrid["block_kv_bytes"] + hybrid["checkpoint_bytes"] - 8
+    assert mamba["block_kv_bytes"] == 0 and mamba["block_cold_bytes"] == mamba["checkpoint_bytes"]
+    for row in rows.values():
+        assert 0 < row["restore_ms"] and 0 < row["compute_ms"]
+        assert 0 < row["one_session"]["computed"] == row["new_sessions"]["computed"]
+        assert row["llama_ram_cache"]["computed"] > 0
+
+
 def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:
     argv = ["-m", "benchmarks.shared_server", "--model", zoo_path("llama"), "--rounds", "1"]
     out = run(*argv, "--policies", "least_served,fifo")

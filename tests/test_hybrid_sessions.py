@@ -93,6 +93,10 @@ async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
             await check(a, want)
             # churn: a file in the middle leaves the window, comes back from cold in place
             await a.evict("file1")
+            # what the model saw: the attention layers not the file, the recurrent state all
+            report = a.explain()
+            assert next(g for g in report.segments if g.name == "file1").hot_tokens == 0
+            assert report.recurrent_seen_tokens == report.logical_tokens
             again = await a.ensure_context(context)
             assert again.exact and again.restored_tokens > 0
             await check(a, want)

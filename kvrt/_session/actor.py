@@ -370,4 +370,9 @@ class Actor:
             consistent=not problems,
             problems=problems,
             relevance_scoring=window.relevance_scoring,
+            recurrent_seen_tokens=(
+                min(self.ctx.next_position, window.length)
+                if self.ctx.capabilities.recurrent
+                else None
+            ),
         )
