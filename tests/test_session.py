@@ -42,9 +42,7 @@ async def test_resent_evicted_segment_is_restored_exactly(backend: str) -> None:
         assert evicted > 0
         report = s.explain()
         assert report.recurrent_seen_tokens is None  # no recurrent layers
-        assert {b.residency for b in report.blocks if b.segment == "file:a.py"} == {
-            Residency.COLD
-        }
+        assert {b.residency for b in report.blocks if b.segment == "file:a.py"} == {Residency.COLD}
         again = await s.ensure_context(ctx)
         assert again.restored_tokens == evicted
         assert again.prefilled_tokens == 0
