@@ -203,6 +203,7 @@ SESSION_LAYERS = [
     "placement",
     "tokens",
     "scoring",
+    "approximate",
     "paging",
     "gate",
     "provenance",

@@ -15,15 +15,13 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 
-from .._backend import AdmitMode
 from .._cold import ColdEntry, ColdKey
 from .._errors import (
     ColdStoreFullError,
     HotWindowFullError,
 )
-from .._types import ApproximateQuery, Residency, RestoreQuery
+from .._types import Residency, RestoreQuery
 from ..policy import (
-    Blending,
     Estimating,
 )
 from .gate import EngineGate, Tally, Written
@@ -292,86 +290,6 @@ class Paging:
         return (
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
-
-    def approximate_entry(
-        self, block: Block, run: tuple[int, int] | None = None
-    ) -> tuple[ColdEntry, ApproximateQuery] | None:
-        """The cold copy of ``block``'s tokens after another prefix that the session's
-        approximate-hit policy accepts, if any, with what the policy was asked. ``run``:
-        the (start, tokens) of the run of approximate-hit candidates ``block`` is in."""
-        entry = self.cold.similar(block.key(self.window.fingerprint), count=False)
-        if entry is None:
-            return None
-        run_start, run_tokens = run if run is not None else (None, None)
-        query = ApproximateQuery(
-            cache_class=block.cache_class,
-            start=block.start,
-            source_start=entry.key.start,
-            n_tokens=block.n_tokens,
-            n_bytes=entry.n_bytes,
-            run_start=run_start,
-            run_tokens=run_tokens,
-        )
-        if query.shift and not self.ctx.capabilities.position_shift:
-            return None
-        return (entry, query) if self.policies.approximate.accept(query) else None
-
-    async def approximate_hit(
-        self, block: Block, keep: set[int], run: tuple[int, int] | None = None
-    ) -> tuple[bool, Tally]:
-        """Restore ``block`` from a cold copy of its tokens after another prefix, if the
-        approximate-hit policy accepts it (whether it did; ``run`` as for
-        :meth:`approximate_entry`); the window must end right before the block. A blending
-        policy has the block's first tokens computed afresh, the rest restored."""
-        moved = Tally()
-        if self.ctx.next_position != block.start:
-            return False, moved
-        found = self.approximate_entry(block, run)
-        if found is None:
-            return False, moved
-        entry, query = found
-        policy = self.policies.approximate
-        fresh = policy.recompute_tokens(query) if isinstance(policy, Blending) else 0
-        if fresh >= block.n_tokens:
-            return False, moved  # all of it computed afresh: an ordinary prefill
-        self.cold.count_approximate(entry.key)
-        with self.cold.pinned([entry.key]):
-            # The engine holds the whole block in scratch while splicing its tail in.
-            moved += await self.make_room(block.n_tokens + fresh, keep | {block.id})
-            if self.ctx.next_position != block.start:
-                return False, moved
-            if fresh:
-                began = time.perf_counter()
-                marks = [Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")]
-                await self.gate.call(
-                    "prefill",
-                    self.ctx.prefill,
-                    block.tokens[:fresh],
-                    start=block.start,
-                    checkpoint=anyio.from_thread.check_cancelled,
-                    writes=marks,
-                )
-                self.gate.observed_prefill(began, block.start, fresh)
-                moved.wrote(marks)
-            began = time.perf_counter()
-            marks = [Written(block.start + fresh, block.end, APPROXIMATE, "approximate")]
-            await self.gate.call(
-                "admit", self.ctx.admit, entry.block, AdmitMode.TAIL, skip=fresh, writes=marks
-            )
-            self.gate.observed_restore(began, entry.n_bytes)
-            moved.wrote(marks)
-        moved.approximate += block.n_tokens - fresh
-        moved.prefilled += fresh
-        shift = block.start - entry.key.start
-        how = f"keys re-rotated by {shift:+d}" if shift else ""
-        if fresh:
-            how = f"first {fresh} tokens computed afresh" + (f", {how}" if how else "")
-        self.gate.choices[block.id] = (
-            f"restored approximately (same tokens after another prefix; {how})"
-            if how
-            else "restored approximately (same tokens after another prefix)"
-        )
-        return True, moved
 
     async def prefill(
         self,

@@ -19,6 +19,7 @@ from .._errors import (
 )
 from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
+from .approximate import ApproximateHits
 from .gate import EngineGate, Tally, Written
 from .layout import Block, Segment
 from .paging import Paging
@@ -53,6 +54,7 @@ class Placement:
 
     def __init__(self, gate: EngineGate, paging: Paging, scoring: Scoring) -> None:
         self.gate, self.paging, self.scoring = gate, paging, scoring
+        self.approximate = ApproximateHits(paging)
         self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
         self.cold, self.policies = gate.cold, gate.policies
 
@@ -301,7 +303,7 @@ class Placement:
             approximate=frozenset(
                 i
                 for i, b in dropped
-                if self.paging.approximate_entry(b, placing.approximate_runs.get(b.id)) is not None
+                if self.approximate.entry(b, placing.approximate_runs.get(b.id)) is not None
             ),
             elsewhere=frozenset(
                 i for i, b in dropped if self.cold.computed(b.key(fingerprint)) is not None
@@ -348,7 +350,7 @@ class Placement:
                         return 0, moved
                 if step.approximate:
                     run = placing.approximate_runs.get(layout[i].id)
-                    hit, tried = await self.paging.approximate_hit(layout[i], ids(keep), run)
+                    hit, tried = await self.approximate.hit(layout[i], ids(keep), run)
                     moved += tried
                     if hit:
                         return 1, moved
