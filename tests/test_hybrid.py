@@ -19,7 +19,7 @@ import pytest
 
 from kvrt.native_bridge.llama import BridgeArgumentError, BridgeCallError, LlamaContext, LlamaModel
 
-from ._agent import zoo_path
+from ._agent import tiny, zoo_path
 
 HYBRIDS = ["granitehybrid", "lfm2", "mamba2"]
 
@@ -121,3 +121,29 @@ def test_a_block_with_its_checkpoint_restores_in_another_context(name: str) -> N
     for c in (ctx, reference):
         c.close()
     model.close()
+
+
+@pytest.mark.parametrize("name", ["granitehybrid", "falcon-h1"])
+def test_the_tail_after_a_gap_behind_the_checkpoint_goes_too(name: str) -> None:
+    """The window's only checkpoint sits right before a gap (a block evicted after it): a
+    tail removed further on cannot be computed again from it (the recurrent state would
+    skip the gap's tokens), so everything from the gap on goes, the state is the
+    checkpoint's, and the context computed on from there equals a fresh one."""
+    engine = tiny(name)
+    ids = tokens(300, seed=4)
+    ctx = engine.open_context(512)
+    try:
+        ctx.prefill(ids[:250], keep_state_at=[128])
+        ctx.evict(128, 192)  # a gap right after the checkpoint
+        redo = ctx.recomputed_by_evict(200, 250)
+        assert redo is not None and redo.removed_from == 192 and redo.first == redo.end
+        assert ctx.evict(200, 250) == 58  # [192, 250): 8 more than asked
+        assert list(ctx.positions) == list(range(128))
+        got = ctx.prefill(ids[128:300])
+        fresh = engine.open_context(512)
+        try:
+            assert np.array_equal(got, fresh.prefill(ids[:300]))
+        finally:
+            fresh.close()
+    finally:
+        ctx.close()

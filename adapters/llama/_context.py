@@ -245,16 +245,20 @@ class LlamaEngineContext(KvWindow):
     def _rewind_span(self, i: int) -> tuple[int | None, int, int]:
         """Removing record entries ``i:`` (the window's tail): the checkpoint the state
         goes back to (None: none, the start), the first entry ``k`` computed again from
-        it, and the first entry removed, ``i`` or the entry after the first gap in
-        ``k:i``: tokens after a gap cannot be computed again (the recurrent state would
-        skip the gap's tokens), so they go too."""
-        last = self._positions[i - 1] + 1 if i else 0
-        at = max((p for p in self._states if p <= last), default=None)
-        k = 0 if at is None else bisect.bisect_left(self._positions, at)
-        for n in range(k + 1, i):
-            if self._positions[n] != self._positions[n - 1] + 1:
-                return at, k, n
-        return at, k, i
+        it, and the first entry removed: ``i``, or an earlier one where entries ``k:i``
+        do not follow the checkpoint without a gap. Tokens after a gap cannot be computed
+        again (the recurrent state would skip the gap's tokens), so they go too, and the
+        checkpoint is chosen again for what is left."""
+        p = self._positions
+        while True:
+            last = p[i - 1] + 1 if i else 0
+            at = max((q for q in self._states if q <= last), default=None)
+            k = 0 if at is None else bisect.bisect_left(p, at)
+            first = 0 if at is None else at
+            cut = next((n for n in range(k, i) if p[n] != first + n - k), i)
+            if cut == i:
+                return at, k, i
+            i = cut
 
     def _rewind(self, i: int) -> int:
         """Remove the window's tail, record entries ``i:`` on (see :meth:`_rewind_span`
