@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -273,3 +274,46 @@ async def test_an_edit_behind_a_gap_without_checkpoints_is_computed_exactly(
         status = await s.ensure_context(segments(seed=13, edit=3))
         assert status.exact
         await check(s, fresh(engine, tokens_of(s)))
+
+
+@pytest.mark.parametrize("name", ["granitehybrid", "mamba2"])
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_whatever_a_random_agent_does_exact_means_a_fresh_computation(
+    name: str, anyio_backend: str
+) -> None:
+    """Random contexts (pieces in and out, questions changing), evictions, admits,
+    generation and cancelled calls, in a small window (granitehybrid: 192 tokens over
+    16-token blocks, checkpoints only where ``kv_sized`` keeps them, so tails go back across
+    gaps) or a whole one (Mamba-2, which pages nothing): after every ``ensure_context``
+    labelled exact, the next logits are bit for bit a fresh context's."""
+    from .test_fuzz import SMALL, canceller, one_op, random_context
+
+    engine = tiny(name)
+    hot = 192 if engine.facts.recurrent == "hybrid" else 1024
+    config = kvrt.Config(
+        disk=kvrt.DiskConfig(budget=0),
+        session=kvrt.SessionConfig(**SMALL),
+        policies=kvrt.PolicyConfig(checkpoint="kv_sized"),
+    )
+    rng = random.Random(f"hybrid-{name}")
+    checked = 0
+    async with kvrt.open_runtime(engine=engine, config=config) as rt:
+        async with rt.open_session(hot_tokens=hot) as s:
+            current = random_context(rng)
+            await s.ensure_context(current)
+            for _ in range(60):
+                if rng.random() < 0.2:
+                    with anyio.CancelScope() as scope:
+                        s._actor.fault = canceller(s, scope, at=rng.randrange(8))
+                        await one_op(s, rng, current)
+                    s._actor.fault = None
+                else:
+                    await one_op(s, rng, current)
+                status = await s.ensure_context(current)
+                if status.exact:
+                    logits = await s.next_logits()
+                    want = fresh(engine, tokens_of(s), n=0)[0]
+                    assert np.array_equal(logits, want), np.abs(logits - want).max()
+                    checked += 1
+                assert s.explain().consistent
+    assert checked >= 30

@@ -484,6 +484,10 @@ class LlamaEngineContext(KvWindow):
             )
         if tail and (self._run_end is None or meta.end >= self._run_end):
             self._check_resumable(block)
+        if self._state_only and not meta.resumable:
+            # Within a run: its bytes are the state at some later point, not after it,
+            # and the run's last block's state replaces whatever it holds.
+            return
         with translate_errors("checkpointing the recurrent state"):
             before = (
                 self._ctx.checkpoint_get(MAIN_SEQ)

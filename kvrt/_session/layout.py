@@ -174,8 +174,10 @@ class HotWindow:
         """A block's exact key -> the key of this session's own cold copy of its
         partial-window KV (see :mod:`.provenance`), which no other session asks for."""
         self.unresumable: set[ColdKey] = set()
-        """Cold copies that cannot end this window (a hybrid's blocks exported without the
-        recurrent state after them): computed instead of restored at the window's end."""
+        """Blocks (by their exact key) whose cold copies, shared or this session's own,
+        cannot end this window (a hybrid's blocks exported without the recurrent state
+        after them; a last block whose logits need the state before its last token, which
+        lies behind a gap): computed instead of restored."""
         self.required: frozenset[str] = frozenset()
         """Segments the last ``ensure_context`` required visible: protected like the sinks
         until the next context is placed."""
@@ -320,7 +322,7 @@ class HotWindow:
         if key in cold and key not in self.unresumable:
             return Residency.COLD
         local = self.partial_copies.get(key)
-        if local is not None and local in cold:
+        if local is not None and local in cold and key not in self.unresumable:
             return Residency.COLD
         return Residency.DROPPED
 

@@ -243,7 +243,8 @@ class Paging:
         entries = entries[: len(run)]
         ends = self.ctx.next_position <= run[-1].end  # the run ends the window: a hybrid's
         while ends and entries and not entries[-1].block.meta.resumable:  # with its state
-            self.window.unresumable.add(entries.pop().key)
+            entries.pop()
+            self.window.unresumable.add(run[len(entries)].key(self.window.fingerprint))
         if not (run := run[: len(entries)]):
             return 0, Tally()
         marks = [
