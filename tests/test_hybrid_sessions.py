@@ -297,23 +297,25 @@ async def test_whatever_a_random_agent_does_exact_means_a_fresh_computation(
     )
     rng = random.Random(f"hybrid-{name}")
     checked = 0
-    async with kvrt.open_runtime(engine=engine, config=config) as rt:
-        async with rt.open_session(hot_tokens=hot) as s:
-            current = random_context(rng)
-            await s.ensure_context(current)
-            for _ in range(60):
-                if rng.random() < 0.2:
-                    with anyio.CancelScope() as scope:
-                        s._actor.fault = canceller(s, scope, at=rng.randrange(8))
-                        await one_op(s, rng, current)
-                    s._actor.fault = None
-                else:
+    async with (
+        kvrt.open_runtime(engine=engine, config=config) as rt,
+        rt.open_session(hot_tokens=hot) as s,
+    ):
+        current = random_context(rng)
+        await s.ensure_context(current)
+        for _ in range(60):
+            if rng.random() < 0.2:
+                with anyio.CancelScope() as scope:
+                    s._actor.fault = canceller(s, scope, at=rng.randrange(8))
                     await one_op(s, rng, current)
-                status = await s.ensure_context(current)
-                if status.exact:
-                    logits = await s.next_logits()
-                    want = fresh(engine, tokens_of(s), n=0)[0]
-                    assert np.array_equal(logits, want), np.abs(logits - want).max()
-                    checked += 1
-                assert s.explain().consistent
+                s._actor.fault = None
+            else:
+                await one_op(s, rng, current)
+            status = await s.ensure_context(current)
+            if status.exact:
+                logits = await s.next_logits()
+                want = fresh(engine, tokens_of(s), n=0)[0]
+                assert np.array_equal(logits, want), np.abs(logits - want).max()
+                checked += 1
+            assert s.explain().consistent
     assert checked >= 30
