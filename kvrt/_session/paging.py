@@ -35,7 +35,8 @@ __all__ = ["Paging"]
 
 
 class Paging:
-    """Moves blocks between the hot window and the cold store, through the engine gate."""
+    """Moves blocks between the hot window and the cold store: the executor of every
+    block move, through the session's engine gate."""
 
     def __init__(self, gate: EngineGate) -> None:
         self.gate = gate
