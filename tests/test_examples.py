@@ -238,7 +238,7 @@ def test_the_architectures_benchmark_measures_each_variant() -> None:
 
 
 def test_the_hybrid_benchmark_measures_checkpoints_restores_and_the_agent_trace() -> None:
-    argv = ["-m", "benchmarks.hybrid", "--variants", "granitehybrid,mamba2", "--turns", "2"]
+    argv = ["-m", "benchmarks.hybrid", "--variants", "granitehybrid,mamba2", "--turns", "1"]
     out = run(*argv, "--tokens", "256", "--block", "64", "--json")
     rows = {r["variant"]: r for r in json.loads(out)}
     hybrid, mamba = rows["granitehybrid"], rows["mamba2"]

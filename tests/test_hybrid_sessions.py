@@ -74,8 +74,10 @@ CONFIG = kvrt.Config(
 )
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
-@pytest.mark.parametrize("anyio_backend", ["trio", "asyncio"])
+@pytest.mark.parametrize(
+    ("name", "anyio_backend"),
+    [(n, "trio") for n in HYBRIDS] + [("granitehybrid", "asyncio"), ("lfm2", "asyncio")],
+)
 async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
     name: str, anyio_backend: str
 ) -> None:
