@@ -81,6 +81,19 @@ def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
         assert all(t["text"] for t in session["turns"])
 
 
+def test_kvrt_run_on_a_recurrent_model_holds_the_context_and_restores_the_prefix() -> None:
+    """Mamba-2 pages nothing out of its window: the demo's window holds each whole
+    context, and the file sent again comes back as the state after it."""
+    argv = ["-m", "kvrt", "run", "--model", zoo_path("mamba2"), "--sessions", "1"]
+    report = json.loads(run(*argv, "--max-tokens", "2", "--disk-budget", "0", "--json"))
+    (session,) = report["sessions"]
+    first, _, third = session["turns"]
+    assert first["file"] == third["file"]
+    assert session["hot_budget"] >= max(t["status"]["logical_tokens"] for t in session["turns"])
+    assert third["status"]["exact"] and third["status"]["restored_tokens"] > 0
+    assert third["status"]["prefilled_tokens"] < 40
+
+
 @pytest.mark.parametrize(
     ("backend", "turns", "sessions"),
     [

@@ -106,6 +106,10 @@ async def run_demo(
     started = time.perf_counter()
     results: dict[str, SessionDemo] = {}
     async with open_runtime(config=config) as rt:
+        if rt.model_info.model.recurrent == "recurrent":
+            # A recurrent model pages nothing out of its window (its state has seen every
+            # token): the window holds the whole context, and prefixes come back restored.
+            hot_tokens = rt.model_info.hot_context_tokens
 
         async def agent(name: str, first: str, second: str) -> None:
             turns: list[TurnReport] = []
