@@ -182,6 +182,11 @@ class LlamaEngineContext(KvWindow):
                 "computes again from the nearest checkpoint before it",
                 "ranges come back at their own positions only (a recurrent state cannot move)",
             ]
+            if self._state_only:
+                notes.append(
+                    "no attention KV: only the window's tail can leave it, and a block comes "
+                    "back only as the window's end, with the checkpoint after it"
+                )
         return Capabilities(
             remove_middle=not self._state_only,
             position_shift=self.can_shift,
