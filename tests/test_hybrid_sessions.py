@@ -168,6 +168,8 @@ async def test_a_recurrent_model_reuses_prefixes_exactly(anyio_backend: str) -> 
             await check(a, want)
             with pytest.raises(kvrt.InvalidRangeError, match="only the window's tail can leave"):
                 await a.evict("file1")
+            capabilities = a.explain().capabilities
+            assert capabilities.recurrent and not capabilities.remove_middle
             # still usable: the generated tokens leave the tail (back to the checkpoint
             # kept after the prefill); the last token's logits are computed again from
             # the checkpoint after the block before it
