@@ -252,6 +252,12 @@ class Runtime(metaclass=NoPublicConstructor):
             block_tokens=cfg.block_tokens,
             sink_tokens=cfg.sink_tokens,
             recent_tokens=cfg.recent_tokens,
+            planner_note=(
+                f"{facts.architecture} is a recurrent model, which pages nothing out of its "
+                "window: open the session with more hot_tokens"
+                if facts.recurrent == "recurrent"
+                else ""
+            ),
         )
         actor = Actor(
             SessionParts(

@@ -159,9 +159,12 @@ class HotWindow:
         block_tokens: int,
         sink_tokens: int,
         recent_tokens: int,
+        planner_note: str = "",
     ) -> None:
         self.fingerprint = fingerprint
         self.planner_context = planner_context
+        self.planner_note = planner_note
+        """Why the planner context is what it is, where a context past it needs saying."""
         self.block_tokens = block_tokens
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
@@ -208,6 +211,7 @@ class HotWindow:
             raise ContextTooLargeError(
                 f"the context needs {total} tokens but the session's planner context is "
                 f"{self.planner_context} (largest segment {biggest[0].name!r}: {len(biggest[1])} tokens)"
+                + (f": {self.planner_note}" if self.planner_note else "")
             )
         current = {(b.prefix, b.start, tuple(b.tokens)): b for b in self.blocks}
         now = self.tick()
