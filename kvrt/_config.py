@@ -169,6 +169,13 @@ class RemoteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The server, e.g. ``redis://127.0.0.1:6379/0`` (default: none, the tier is off)."""
     timeout: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 2.0
     """Seconds one call to the server may take before the tier counts as down."""
+    secret_file: str | None = None
+    """A file holding the secret the replicas sharing the server sign and name their
+    values with (at least 16 bytes; or the secret itself in ``KVRT_REMOTE_SECRET``, never
+    a flag). Without one the tier trusts every writer of the server."""
+    ca_file: str | None = None
+    """The CA certificate a ``rediss://`` server's certificate is checked against
+    (default: the system's)."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -232,6 +239,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("disk", "flush_timeout", "KVRT_DISK_FLUSH_TIMEOUT"),
     Setting("remote", "url", "KVRT_REMOTE_URL"),
     Setting("remote", "timeout", "KVRT_REMOTE_TIMEOUT"),
+    Setting("remote", "secret_file", "KVRT_REMOTE_SECRET_FILE"),
+    Setting("remote", "ca_file", "KVRT_REMOTE_CA_FILE"),
     Setting("policies", "hot_eviction", "KVRT_HOT_EVICTION"),
     Setting("policies", "cold_victim", "KVRT_COLD_VICTIM"),
     Setting("policies", "cold_admission", "KVRT_COLD_ADMISSION"),

@@ -18,7 +18,7 @@ from . import policy
 from ._backend import Engine
 from ._capacity import Limit, planner_context
 from ._checks import check_bool, check_choice, check_int, check_salt, check_text
-from ._cold import ColdStats, ColdStore, DiskTier, RemoteTier, salted
+from ._cold import ColdStats, ColdStore, salted
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
@@ -36,6 +36,7 @@ from ._session import (
 )
 from ._session.chat import ChatTemplate
 from ._session.layout import HotWindow, Segment
+from ._tiers import open_tiers
 from ._turns import EngineTurns
 from ._types import CacheClass
 from ._units import format_size
@@ -327,40 +328,6 @@ def _check_fits(info: ModelInfo, cfg: Config) -> None:
         )
 
 
-async def _open_disk(info: ModelInfo, cfg: Config, victim: Any) -> DiskTier | None:
-    """The disk tier the capacity names, opened (its index read from the files), or None
-    when its budget is 0. A folder that cannot be used is a :class:`ConfigError`."""
-    cap = info.capacity
-    if not cap.disk_budget_bytes or cap.disk_path is None:
-        return None
-    disk = DiskTier(cap.disk_path, cap.disk_budget_bytes, info.model.fingerprint, victim.order)
-    try:
-        await anyio.to_thread.run_sync(disk.open)
-    except OSError as exc:
-        raise ConfigError(
-            f"disk.path {cap.disk_path} cannot hold cold blocks: {exc.strerror or exc} "
-            "(set disk.path, KVRT_DISK_PATH or --disk-path elsewhere, or disk.budget 0 to "
-            "turn the disk tier off)"
-        ) from None
-    return disk
-
-
-def _open_remote(cfg: Config) -> RemoteTier | None:
-    """The remote tier ``remote.url`` names (no call is made until a session needs it)."""
-    url = cfg.remote.url
-    if not url:
-        return None
-    if not url.startswith(("redis://", "rediss://", "unix://", "valkey://", "valkeys://")):
-        raise ConfigError(
-            f"remote.url must be a redis://, rediss:// or unix:// address, got {url!r}"
-        )
-    url = url.replace("valkey", "redis", 1) if url.startswith("valkey") else url
-    try:
-        return RemoteTier(url, timeout=cfg.remote.timeout)
-    except ValueError as exc:
-        raise ConfigError(f"invalid remote.url {url!r}: {exc}") from None
-
-
 def _resolve(backend: str | None, model: str | None, config: Config | None) -> Config:
     """The configuration ``open_runtime``/``load_engine`` arguments name."""
     if config is not None and not isinstance(config, Config):
@@ -446,11 +413,10 @@ async def open_runtime(
                 "the host cold budget is 0 bytes: kvrt needs room to park evicted blocks "
                 "(set memory.cold, KVRT_MEM_COLD or --mem-cold to a size such as 1GiB)"
             )
-        disk, remote = await _open_disk(info, cfg, victim), _open_remote(cfg)
         cold = ColdStore(
             budget,
             victim,
-            tiers=[t for t in (disk, remote) if t is not None],
+            tiers=await open_tiers(info, cfg, victim),
             flush_timeout=cfg.disk.flush_timeout,
         )
         # An error from the caller's block reaches the caller as itself, not wrapped in

@@ -12,6 +12,7 @@ from kvrt import AdmitMode, EngineConfig, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 
 from ._agent import close_loaded
+from .redis_server import RedisServer, start_redis
 
 STORY = (
     "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "
@@ -19,6 +20,14 @@ STORY = (
     "In the winter of the great storm, the lamp failed twice, and twice she climbed the "
     "tower with a lantern in her hand. "
 )
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` on a free loopback port, stopped after the test."""
+    server = start_redis(tmp_path)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -293,7 +293,7 @@ def test_the_cold_store_stands_below_the_sessions() -> None:
     inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and
     ``entry``; the store knows the tiers below RAM only through the ``ColdTier`` protocol
     (an ordered list), never by kind."""
-    order = ["store", "stats", "ram", "tier", "disk", "remote", "blockfile", "entry"]
+    order = ["store", "stats", "ram", "tier", "disk", "remote", "trust", "blockfile", "entry"]
     store = (ROOT / "kvrt" / "_cold" / "store.py").read_text()
     assert not re.findall(r"\b(?:DiskTier|RemoteTier)\b|self\.(?:disk|remote)\b", store)
     wrong = set()

@@ -5,7 +5,8 @@
   traffic to the tiers below (write-through, demotion, promotion);
 - :mod:`.blockfile` — a block's bytes outside RAM, checked before use;
 - :mod:`.disk` — the disk tier: one file per block, crash-safe, rebuilt on open;
-- :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey.
+- :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey;
+- :mod:`.trust` — names and tags that let a shared store be read without trusting it.
 """
 
 from .disk import BlockIO, DiskStats, DiskTier, default_disk_path
@@ -13,6 +14,8 @@ from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
 from .remote import RemoteStats, RemoteTier
 from .stats import ColdStats
 from .store import ColdStore, Fetched, Tier
+from .tier import ColdTier
+from .trust import ForgedValueError, Signer, load_secret
 
 __all__ = [
     "PARTIAL_PREFIX",
@@ -21,13 +24,17 @@ __all__ = [
     "ColdKey",
     "ColdStats",
     "ColdStore",
+    "ColdTier",
     "DiskStats",
     "DiskTier",
     "Fetched",
+    "ForgedValueError",
     "RemoteStats",
     "RemoteTier",
+    "Signer",
     "Tier",
     "default_disk_path",
+    "load_secret",
     "salted",
     "token_digest",
 ]

@@ -352,6 +352,15 @@ class DiskTier:
             await anyio.to_thread.run_sync(self._unlink_all, victims, limiter=self._limiter)
         return True
 
+    async def discard(self, key: ColdKey) -> None:
+        """Remove the block under ``key`` (the engine rejected its bytes), counted."""
+        record = self._index.get(key)
+        if record is None:
+            return
+        self._forget(key)  # counted by the store (rejected)
+        self.last_error = f"{record.path.name}: the engine rejected its KV bytes"
+        await anyio.to_thread.run_sync(self._unlink, record.path, limiter=self._limiter)
+
     async def read(self, key: ColdKey) -> ColdEntry | None:
         """The verified block under ``key``; None if it is gone or fails a check (then
         removed and counted)."""

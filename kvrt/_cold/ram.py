@@ -165,7 +165,20 @@ class RamTier:
             self._drop(key)
         return True
 
+    def remove(self, key: ColdKey) -> bool:
+        """Let the entry under ``key`` go at once (its bytes proved unusable), pinned or
+        not; whether it was here. Not a victim: not counted as an eviction."""
+        if key not in self._slots:
+            return False
+        self._unindex(key)
+        return True
+
     def _drop(self, key: ColdKey) -> None:
+        self._unindex(key)
+        self.evictions += 1
+        self.on_drop(key)
+
+    def _unindex(self, key: ColdKey) -> None:
         slot = self._slots.pop(key)
         index = (key.fingerprint, key.tokens)
         same = self._by_tokens[index]
@@ -178,5 +191,3 @@ class RamTier:
         if not here:
             del self._by_place[place]
         self.bytes -= slot.entry.n_bytes
-        self.evictions += 1
-        self.on_drop(key)

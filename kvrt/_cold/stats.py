@@ -37,6 +37,9 @@ class ColdStats(msgspec.Struct, frozen=True, kw_only=True):
     """Disk hits taken back into RAM."""
     refused: int
     """Entries larger than the whole budget."""
+    rejected: int = 0
+    """Blocks whose bytes passed their tier's checks but the engine refused (malformed
+    state): dropped from every tier and computed instead."""
     pinned: int
     """Entries in use by a restore or a prefetch, which cannot be dropped."""
     full_waits: int

@@ -107,6 +107,7 @@ class ColdStore:
         self._freed = anyio.Event()
         self._hits = self._approx = self._misses = self._waits = self._failures = 0
         self._demoted = self._promoted = 0
+        self._rejected = 0
         self._tier_hits = {t.name: 0 for t in self.tiers}
         """Fetches each tier below RAM answered."""
         self._send, self._receive = anyio.create_memory_object_stream[_Put](queue_size)
@@ -235,6 +236,16 @@ class ColdStore:
         if self.ram.get(key, touch=True) is not None:
             self._approx += 1
 
+    async def discard(self, key: ColdKey) -> None:
+        """The engine rejected the bytes under ``key`` (they passed every check of the tier
+        they came from): gone from every tier, so the block is computed and stored again.
+        Counted."""
+        self._rejected += 1
+        self.ram.remove(key)
+        self._writing.pop(key, None)
+        for tier in self.tiers:
+            await tier.discard(key)
+
     # -- pins --
 
     @contextmanager
@@ -290,6 +301,7 @@ class ColdStore:
             puts=self.ram.puts,
             evictions=self.ram.evictions,
             refused=self.ram.refused,
+            rejected=self._rejected,
             pinned=self.ram.pinned,
             full_waits=self._waits,
             full_failures=self._failures,

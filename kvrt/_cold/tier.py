@@ -48,6 +48,11 @@ class ColdTier(Protocol):
         returns False, never raises."""
         ...
 
+    async def discard(self, key: ColdKey) -> None:
+        """Remove the block under ``key``: its bytes read back well but the engine
+        rejected them (counted by the tier). Never raises."""
+        ...
+
     def left_ram(self, key: ColdKey) -> None:
         """The block under ``key`` left RAM with no copy in any tier: kept as tokens only
         (a tier that counts such losses counts it)."""

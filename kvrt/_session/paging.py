@@ -10,6 +10,7 @@ all-or-nothing).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
@@ -17,8 +18,11 @@ import anyio
 
 from .._cold import ColdEntry, ColdKey
 from .._errors import (
+    ColdBlockMismatchError,
     ColdStoreFullError,
+    EngineError,
     HotWindowFullError,
+    KvrtError,
 )
 from .._types import Residency, RestoreQuery
 from ..policy import (
@@ -28,6 +32,8 @@ from .gate import EngineGate, Tally, Written
 from .layout import Block
 from .planner import room
 from .provenance import APPROXIMATE
+
+log = logging.getLogger("kvrt")
 
 PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
 
@@ -258,10 +264,23 @@ class Paging:
             if inside:  # leading tokens of a block kept at the tail: the copy replaces them
                 moved += await self.gate.drop(inside[0], inside[-1] + 1)
             began = time.perf_counter()
-            await self.gate.call(
-                "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
-            )
-            self.gate.observed_restore(began, sum(e.n_bytes for e in entries))
+            rejected: KvrtError | None = None
+            try:
+                await self.gate.call(
+                    "admit", self.ctx.admit_run, [e.block for e in entries], writes=marks
+                )
+            except (EngineError, ColdBlockMismatchError) as exc:
+                rejected = exc
+            else:
+                self.gate.observed_restore(began, sum(e.n_bytes for e in entries))
+        if rejected is not None:
+            # Bytes that passed their tier's checks but not the engine's (malformed state
+            # written by someone else): never an error to the caller. They leave every
+            # tier and the blocks are computed instead (the planner sees them dropped).
+            for entry in entries:
+                await self.cold.discard(entry.key)
+            log.warning("kvrt: dropped %d cold blocks the engine rejected: %s", len(run), rejected)
+            return 0, moved
         moved.wrote(marks)
         moved.restored += sum(b.n_tokens for b in run)
         for block, entry in zip(run, entries, strict=True):

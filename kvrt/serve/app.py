@@ -173,6 +173,14 @@ class Server:
             "# HELP kvrt_cold_store_entries Blocks held by the cold store.",
             "# TYPE kvrt_cold_store_entries gauge",
             f"kvrt_cold_store_entries {cold.entries}",
+            "# HELP kvrt_cold_blocks_refused_total Stored blocks never used, by why: a "
+            "shared tier's value whose tag fails (forged), that fails its checks (damaged) "
+            "or is larger than any block (oversized); bytes the engine rejected (rejected).",
+            "# TYPE kvrt_cold_blocks_refused_total counter",
+            *(
+                f'kvrt_cold_blocks_refused_total{{why="{why}"}} {n}'
+                for why, n in _refused(cold).items()
+            ),
             "# HELP kvrt_sessions Live sessions.",
             "# TYPE kvrt_sessions gauge",
             f"kvrt_sessions {len(self.pool.slots)}",
@@ -833,6 +841,17 @@ class _Stream(StreamingResponse):
 
 class _Stalled(Exception):
     """A streamed chunk's client did not take it within the stall timeout."""
+
+
+def _refused(cold: kvrt.ColdStats) -> dict[str, int]:
+    remote = cold.remote
+    return {
+        "forged": remote.forged if remote is not None else 0,
+        "damaged": (remote.refused if remote is not None else 0)
+        + (cold.disk.corrupt if cold.disk is not None else 0),
+        "oversized": remote.oversized if remote is not None else 0,
+        "rejected": cold.rejected,
+    }
 
 
 def _session(slot: Slot) -> kvrt.Session:
