@@ -31,6 +31,7 @@ from ._cold import ColdKey as ColdKey
 from ._cold import ColdStats as ColdStats
 from ._cold import DiskStats as DiskStats
 from ._cold import RemoteStats as RemoteStats
+from ._cold import SharedStore as SharedStore
 from ._config import Config as Config
 from ._config import DiskConfig as DiskConfig
 from ._config import EngineConfig as EngineConfig
@@ -171,6 +172,7 @@ __all__ = [
     "SessionConfig",
     "SessionCounters",
     "SessionReport",
+    "SharedStore",
     "Timings",
     "TokenLogprob",
     "TokenOrigins",

@@ -7,16 +7,40 @@ so the reply and everything before it are reused, not recomputed.
 Remembered replies are scoped like blocks: a session opened with a cache salt finds only
 the replies of sessions with the same salt (another tenant's reply, or what it called a
 tool with, is never placed in its context).
+
+Replicas sharing a remote server share the memory too (:meth:`ReplyMemory.publish`,
+:meth:`ReplyMemory.recall`): a reply one replica generated is placed with its generated
+tokens on every replica, so its KV — computed alone, as generated — is the generating
+replica's, and every replica answers what comes after it as that one would.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ReplyMemory"]
+import msgspec
+
+from ._cold import SharedStore
+
+__all__ = ["SHARED_REPLY_TTL", "ReplyMemory"]
+
+SHARED_REPLY_TTL = 24 * 3600.0
+"""Seconds a reply stays in the shared store after it was generated."""
+
+MAX_SHARED_REPLY = 4 * 2**20
+"""The largest shared reply read back (its text and token ids)."""
+
+
+class _Shared(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A reply as replicas share it."""
+
+    scope: str | None
+    text: str
+    tokens: list[int]
+    rest: str
 
 
 @dataclass
@@ -24,6 +48,8 @@ class _Entries:
     """What every scope of one memory shares: bounded maps and their lock."""
 
     capacity: int
+    shared: SharedStore | None = None
+    """The remote server's values, when replicas share one."""
     replies: OrderedDict[tuple[str | None, str], tuple[list[int], str]] = field(
         default_factory=OrderedDict
     )
@@ -46,9 +72,14 @@ class ReplyMemory:
     """
 
     def __init__(
-        self, capacity: int = 256, *, _entries: _Entries | None = None, _scope: str | None = None
+        self,
+        capacity: int = 256,
+        *,
+        shared: SharedStore | None = None,
+        _entries: _Entries | None = None,
+        _scope: str | None = None,
     ) -> None:
-        self._entries = _entries or _Entries(capacity)
+        self._entries = _entries or _Entries(capacity, shared)
         self._scope = _scope
 
     @property
@@ -100,6 +131,48 @@ class ReplyMemory:
             if found is not None:
                 e.replies.move_to_end(key)
         return None if found is None else (list(found[0]), found[1])
+
+    def _ident(self, text: str) -> bytes:
+        scope = "-" if self._scope is None else "+" + self._scope
+        return f"{scope}\0{text}".encode()
+
+    async def publish(self, text: str) -> bool:
+        """Share the remembered reply ``text`` with the replicas of the remote server (for
+        :data:`SHARED_REPLY_TTL`); whether the server holds it (False without one)."""
+        shared = self._entries.shared
+        found = self.lookup(text)
+        if shared is None or found is None:
+            return False
+        value = msgspec.msgpack.encode(_Shared(self._scope, text, found[0], found[1]))
+        return await shared.put("reply", self._ident(text), value, ttl=SHARED_REPLY_TTL)
+
+    async def recall(
+        self, texts: Iterable[str], check: Callable[[list[int], str, str], bool]
+    ) -> int:
+        """Learn which of ``texts`` (replies not remembered here) another replica generated,
+        from the shared store; how many. ``check(tokens, text, rest)`` says whether the
+        tokens make the text less its rest (a value from a store that trusts every writer
+        is taken only then)."""
+        shared = self._entries.shared
+        if shared is None:
+            return 0
+        learnt = 0
+        for text in dict.fromkeys(t for t in texts if self.lookup(t) is None):
+            raw = await shared.get("reply", self._ident(text), max_bytes=MAX_SHARED_REPLY)
+            if raw is None:
+                continue
+            try:
+                got = msgspec.msgpack.decode(raw, type=_Shared)
+            except msgspec.DecodeError:
+                continue
+            if got.scope != self._scope or got.text != text or not got.tokens:
+                continue
+            if not check(got.tokens, got.text, got.rest) or not text.endswith(got.rest):
+                continue
+            tokens_text = text[: len(text) - len(got.rest)]
+            self.remember(text, got.tokens, tokens_text)
+            learnt += 1
+        return learnt
 
     def generated(
         self, *, content: str = "", calls: Sequence[tuple[str, str, str]] = ()

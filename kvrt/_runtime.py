@@ -18,7 +18,7 @@ from . import policy
 from ._backend import Engine
 from ._capacity import Limit, planner_context
 from ._checks import check_bool, check_choice, check_int, check_salt, check_text
-from ._cold import ColdStats, ColdStore, salted
+from ._cold import ColdStats, ColdStore, RemoteTier, SharedStore, salted
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
 from ._engines import open_engine
@@ -86,7 +86,12 @@ class Runtime(metaclass=NoPublicConstructor):
         """One instance per policy name; those that calibrate themselves learn from every
         session's measured work (sessions hold a live view of the values)."""
         self._chat = ChatTemplate(engine, template)
-        self._replies = ReplyMemory()
+        remote = next((t for t in cold.tiers if isinstance(t, RemoteTier)), None)
+        self.shared = SharedStore(remote) if remote is not None else None
+        """The values replicas share on the remote server (``remote.url``), signed with
+        their secret; None without a remote server. The runtime's reply memory lives
+        there too, and ``kvrt serve`` its kept responses and conversations."""
+        self._replies = ReplyMemory(shared=self.shared)
         self._closed = False
         self._serial = 0
         threads = config.engine.threads or physical_cores()
@@ -270,6 +275,7 @@ class Runtime(metaclass=NoPublicConstructor):
                 config=cfg,
                 policies=chosen,
                 replies=self._replies.scoped(cache_salt),
+                share=self.shared is not None,
             )
         )
         await self._tg.start(actor.run)

@@ -24,11 +24,9 @@ from kvrt.backend import KeySketching
 from kvrt.testing import zoo
 
 from ._agent import NO_DISK, llama_cpp_greedy, next_logits, tiny, zoo_path
+from .redis_server import RedisServer
 from .test_churn import churn
 from .test_partial_window import check_exact, files_context, in_pieces, partial_blocks
-from .test_remote_tier import Server, server
-
-__all__ = ["server"]
 
 ATTENTION = [n for n, v in zoo.VARIANTS.items() if not v.recurrent and v.layers > 1]
 ONE_LAYER = [n for n, v in zoo.VARIANTS.items() if v.layers == 1]
@@ -127,13 +125,13 @@ async def test_only_exact_kv_crosses_from_a_partial_window(name: str, anyio_back
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 @pytest.mark.parametrize("name", ATTENTION)
 async def test_disk_redis_and_a_restart_restore_exactly(
-    name: str, server: Server, tmp_path: Path, anyio_backend: str
+    name: str, redis_server: RedisServer, tmp_path: Path, anyio_backend: str
 ) -> None:
     """Blocks written through to the disk and Redis tiers come back exact in a runtime
     opened afterwards (a restart) from each tier alone."""
     engine = tiny(name)
     disk = str(tmp_path / "blocks")
-    both = kvrt.load_config(flags={"disk.path": disk, "remote.url": server.url})
+    both = kvrt.load_config(flags={"disk.path": disk, "remote.url": redis_server.url})
     async with (
         kvrt.open_runtime(engine=engine, config=both) as rt,
         rt.open_session(hot_tokens=2048, write_through="all") as s,
@@ -142,7 +140,7 @@ async def test_disk_redis_and_a_restart_restore_exactly(
         want = (await next_logits(s), list((await s.generate(8, stop_at_end=False)).tokens))
     for tier, flags in (
         ("disk", {"disk.path": disk}),
-        ("remote", {"disk.budget": "0", "remote.url": server.url}),
+        ("remote", {"disk.budget": "0", "remote.url": redis_server.url}),
     ):
         async with (
             kvrt.open_runtime(engine=engine, config=kvrt.load_config(flags=flags)) as rt,

@@ -23,9 +23,7 @@ from kvrt import Segment
 from kvrt.testing import zoo
 
 from ._agent import llama_cpp_greedy, tiny, zoo_path
-from .test_remote_tier import Server, server
-
-__all__ = ["server"]
+from .redis_server import RedisServer
 
 HYBRIDS = [n for n, v in zoo.VARIANTS.items() if v.recurrent and v.architecture != "mamba2"]
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "window", "block", "state"]
@@ -119,7 +117,7 @@ async def test_a_hybrid_restores_exactly_across_sessions_and_edits(
 @pytest.mark.parametrize("name", ["granitehybrid", "mamba2"])
 @pytest.mark.parametrize(("tier", "anyio_backend"), [("disk", "trio"), ("remote", "asyncio")])
 async def test_restored_exactly_from_disk_or_redis_in_another_runtime(
-    server: Server, tmp_path: Path, name: str, tier: str, anyio_backend: str
+    redis_server: RedisServer, tmp_path: Path, name: str, tier: str, anyio_backend: str
 ) -> None:
     """The blocks and their checkpoints outlive the runtime: on disk (a restart) or on a
     real ``redis-server``; a second runtime, its RAM empty, restores the context from
@@ -127,7 +125,7 @@ async def test_restored_exactly_from_disk_or_redis_in_another_runtime(
     engine = tiny(name)
     config = kvrt.Config(
         disk=kvrt.DiskConfig(path=str(tmp_path), budget=1 << 30 if tier == "disk" else 0),
-        remote=kvrt.RemoteConfig(url=server.url if tier == "remote" else None),
+        remote=kvrt.RemoteConfig(url=redis_server.url if tier == "remote" else None),
         session=kvrt.SessionConfig(block_tokens=64, recent_tokens=64),
     )
     context = segments(seed=5)

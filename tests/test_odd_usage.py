@@ -165,17 +165,22 @@ async def test_message_content_never_becomes_control_tokens(backend: str) -> Non
         assert seg.text.count("<|im_start|>") == 3 and not seg.parse_special
         from kvrt._session import segment_tokens
 
-        tokens = segment_tokens(engine, seg, first=True)
+        tokens = segment_tokens(engine, seg, first=True).tokens
         assert [t for t in tokens if t in special] == [1, 2, 1]  # user header, end, assistant
         plain = engine.tokenize(evil, add_special=False)
         assert not special & set(plain)
         assert engine.tokenize("<|im_start|>", add_special=False, parse_special=True) == [1]
         assert not special & set(engine.tokenize("<|im_start|>", add_special=False))
         # A plain segment is plain text too.
-        assert not special & set(segment_tokens(engine, kvrt.Segment("s", evil), first=False))
+        assert not special & set(
+            segment_tokens(engine, kvrt.Segment("s", evil), first=False).tokens
+        )
         # And a trusted one may ask for markup.
         trusted = kvrt.Segment("s", "<|im_start|>user\nhi<|im_end|>\n", parse_special=True)
-        assert [t for t in segment_tokens(engine, trusted, first=False) if t in special] == [1, 2]
+        assert [t for t in segment_tokens(engine, trusted, first=False).tokens if t in special] == [
+            1,
+            2,
+        ]
 
 
 @both_engines

@@ -27,11 +27,8 @@ import openai
 import pytest
 
 from ._agent import zoo_path
-from .test_remote_tier import Server as Redis
-from .test_remote_tier import server as redis_server
+from .redis_server import RedisServer as Redis
 from .test_tenants import PIN, PREFIX, SECRET
-
-__all__ = ["redis_server"]
 
 pytestmark = pytest.mark.subprocess
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kvrt
 from kvrt import policies
 from kvrt._cold.entry import token_digest
-from kvrt._session.layout import Block, HotWindow
+from kvrt._session.layout import Block, HotWindow, Placed
 from kvrt._session.provenance import FOREIGN, Provenance
 
 BLOCK = 4
@@ -31,11 +31,13 @@ def window(*, sinks: int = 4, recent: int = 4, planner: int = 10_000) -> HotWind
     )
 
 
-def seg(name: str, n: int, base: int = 0, cls: str = "volatile") -> tuple[kvrt.Segment, list[int]]:
-    return kvrt.Segment(name, "x", cache_class=kvrt.CacheClass(cls)), list(range(base, base + n))
+def seg(name: str, n: int, base: int = 0, cls: str = "volatile") -> Placed:
+    return Placed(
+        kvrt.Segment(name, "x", cache_class=kvrt.CacheClass(cls)), list(range(base, base + n))
+    )
 
 
-def placed(w: HotWindow, segments: Sequence[tuple[kvrt.Segment, list[int]]]) -> list[Block]:
+def placed(w: HotWindow, segments: Sequence[Placed]) -> list[Block]:
     layout, _ = w.plan_layout(segments)
     w.adopt(layout)
     return layout
@@ -103,14 +105,14 @@ def test_the_plan_keeps_sinks_and_recent_and_evicts_in_policy_order() -> None:
     assert w.plan_hot(order, budget=100) == {b.id for b in layout}
 
 
-def places(blocks: Sequence[Block]) -> list[tuple[int, int, tuple[int, str]]]:
-    return [(b.start, b.end, (b.start, b.prefix)) for b in blocks]
+def places(blocks: Sequence[Block]) -> list[tuple[int, int, tuple[int, str], set[int]]]:
+    return [(b.start, b.end, (b.start, b.prefix), b.lone_positions()) for b in blocks]
 
 
 def test_what_stays_resident_when_a_context_changes() -> None:
     w, record = window(), Provenance()
     layout = placed(w, [seg("a", 8), seg("b", 6, base=100)])
-    record.attend(0, 14, places(layout))  # computed as this layout's blocks
+    record.attend(0, 14, [p[:3] for p in places(layout)])  # computed as this layout's blocks
     engine = {p: t for b in layout for p, t in zip(range(b.start, b.end), b.tokens, strict=True)}
 
     # b grew: its first block is whole, its second block's leading tokens stay at the tail.
@@ -131,6 +133,32 @@ def test_what_stays_resident_when_a_context_changes() -> None:
     assert w.strays(seen) == [(4, 14)]  # tidied away before the context is placed
 
 
+def test_how_a_token_was_computed_is_part_of_every_later_blocks_identity() -> None:
+    """A reply's tokens computed alone (generated) and the same tokens prefilled are other
+    KV, and so is everything after them: other keys from the reply's block on, and
+    resident KV of the other lineage is not reused."""
+    w, record = window(), Provenance()
+    reply = Placed(kvrt.Segment("reply", "x"), list(range(100, 106)), frozenset(range(2, 6)))
+    after = seg("user", 4, base=200)
+    as_generated = w.keys_for([seg("a", 4), reply, after])
+    prefilled = w.keys_for([seg("a", 4), reply._replace(lone=frozenset()), after])
+    assert as_generated[0] == prefilled[0]  # before the reply: the same blocks
+    assert all(g != p for g, p in zip(as_generated[1:], prefilled[1:], strict=True))
+    assert as_generated[1].prefix == prefilled[1].prefix  # the reply's own blocks differ
+    assert as_generated[1].tokens != prefilled[1].tokens  # in their tokens' lineage, the
+    assert as_generated[3].tokens == prefilled[3].tokens  # one after them in its prefix
+    assert as_generated[3].prefix != prefilled[3].prefix
+
+    layout = placed(w, [seg("a", 4), reply, after])
+    engine = {p: t for b in layout for p, t in zip(range(b.start, b.end), b.tokens, strict=True)}
+    record.attend(0, 14, [p[:3] for p in places(layout)])
+    record.lineage(0, 14, range(6, 10))  # the reply generated: computed alone
+    assert record.screen(dict(engine), places(layout)) == engine
+    record.lineage(4, 10, ())  # the same tokens prefilled
+    seen = record.screen(dict(engine), places(layout))
+    assert {p for p, t in seen.items() if t == FOREIGN} == set(range(6, 10))
+
+
 def test_generated_tokens_join_the_last_block_until_it_is_full() -> None:
     w = window()
     placed(w, [seg("prompt", 3)])
@@ -144,10 +172,13 @@ def test_generated_tokens_join_the_last_block_until_it_is_full() -> None:
     assert w.token_at(8) == 1005 and w.token_at(9) is None
     w.truncate(5)
     assert [(b.segment, b.n_tokens) for b in w.blocks] == [("prompt", 3), ("reply", 2)]
-    # The chain of prefixes still holds after generating: keys match a fresh layout.
-    fresh = window()
-    layout = placed(fresh, [seg("prompt", 3), (kvrt.Segment("reply", "x"), [1000, 1001])])
+    # The chain of prefixes still holds after generating: keys match a fresh layout that
+    # places the reply as generated (computed alone), and only such a one.
+    reply = Placed(kvrt.Segment("reply", "x"), [1000, 1001], frozenset({0, 1}))
+    layout = placed(window(), [seg("prompt", 3), reply])
     assert [b.key("m") for b in w.blocks] == [b.key("m") for b in layout]
+    prefilled = placed(window(), [seg("prompt", 3), reply._replace(lone=frozenset())])
+    assert [b.key("m") for b in w.blocks][1] != prefilled[1].key("m")
 
 
 # -- random contexts against a reference model of the rules --
@@ -177,7 +208,7 @@ def test_any_plan_fits_its_budget_keeps_what_must_stay_and_evicts_only_what_it_m
     segments = [seg(f"s{i}", n, base=100 * i, cls=kinds[i]) for i, n in enumerate(lengths)]
     layout = placed(w, segments)
     # Blocks partition the context in order, none larger than a block.
-    assert [t for b in layout for t in b.tokens] == [t for _, toks in segments for t in toks]
+    assert [t for b in layout for t in b.tokens] == [t for p in segments for t in p.tokens]
     assert all(0 < b.n_tokens <= BLOCK for b in layout)
     assert all(a.end == b.start for a, b in itertools.pairwise(layout))
     length = w.length

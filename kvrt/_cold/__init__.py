@@ -6,12 +6,14 @@
 - :mod:`.blockfile` — a block's bytes outside RAM, checked before use;
 - :mod:`.disk` — the disk tier: one file per block, crash-safe, rebuilt on open;
 - :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey;
+- :mod:`.shared` — other values replicas share on the remote server (replies, API state);
 - :mod:`.trust` — names and tags that let a shared store be read without trusting it.
 """
 
 from .disk import BlockIO, DiskStats, DiskTier, default_disk_path
 from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
 from .remote import RemoteStats, RemoteTier
+from .shared import SharedStore
 from .stats import ColdStats
 from .store import ColdStore, Fetched, Tier
 from .tier import ColdTier
@@ -31,6 +33,7 @@ __all__ = [
     "ForgedValueError",
     "RemoteStats",
     "RemoteTier",
+    "SharedStore",
     "Signer",
     "Tier",
     "default_disk_path",

@@ -6,7 +6,7 @@ A fixed prefix, a header, then the KV payload::
     | xxh3-128 of header + payload (16 bytes) | header (msgpack) | payload
 
 The header names the key (its fingerprint: the model's, or a salted one), the cache class,
-the KV precision, the block's token ids, how many float32 logits follow the KV bytes in the
+the KV precision, the block's token ids (and which were computed alone), how many float32 logits follow the KV bytes in the
 payload (after a block that ended its context; 0 for most) and, under a salted key, the
 fingerprint of the KV itself. :func:`decode` refuses anything that does not check out — a wrong magic
 or version, lengths that disagree with the bytes, a checksum mismatch, tokens that do not
@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 MAGIC = b"KVRTBLK\0"
-VERSION = 1
+VERSION = 2
+"""2: the key's digests hold which tokens were computed alone (:func:`token_digest`)."""
 PREFIX = struct.Struct("<8sHHIQ16s")
 """magic, version, flags, header length, payload length, checksum."""
 
@@ -64,6 +65,8 @@ class Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     is not the key's: a salted key (see :func:`~kvrt._cold.entry.salted`)."""
     resumable: bool = True
     """See :attr:`kvrt.backend.ColdBlockMeta.resumable`."""
+    lone: list[int] = msgspec.field(default_factory=list)
+    """Offsets of the tokens whose KV was computed alone (see :attr:`ColdEntry.lone`)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -85,6 +88,7 @@ def encode(entry: ColdEntry) -> tuple[bytes, memoryview]:
             logits=0 if entry.logits is None else int(entry.logits.size),
             kv_fingerprint="" if meta.fingerprint == key.fingerprint else meta.fingerprint,
             resumable=meta.resumable,
+            lone=sorted(entry.lone),
         )
     )
     kv = np.ascontiguousarray(entry.data)
@@ -138,7 +142,9 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
         raise CorruptBlockError("checksum mismatch")
     header = read_header(bytes(header_bytes))
     cache_class = CacheClass(header.cache_class)
-    if token_digest(header.tokens) != header.tokens_digest:
+    if any(not 0 <= i < len(header.tokens) for i in header.lone):
+        raise CorruptBlockError("the offsets of lone tokens fall outside the block")
+    if token_digest(header.tokens, lone=header.lone) != header.tokens_digest:
         raise CorruptBlockError("the token ids do not match the key's token digest")
     key = ColdKey(header.fingerprint, header.prefix, header.tokens_digest, header.start)
     if expect is not None and key != expect:
@@ -157,4 +163,4 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
     at = PREFIX.size + header_len
     data = buf[at : at + kv_len]
     logits = buf[at + kv_len :].view("<f4").astype(np.float32) if header.logits else None
-    return ColdEntry(key, cache_class, ColdBlock(meta, data), logits)
+    return ColdEntry(key, cache_class, ColdBlock(meta, data), logits, frozenset(header.lone))

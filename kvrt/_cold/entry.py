@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -20,10 +20,18 @@ PARTIAL_PREFIX = "pw"
 a hex digest, which never does): see :mod:`kvrt._session.provenance`."""
 
 
-def token_digest(tokens: Sequence[int], seed: bytes = b"") -> str:
-    """A stable digest of a token sequence (optionally chained onto ``seed``)."""
+def token_digest(tokens: Sequence[int], seed: bytes = b"", lone: Iterable[int] = ()) -> str:
+    """A stable digest of a token sequence (optionally chained onto ``seed``) and of how
+    its KV was computed: ``lone`` holds the offsets of the tokens computed alone, as a
+    generated token is (the rest in batches). A token's KV computed alone has other bits
+    than the same token's computed in a batch, and so does everything after it: the
+    lineage is part of the identity of the block and of every block after it."""
     h = hashlib.blake2b(seed, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    alone = sorted(lone)
+    if alone:
+        h.update(b"\0lone\0")
+        h.update(np.asarray(alone, dtype=np.int32).tobytes())
     return h.hexdigest()
 
 
@@ -44,9 +52,10 @@ class ColdKey(msgspec.Struct, frozen=True):
     fingerprint: str
     """Model digest plus KV layout."""
     prefix: str
-    """Digest of every logical token before the block."""
+    """Digest of every logical token before the block, and of how each was computed."""
     tokens: str
-    """Digest of the block's own tokens."""
+    """Digest of the block's own tokens and of which were computed alone
+    (:func:`token_digest`)."""
     start: int
     """Position of the block's first token."""
 
@@ -78,6 +87,9 @@ class ColdEntry:
     were computed with exact KV: a session whose context ends there continues from them,
     as the session that computed them would have, instead of computing that token again
     (in another batch cut, which on some CPUs and engines gives other bits)."""
+    lone: frozenset[int] = frozenset()
+    """Offsets of the block's tokens whose KV was computed alone (a generated reply's),
+    as its key's token digest holds them."""
 
     @property
     def n_bytes(self) -> int:

@@ -119,7 +119,7 @@ class RemoteTier:
         self.retry_after = retry_after
         self.signer = signer or Signer(None)
         self.max_value_bytes = max_value_bytes
-        self._client = redis_client(url, timeout=timeout, ca_file=ca_file)
+        self.client = redis_client(url, timeout=timeout, ca_file=ca_file)
         self._limiter = anyio.CapacityLimiter(4)
         self._known: set[ColdKey] = set()
         self._down_until = 0.0
@@ -165,9 +165,9 @@ class RemoteTier:
         """Not counted here: the disk tier, if any, counts blocks kept as tokens only."""
 
     def close(self) -> None:
-        self._client.close()
+        self.client.close()
 
-    async def _call(self, what: str, fn: Callable[[], T]) -> T | None:
+    async def call(self, what: str, fn: Callable[[], T]) -> T | None:
         """Run one client call in a thread; None if it fails. A server that answered
         with an error about the key (a value of another type under a kvrt name, a full
         server refusing a write) leaves the tier up; one that did not answer marks it
@@ -198,12 +198,12 @@ class RemoteTier:
             return 0
 
         def exists() -> list[int]:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=False)
             for k in ask:
                 pipe.exists(self.key_name(k))
             return list(pipe.execute())
 
-        answer = await self._call("lookup", exists)
+        answer = await self.call("lookup", exists)
         if not isinstance(answer, list):
             return 0
         found = [k for k, n in zip(ask, answer, strict=True) if n]
@@ -218,7 +218,7 @@ class RemoteTier:
             return True
         name = self.key_name(entry.key)
         head, payload = blockfile.encode(entry)
-        done = await self._call("write", partial(self._seal_and_set, name, head, payload))
+        done = await self.call("write", partial(self._seal_and_set, name, head, payload))
         if done is None:
             return False
         self._known.add(entry.key)
@@ -227,14 +227,14 @@ class RemoteTier:
         return True
 
     def _seal_and_set(self, name: str, head: bytes, payload: memoryview) -> bool:
-        self._client.set(name, self.signer.seal(name, head, payload), nx=True)
+        self.client.set(name, self.signer.seal(name, head, payload), nx=True)
         return True
 
     async def read(self, key: ColdKey) -> ColdEntry | None:
         """The verified block under ``key``; None if the server lacks it, is down, or
         holds a value that fails a check (refused, counted and deleted)."""
         name = self.key_name(key)
-        got = await self._call("read", partial(self._fetch, name, key))
+        got = await self.call("read", partial(self._fetch, name, key))
         if got is None:
             self._known.discard(key)
             return None
@@ -259,7 +259,7 @@ class RemoteTier:
     def _fetch(self, name: str, key: ColdKey) -> tuple[ColdEntry | None, tuple[str, str] | None]:
         """In a worker thread: the value's size, then at most ``max_value_bytes`` of it,
         checked (tag, checksum, key). A value that fails is deleted."""
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         pipe.strlen(name)
         pipe.getrange(name, 0, self.max_value_bytes - 1)
         size, raw = pipe.execute()
@@ -277,13 +277,13 @@ class RemoteTier:
                 problem = ("forged", str(exc))
             except blockfile.CorruptBlockError as exc:
                 problem = ("damaged", str(exc))
-        self._client.delete(name)
+        self.client.delete(name)
         return None, problem
 
     async def discard(self, key: ColdKey) -> None:
         """Delete the block under ``key`` (the engine rejected its bytes)."""
         self._known.discard(key)
-        if await self._call("delete", partial(self._client.delete, self.key_name(key))):
+        if await self.call("delete", partial(self.client.delete, self.key_name(key))):
             self.discarded += 1
 
     def _recovered(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -210,19 +210,25 @@ class ColdStore:
         return entry
 
     def leading(
-        self, fingerprint: str, prefix: str, start: int, tokens: Sequence[int]
+        self,
+        fingerprint: str,
+        prefix: str,
+        start: int,
+        tokens: Sequence[int],
+        lone: Container[int] = (),
     ) -> tuple[ColdEntry, int] | None:
         """The entry in RAM at ``start`` after ``prefix`` (so computed with the same
-        tokens before it) that shares the longest run of leading tokens with ``tokens``,
-        and that run's length; None when none shares any. Its first tokens' KV is exactly
-        what computing them would give: a context that diverges inside a block restores
-        them, then computes only from the divergence."""
+        tokens before it) that shares the longest run of leading tokens with ``tokens``
+        (computed alone at the same offsets, ``lone``), and that run's length; None when
+        none shares any. Its first tokens' KV is exactly what computing them would give:
+        a context that diverges inside a block restores them, then computes only from
+        the divergence."""
         best: tuple[ColdEntry, int] | None = None
         for entry in self.ram.placed_at(fingerprint, prefix, start):
             held = entry.meta.tokens
             n = 0
-            for a, b in zip(held, tokens, strict=False):
-                if a != b:
+            for i, (a, b) in enumerate(zip(held, tokens, strict=False)):
+                if a != b or (i in entry.lone) != (i in lone):
                     break
                 n += 1
             if n and (best is None or n > best[1]):
@@ -451,6 +457,20 @@ class ColdStore:
             self.pending += 1
             request.spill = True
         return outcome
+
+    def needs_lower(self, key: ColdKey) -> bool:
+        """Whether a tier below RAM lacks ``key`` and no write of it is under way."""
+        return key not in self._writing and self._needs_lower(key)
+
+    async def write_below(self, entry: ColdEntry) -> bool:
+        """Write ``entry`` to each tier below RAM that lacks it, now, without going
+        through RAM (a replica shares what it answered before it answers); whether every
+        tier holds it after."""
+        done = True
+        for tier in self.tiers:
+            if entry.key not in tier:
+                done = await tier.write(entry) and done
+        return done
 
     def _needs_lower(self, key: ColdKey) -> bool:
         """Whether a tier below RAM lacks ``key`` (so a commit writes it through).

@@ -7,8 +7,10 @@ completion) -> ``mailbox`` (the one way commands reach the actor, shared by the 
 and its replies) -> ``prefetch`` (the background job a handle starts for its next
 context) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generation``
 (the continuation, stop sequences, remembered replies) -> ``placement`` (plan -> place ->
-converge) -> ``paging`` (evict and export runs,
-restore runs from any cold tier, approximate hits, prefill, room) -> ``gate`` (engine
+converge; ``tokens`` what it places, ``scoring`` relevance, ``approximate`` approximate
+hits) -> ``computing`` (tokens computed in batches, or one at a time where they were
+generated) -> ``paging`` (evict and export runs, restore runs from any cold tier, room)
+-> ``gate`` (engine
 calls in threads, derived residency, tallies) -> ``provenance`` (what each token's KV
 attended to) -> ``arguments`` (a call's arguments checked) -> ``layout`` (segments and blocks:
 synchronous bookkeeping, no ``await``).

@@ -124,6 +124,7 @@ class Actor:
         self.engine, self.ctx, self.window = parts.engine, parts.ctx, parts.window
         self.cold, self.turns = parts.cold, parts.turns
         self.policies, self.config, self.replies = parts.policies, parts.config, parts.replies
+        self.share = parts.share
         self.tokenize = self.placement.tokenize
         self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
         self.finished = anyio.Event()
@@ -226,16 +227,18 @@ class Actor:
 
     async def _snapshot(
         self,
-    ) -> tuple[list[tuple[str, CacheClass, float | None, list[int]]], list[ColdKey]]:
-        """The context as segments (name, class, score, tokens) and its blocks' keys, once
-        every hot block has a cold copy (as the cold admission policy allows)."""
+    ) -> tuple[list[tuple[str, CacheClass, float | None, list[int], list[int]]], list[ColdKey]]:
+        """The context as segments (name, class, score, tokens, offsets of the tokens
+        computed alone) and its blocks' keys, once every hot block has a cold copy (as the
+        cold admission policy allows)."""
         await self.paging.write_back(self.window.blocks, spare=True)
-        segments: list[tuple[str, CacheClass, float | None, list[int]]] = []
+        segments: list[tuple[str, CacheClass, float | None, list[int], list[int]]] = []
         for b in self.window.blocks:
-            if segments and segments[-1][0] == b.segment:
-                segments[-1][3].extend(b.tokens)
-            else:
-                segments.append((b.segment, b.cache_class, b.score, list(b.tokens)))
+            if not segments or segments[-1][0] != b.segment:
+                segments.append((b.segment, b.cache_class, b.score, [], []))
+            tokens, lone = segments[-1][3], segments[-1][4]
+            lone.extend(len(tokens) + i for i in sorted(b.lone))
+            tokens.extend(b.tokens)
         return segments, [b.key(self.window.fingerprint) for b in self.window.blocks]
 
     # -- explicit control --

@@ -79,7 +79,10 @@ class ApproximateHits:
                 return False, moved
             if fresh:
                 began = time.perf_counter()
-                marks = [Written(block.start, block.start + fresh, APPROXIMATE, "prefilled")]
+                lone = frozenset(block.lone_positions())  # approximate KV: never stored
+                marks = [
+                    Written(block.start, block.start + fresh, APPROXIMATE, "prefilled", lone=lone)
+                ]
                 await self.gate.call(
                     "prefill",
                     self.ctx.prefill,
@@ -91,7 +94,8 @@ class ApproximateHits:
                 self.gate.observed_prefill(began, block.start, fresh)
                 moved.wrote(marks)
             began = time.perf_counter()
-            marks = [Written(block.start + fresh, block.end, APPROXIMATE, "approximate")]
+            lone = frozenset(block.lone_positions())
+            marks = [Written(block.start + fresh, block.end, APPROXIMATE, "approximate", lone=lone)]
             await self.gate.call(
                 "admit", self.ctx.admit, entry.block, AdmitMode.TAIL, skip=fresh, writes=marks
             )

@@ -95,6 +95,9 @@ class SessionParts:
     policies: SessionPolicies
     replies: ReplyMemory
     """The runtime's memory of generated replies, shared by its sessions."""
+    share: bool = False
+    """Replicas share a remote server: before a generation returns, the context's blocks
+    and the reply reach it (so another replica continues exactly as this one would)."""
 
 
 @dataclass(slots=True)
@@ -134,15 +137,17 @@ class Tally:
 
 class Written(NamedTuple):
     """Positions an engine call makes resident: the provenance mark their KV gets (see
-    :mod:`.provenance`; None: exact), where it comes from (a :class:`Tally` source) and,
+    :mod:`.provenance`; None: exact), where it comes from (a :class:`Tally` source),
     where no block of the layout holds them yet (a generated token), the place of the
-    block that will (start, prefix)."""
+    block that will (start, prefix), and which of them are computed alone (a generated
+    token, a replayed one, or restored bytes of such tokens)."""
 
     start: int
     end: int
     mark: str | None
     source: str
     place: tuple[int, str] | None = None
+    lone: frozenset[int] = frozenset()
 
 
 class EngineGate:
@@ -161,6 +166,7 @@ class EngineGate:
         self.policies = parts.policies
         self.config = parts.config
         self.replies = parts.replies
+        self.share = parts.share
         self.choices: dict[int, str] = {}
         """The last residency decision per block id, for ``explain()``."""
         self.provenance = Provenance()
@@ -198,8 +204,11 @@ class EngineGate:
             self.fault(label)
         for w in writes:
             self.provenance.set(w.start, w.end, w.mark)
-            places = [(w.start, w.end, w.place)] if w.place is not None else self._places()
-            self.provenance.attend(w.start, w.end, places)
+            if w.place is not None:
+                self.provenance.attend(w.start, w.end, [(w.start, w.end, w.place)])
+            else:
+                self.provenance.attend(w.start, w.end, [p[:3] for p in self._places()])
+            self.provenance.lineage(w.start, w.end, w.lone)
         self._resident = None
         try:
             return await self.turns.run(
@@ -233,9 +242,11 @@ class EngineGate:
             self._resident = self.provenance.screen(raw, self._places())
         return self._resident
 
-    def _places(self, layout: Sequence[Block] | None = None) -> list[tuple[int, int, Place]]:
+    def _places(
+        self, layout: Sequence[Block] | None = None
+    ) -> list[tuple[int, int, Place, set[int]]]:
         blocks = self.window.blocks if layout is None else layout
-        return [(b.start, b.end, (b.start, b.prefix)) for b in blocks]
+        return [(b.start, b.end, (b.start, b.prefix), b.lone_positions()) for b in blocks]
 
     def state(self, block: Block, resident: dict[int, int] | None = None) -> Residency:
         """Where ``block``'s KV is now."""

@@ -49,6 +49,9 @@ class Generate:
     context: tuple[Segment, ...] | None = None
     """A context to place first, in the same call (``chat``, ``complete``)."""
     replies: Mapping[str, ReplyTokens] | None = None
+    recall: Mapping[str, str] | None = None
+    """Segments holding a reply not remembered here (name -> its text): another replica
+    sharing the remote server may have generated it."""
     grammar: Grammar | None = None
     """What the generated text must match (enforced by a token mask)."""
     logprobs: int | None = None
@@ -101,7 +104,8 @@ class Generation:
         placing = Tally()
         self.gate.served.left = cmd.max_tokens
         if cmd.context is not None:
-            placed, placing = await self.placement.ensure(cmd.context, replies=cmd.replies)
+            replies = await self._recalled(cmd)
+            placed, placing = await self.placement.ensure(cmd.context, replies=replies)
         placed_at = time.perf_counter()
         self.gate.counters.generate_calls += 1
         tally = Tally()
@@ -147,7 +151,7 @@ class Generation:
                 if moved.evicted:  # the window lost earlier tokens
                     label = self.gate.label_at(at)[0]
                 place = self.window.append_place(cmd.segment)
-                marks = [Written(at, at + 1, label, "generated", place)]
+                marks = [Written(at, at + 1, label, "generated", place, frozenset({at}))]
                 logits = await self.gate.call("step", self.ctx.step, token, writes=marks)
                 tally.wrote(marks)
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
@@ -216,6 +220,9 @@ class Generation:
                 content=content if stream is not None and content != tail.text else None,
                 calls=[(call.id, call.name, call.arguments) for call in tool_calls],
             )
+        if self.gate.share:  # another replica continues as this one would
+            await self.gate.replies.publish(tail.text)
+            await self.paging.share(self.window.blocks)
         self.gate.record(tally)
         status = self.gate.status(tally)
         return Generated(
@@ -237,6 +244,25 @@ class Generation:
             first_token_at=first_at,
             ended=time.perf_counter(),
         )
+
+    async def _recalled(self, cmd: Generate) -> Mapping[str, ReplyTokens] | None:
+        """``cmd.replies``, with the replies of ``cmd.recall`` another replica generated."""
+        if not cmd.recall:
+            return cmd.replies
+        await self.gate.replies.recall(cmd.recall.values(), self._makes)
+        found = dict(cmd.replies or {})
+        for name, text in cmd.recall.items():
+            tokens = self.gate.replies.lookup(text)
+            if tokens is not None:
+                found[name] = (text, *tokens)
+        return found
+
+    def _makes(self, tokens: list[int], text: str, rest: str) -> bool:
+        """Whether ``tokens`` are this model's tokens of ``text`` less its ``rest``."""
+        if not all(0 <= t < self.engine.facts.n_vocab for t in tokens):
+            return False
+        made = b"".join(self.engine.token_bytes(t) for t in tokens)
+        return made.decode("utf-8", errors="replace") == text[: len(text) - len(rest)]
 
     def check_placed(self) -> None:
         """Refuse to continue a context that is empty or was not placed whole."""

@@ -273,12 +273,15 @@ class Session(metaclass=NoPublicConstructor):
             classify=self._actor.policies.message_class.cache_class,
         )
         replies: dict[str, ReplyTokens] = {}
+        recall: dict[str, str] = {}
         for message, seg in zip(shown, conversation.segments, strict=False):
             content = [text for text, special in seg.pieces() if not special]
             if message.role == "assistant" and content and content[-1]:
                 found = self._actor.replies.lookup(content[-1])
                 if found is not None:
                     replies[seg.name] = (content[-1], *found)
+                else:
+                    recall[seg.name] = content[-1]
         return self._reply(
             max_tokens,
             params,
@@ -287,6 +290,7 @@ class Session(metaclass=NoPublicConstructor):
             segment=conversation.reply,
             context=conversation.segments,
             replies=replies,
+            recall=recall if self._actor.share else None,
             grammar=grammar,
             logprobs=arguments.logprobs(logprobs),
             calls=calls if answered else None,
@@ -336,6 +340,7 @@ class Session(metaclass=NoPublicConstructor):
         stop_at_end: bool = True,
         context: tuple[Segment, ...] | None = None,
         replies: dict[str, ReplyTokens] | None = None,
+        recall: dict[str, str] | None = None,
         grammar: Grammar | None = None,
         logprobs: int | None = None,
         calls: CallFormat | None = None,
@@ -359,6 +364,7 @@ class Session(metaclass=NoPublicConstructor):
             send,
             context=context,
             replies=replies,
+            recall=recall,
             grammar=grammar,
             logprobs=logprobs,
             calls=calls,

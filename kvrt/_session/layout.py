@@ -9,7 +9,8 @@ leave the bookkeeping believing something that is not so.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -23,7 +24,7 @@ from .._errors import (
 )
 from .._types import BlockView, CacheClass, Residency
 
-__all__ = ["Block", "HotWindow", "Segment", "runs_of"]
+__all__ = ["Block", "HotWindow", "Placed", "Segment", "runs_of"]
 
 
 def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
@@ -109,6 +110,16 @@ def _markup(spans: object, length: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+class Placed(NamedTuple):
+    """A segment as a session places it: its tokens, and which of them are computed alone
+    (the tokens of a reply the runtime generated, placed as they were generated)."""
+
+    segment: Segment
+    tokens: list[int]
+    lone: frozenset[int] = frozenset()
+    """Offsets into ``tokens``."""
+
+
 @dataclass(slots=True, eq=False)
 class Block:
     """A token range of one segment: the unit of residency."""
@@ -123,6 +134,9 @@ class Block:
     """Digest of every logical token before ``start``."""
     last_used: int
     score: float | None = None
+    lone: set[int] = field(default_factory=set)
+    """Offsets of the tokens whose KV is computed alone, as a generated token's is (the
+    rest in batches): part of the block's identity and of every later block's prefix."""
     _key: ColdKey | None = None
 
     @property
@@ -135,16 +149,29 @@ class Block:
 
     def key(self, fingerprint: str) -> ColdKey:
         if self._key is None or self._key.fingerprint != fingerprint:
-            self._key = ColdKey(fingerprint, self.prefix, token_digest(self.tokens), self.start)
+            digest = token_digest(self.tokens, lone=self.lone)
+            self._key = ColdKey(fingerprint, self.prefix, digest, self.start)
         return self._key
 
-    def append(self, token: int) -> None:
+    @property
+    def next_prefix(self) -> str:
+        """The prefix digest of a block that follows this one."""
+        return token_digest(self.tokens, self.prefix.encode(), lone=self.lone)
+
+    def lone_positions(self) -> set[int]:
+        """The positions of the tokens computed alone."""
+        return {self.start + i for i in self.lone}
+
+    def append(self, token: int, *, lone: bool = False) -> None:
+        if lone:
+            self.lone.add(len(self.tokens))
         self.tokens.append(token)
         self._key = None
 
     def cut(self, length: int) -> None:
         """Keep the first ``length`` tokens."""
         del self.tokens[length:]
+        self.lone = {i for i in self.lone if i < length}
         self._key = None
 
 
@@ -197,31 +224,38 @@ class HotWindow:
         self.clock += 1
         return self.clock
 
-    def plan_layout(
-        self, segments: Sequence[tuple[Segment, list[int]]]
-    ) -> tuple[list[Block], list[Block]]:
+    def plan_layout(self, segments: Sequence[Placed]) -> tuple[list[Block], list[Block]]:
         """Blocks for ``segments`` (reusing matching blocks) and the current blocks dropped."""
-        names = [seg.name for seg, _ in segments]
+        names = [p.segment.name for p in segments]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise InvalidContextError(f"segment name {dup!r} appears twice; names must be unique")
-        total = sum(len(toks) for _, toks in segments)
+        total = sum(len(p.tokens) for p in segments)
         if total > self.planner_context:
-            biggest = max(segments, key=lambda s: len(s[1]))
+            biggest = max(segments, key=lambda s: len(s.tokens))
             raise ContextTooLargeError(
                 f"the context needs {total} tokens but the session's planner context is "
-                f"{self.planner_context} (largest segment {biggest[0].name!r}: {len(biggest[1])} tokens)"
+                f"{self.planner_context} (largest segment {biggest.segment.name!r}: "
+                f"{len(biggest.tokens)} tokens)"
                 + (f": {self.planner_note}" if self.planner_note else "")
             )
-        current = {(b.prefix, b.start, tuple(b.tokens)): b for b in self.blocks}
+        current = {(b.prefix, b.start, tuple(b.tokens), frozenset(b.lone)): b for b in self.blocks}
         now = self.tick()
         layout: list[Block] = []
-        for seg, index, pos, chunk, prefix in self._chunks(segments):
-            block = current.pop((prefix, pos, tuple(chunk)), None)
+        for seg, index, pos, chunk, prefix, lone in self._chunks(segments):
+            block = current.pop((prefix, pos, tuple(chunk), frozenset(lone)), None)
             if block is None or block.segment != seg.name or block.cache_class != seg.cache_class:
                 self._next_id += 1
                 block = Block(
-                    self._next_id, seg.name, index, seg.cache_class, pos, chunk, prefix, now
+                    self._next_id,
+                    seg.name,
+                    index,
+                    seg.cache_class,
+                    pos,
+                    chunk,
+                    prefix,
+                    now,
+                    lone=lone,
                 )
             block.last_used = now
             block.index = index
@@ -229,23 +263,25 @@ class HotWindow:
             layout.append(block)
         return layout, list(current.values())
 
-    def keys_for(self, segments: Sequence[tuple[Segment, list[int]]]) -> list[ColdKey]:
+    def keys_for(self, segments: Sequence[Placed]) -> list[ColdKey]:
         """The cold-store keys the blocks of ``segments`` would have (nothing changes)."""
         return [
-            ColdKey(self.fingerprint, prefix, token_digest(chunk), pos)
-            for _, _, pos, chunk, prefix in self._chunks(segments)
+            ColdKey(self.fingerprint, prefix, token_digest(chunk, lone=lone), pos)
+            for _, _, pos, chunk, prefix, lone in self._chunks(segments)
         ]
 
     def _chunks(
-        self, segments: Sequence[tuple[Segment, list[int]]]
-    ) -> Iterator[tuple[Segment, int, int, list[int], str]]:
-        """Each block-sized chunk: its segment, index in it, start, tokens and prefix digest."""
+        self, segments: Sequence[Placed]
+    ) -> Iterator[tuple[Segment, int, int, list[int], str, set[int]]]:
+        """Each block-sized chunk: its segment, index in it, start, tokens, prefix digest
+        and the offsets of its tokens computed alone."""
         prefix, pos = token_digest(()), 0
-        for seg, toks in segments:
+        for seg, toks, alone in segments:
             for index, k in enumerate(range(0, len(toks), self.block_tokens)):
                 chunk = toks[k : k + self.block_tokens]
-                yield seg, index, pos, chunk, prefix
-                prefix = token_digest(chunk, prefix.encode())
+                lone = {i - k for i in alone if k <= i < k + len(chunk)}
+                yield seg, index, pos, chunk, prefix, lone
+                prefix = token_digest(chunk, prefix.encode(), lone=lone)
                 pos += len(chunk)
 
     def adopt(self, layout: list[Block]) -> None:
@@ -258,27 +294,34 @@ class HotWindow:
             return last.start, last.prefix
         if last is None:
             return 0, token_digest(())
-        return self.length, token_digest(last.tokens, last.prefix.encode())
+        return self.length, last.next_prefix
 
     def _starts_block(self, last: Block, segment: str) -> bool:
         return last.segment != segment or last.n_tokens >= self.block_tokens
 
     def append_token(self, token: int, segment: str, cache_class: CacheClass) -> Block:
-        """Record a generated token at the end of the context (a new block when full)."""
+        """Record a generated token (computed alone) at the end of the context (a new
+        block when full)."""
         last = self.blocks[-1] if self.blocks else None
         if last is None or self._starts_block(last, segment):
             prefix = token_digest(())
             if last is not None:
-                prefix = token_digest(last.tokens, last.prefix.encode())
+                prefix = last.next_prefix
             index = last.index + 1 if last is not None and last.segment == segment else 0
             self._next_id += 1
             last = Block(
                 self._next_id, segment, index, cache_class, self.length, [], prefix, self.tick()
             )
             self.blocks.append(last)
-        last.append(token)
+        last.append(token, lone=True)
         last.last_used = self.clock
         return last
+
+    def lone_positions(self, start: int, end: int) -> set[int]:
+        """The positions in ``[start, end)`` whose KV the context has computed alone."""
+        return {
+            p for b in self.blocks if b.start < end and b.end > start for p in b.lone_positions()
+        } & set(range(start, end))
 
     def truncate(self, length: int) -> None:
         """Drop every token at position ``length`` or later (a stop sequence generated at
@@ -376,15 +419,13 @@ class HotWindow:
             if self._stays_hot(b.segment, b.start, b.end, length, self.required)
         }
 
-    def protected_tokens(
-        self, segments: Sequence[tuple[Segment, list[int]]], required: Container[str]
-    ) -> int:
+    def protected_tokens(self, segments: Sequence[Placed], required: Container[str]) -> int:
         """Tokens that would have to stay hot if ``segments`` were the context and the
         segments named in ``required`` were required visible (nothing changes)."""
-        length = sum(len(toks) for _, toks in segments)
+        length = sum(len(p.tokens) for p in segments)
         return sum(
             len(chunk)
-            for seg, _, pos, chunk, _ in self._chunks(segments)
+            for seg, _, pos, chunk, _, _ in self._chunks(segments)
             if self._stays_hot(seg.name, pos, pos + len(chunk), length, required)
         )
 

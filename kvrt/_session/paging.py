@@ -1,6 +1,6 @@
 """Paging: blocks out of the hot window (exported to the cold store in runs, or kept as
-tokens only) and back in (exact restore runs, approximate hits, prefill), room made by
-the eviction policy. Every move returns the :class:`~.gate.Tally` of what it did.
+tokens only) and back in (exact restore runs; computing them is :mod:`.computing`), room
+made by the eviction policy. Every move returns the :class:`~.gate.Tally` of what it did.
 
 Ordering rules that make cancellation safe: a block leaves the hot window only after its
 cold copy is committed (or the cold store refused it, which makes it "dropped": tokens
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import anyio
 
@@ -31,13 +31,12 @@ from ..policy import (
 from .gate import EngineGate, Tally, Written
 from .layout import Block
 from .planner import room
-from .provenance import APPROXIMATE
 
 log = logging.getLogger("kvrt")
 
 PARTIAL_KV = "partial-window KV: not exact, kept for this session only"
 
-__all__ = ["Paging"]
+__all__ = ["PARTIAL_KV", "Paging"]
 
 
 class Paging:
@@ -135,7 +134,13 @@ class Paging:
             if key is not None and block.id in exported:
                 if self.gate.fault is not None:
                     self.gate.fault("cold put")
-                entry = ColdEntry(key, block.cache_class, exported[block.id], logits.get(block.id))
+                entry = ColdEntry(
+                    key,
+                    block.cache_class,
+                    exported[block.id],
+                    logits.get(block.id),
+                    frozenset(block.lone),
+                )
                 try:
                     committed = await self.cold.put(entry, wait=self.config.cold_wait)
                 except ColdStoreFullError:
@@ -255,7 +260,13 @@ class Paging:
         if not (run := run[: len(entries)]):
             return 0, Tally()
         marks = [
-            Written(b.start, b.end, e.key.prefix if e.key.session_local else None, "restored")
+            Written(
+                b.start,
+                b.end,
+                e.key.prefix if e.key.session_local else None,
+                "restored",
+                lone=frozenset(b.lone_positions()),
+            )
             for b, e in zip(run, entries, strict=True)
         ]
         with self.cold.pinned(e.key for e in entries):
@@ -312,112 +323,6 @@ class Paging:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    async def prefill(
-        self,
-        blocks: list[Block],
-        keep: set[int],
-        earlier: Mapping[int, str],
-        why: Mapping[int, str] | None = None,
-    ) -> Tally:
-        """Compute adjacent blocks in one engine call (batched: many small segments cost
-        one call, not one each). ``earlier``: where the command computing them got the KV
-        of the positions it wrote before (:attr:`.Tally.sources`), to tell leading tokens
-        it restored from ones it reused; ``why``: block id -> why a block with a cold copy
-        is computed again, for ``explain()``.
-
-        Blocks the write-through policy picks (by default the stable classes,
-        ``task_pinned`` and ``repo_map``) are written through to the cold store as soon as
-        they are computed, so a session sending the same prefix restores them; while they
-        are being computed, such a session waits for them.
-        """
-        ids = {b.id for b in blocks}
-        through = self.policies.write_through
-        stable = [b for b in blocks if through.write_through(self.window.view(b))]
-        fingerprint = self.window.fingerprint
-        # Announced before the first await: a session checking for these blocks now waits.
-        with self.cold.computing(b.key(fingerprint) for b in stable):
-            # The first block may already hold its leading tokens at the window's tail (a
-            # block that grew): computing resumes after them.
-            first = blocks[0]
-            done = self.window.resident_prefix(first, self.gate.resident())
-            if first.start + done != self.ctx.next_position:
-                done = 0
-            tokens, at = [t for b in blocks for t in b.tokens][done:], first.start + done
-            states = self.policies.checkpointed(blocks, self.ctx.facts)
-            label, missing, moved = await self.compute(tokens, at, keep | ids, states=states)
-            if stable:
-                await self.write_back(stable, spare=True)
-        # Leading tokens already resident were reused, or restored from a block that
-        # diverges from this one later on (counted as restored when they came back).
-        leading = sum(earlier.get(p) == "restored" for p in range(first.start, first.start + done))
-        moved.reused += done - leading
-        moved.prefilled += sum(b.n_tokens for b in blocks) - done
-        why = why or {}
-        for block in blocks:
-            if block.id in why:
-                choice = why[block.id]
-            elif block is first and leading:
-                choice = (
-                    f"{leading} leading tokens restored from a cold block that diverges after "
-                    "them, the rest prefilled"
-                )
-            else:
-                choice = "prefilled"
-            if label == APPROXIMATE:
-                choice += " (after approximate KV: not exact)"
-            elif label is not None:
-                choice += (
-                    f" under a partial window ({missing} earlier tokens not hot): {PARTIAL_KV}"
-                )
-            self.gate.choices[block.id] = choice
-        return moved
-
-    async def compute(
-        self, tokens: list[int], at: int, keep: set[int], *, states: Sequence[int] = ()
-    ) -> tuple[str | None, int, Tally]:
-        """Prefill ``tokens`` from position ``at``, the window's tail, within the budget
-        (never evicting ``keep``); the provenance label the KV got, how many earlier
-        context tokens were not hot (see :meth:`.EngineGate.label_at`) and what it did
-        besides computing ``tokens`` (room made; a token before them computed again).
-
-        Never as a one-token batch when it can be helped: a lone token is computed
-        together with the resident token before it (on some CPUs — x86-64 without
-        AVX-512 — llama.cpp runs one-token batches through other kernels than longer
-        ones, and their logits differ from what computing the context in any other cut
-        gives; batches of two tokens or more agree with each other bit for bit).
-        """
-        resident = self.gate.resident()
-        moved = Tally()
-        if (
-            len(tokens) == 1
-            and at > 0
-            and self.ctx.next_position == at
-            and (before := self.window.token_at(at - 1)) is not None
-            and resident.get(at - 1) == before
-            and self.drops_alone(at - 1)
-        ):
-            holder = next(b for b in self.window.blocks if b.start <= at - 1 < b.end)
-            keep = keep | {holder.id}
-            moved += await self.gate.drop(at - 1, at)
-            tokens, at = [before, *tokens], at - 1
-            moved.prefilled += 1
-        moved += await self.make_room(len(tokens), keep)
-        label, missing = self.gate.label_at(at)
-        began = time.perf_counter()
-        marks = [Written(at, at + len(tokens), label, "prefilled")]
-        await self.gate.call(
-            "prefill",
-            self.ctx.prefill,
-            tokens,
-            start=at,
-            checkpoint=anyio.from_thread.check_cancelled,
-            keep_state_at=states,
-            writes=marks,
-        )
-        self.gate.observed_prefill(began, at, len(tokens))
-        moved.wrote(marks)
-        return label, missing, moved
-
     async def write_back(
         self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
     ) -> int:
@@ -451,13 +356,49 @@ class Paging:
             for (block, key), cold_block in zip(run, exported, strict=True):
                 logits = await self.gate.logits_after(block) if not key.session_local else None
                 try:
-                    entry = ColdEntry(key, block.cache_class, cold_block, logits)
+                    entry = ColdEntry(
+                        key, block.cache_class, cold_block, logits, frozenset(block.lone)
+                    )
                     if await self.cold.put(entry, wait=0, spare=spare):
                         copied += block.n_tokens
                         if key.session_local:
                             self.window.partial_copies[block.key(fingerprint)] = key
                 except (ColdStoreFullError, anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return copied
+        return copied
+
+    async def share(self, blocks: Sequence[Block]) -> int:
+        """Copy ``blocks``' exact KV that a tier below RAM lacks to every such tier, and
+        wait until they hold it (or their writes under way finish): replicas sharing a
+        remote server see it as soon as this returns. The tokens copied."""
+        resident = self.gate.resident()
+        runs: list[list[tuple[Block, ColdKey]]] = []
+        under_way = []
+        for block in blocks:
+            key = self.gate.stored_key(block)
+            if (
+                key is None
+                or key.session_local
+                or self.gate.state(block, resident) is not (Residency.HOT)
+            ):
+                continue
+            if not self.cold.needs_lower(key):
+                under_way.append(key)
+            elif runs and runs[-1][-1][0].end == block.start:
+                runs[-1].append((block, key))
+            else:
+                runs.append([(block, key)])
+        copied = 0
+        for run in runs:
+            exported = await self.gate.call(
+                "export", self.ctx.export_run, [(b.start, b.end) for b, _ in run]
+            )
+            for (block, key), cold_block in zip(run, exported, strict=True):
+                logits = await self.gate.logits_after(block)
+                entry = ColdEntry(key, block.cache_class, cold_block, logits, frozenset(block.lone))
+                if await self.cold.write_below(entry):
+                    copied += block.n_tokens
+        await self.cold.wait_written(under_way, self.cold.flush_timeout)
         return copied
 
     async def truncate_from(self, position: int) -> Tally:

@@ -13,6 +13,8 @@ from functools import partial
 import anyio
 
 from .._errors import (
+    ColdBlockMismatchError,
+    EngineError,
     HotWindowFullError,
     InvalidContextError,
     NotVisibleError,
@@ -20,8 +22,9 @@ from .._errors import (
 from .._reports import ContextStatus
 from .._types import PartialWindowQuery, Residency, RestoreQuery
 from .approximate import ApproximateHits
+from .computing import Computing
 from .gate import EngineGate, Tally, Written
-from .layout import Block, Segment
+from .layout import Block, Placed, Segment
 from .paging import Paging
 from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
 from .scoring import Scoring
@@ -55,6 +58,7 @@ class Placement:
     def __init__(self, gate: EngineGate, paging: Paging, scoring: Scoring) -> None:
         self.gate, self.paging, self.scoring = gate, paging, scoring
         self.approximate = ApproximateHits(paging)
+        self.computing = Computing(gate, paging)
         self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
         self.cold, self.policies = gate.cold, gate.policies
 
@@ -64,15 +68,16 @@ class Placement:
         self,
         segments: Sequence[Segment],
         *,
-        known: dict[TokenKey, list[int]] | None = None,
-        remember: dict[TokenKey, list[int]] | None = None,
+        known: dict[TokenKey, Placed] | None = None,
+        remember: dict[TokenKey, Placed] | None = None,
         replies: Mapping[str, ReplyTokens] | None = None,
-    ) -> list[tuple[Segment, list[int]]]:
+    ) -> list[Placed]:
         """Each segment with its tokens (empty segments left out); safe from any thread.
 
         Uses the tokenizations in ``known`` (a prefetch's); ``remember`` receives every
         tokenization made; ``replies`` names segments holding a reply to place with its
-        generated tokens.
+        generated tokens (a plain segment whose whole text is a reply this runtime
+        generated is placed so without being named).
         """
         check_fits(self.engine, segments, self.window.planner_context)
         out = []
@@ -81,15 +86,21 @@ class Placement:
         for i, seg in enumerate(segments):  # Segments, checked by the session handle
             key = (seg.text, i == 0, seg.parse_special, seg.markup)
             reply = replies.get(seg.name)
-            toks = cache.get(key) if reply is None else None
-            if toks is None:
-                toks = segment_tokens(self.engine, seg, first=i == 0, reply=reply)
+            if reply is None and i and not seg.markup and not seg.parse_special:
+                # A segment holding a reply this runtime generated, sent back as it was.
+                found = self.gate.replies.lookup(seg.text)
+                reply = (seg.text, *found) if found is not None else None
+            placed = cache.get(key) if reply is None else None
+            if placed is None:
+                placed = segment_tokens(self.engine, seg, first=i == 0, reply=reply)
+            else:
+                placed = placed._replace(segment=seg)
             if remember is not None:
-                remember[key] = toks
-            out.append((seg, toks))
-        if not any(toks for _, toks in out):
+                remember[key] = placed
+            out.append(placed)
+        if not any(p.tokens for p in out):
             raise InvalidContextError("the context is empty: every segment's text is empty")
-        return [(seg, toks) for seg, toks in out if toks]
+        return [p for p in out if p.tokens]
 
     async def ensure(
         self,
@@ -110,7 +121,7 @@ class Placement:
         return await self.ensure_placed(tokenized, require)
 
     async def ensure_placed(
-        self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...] = ()
+        self, tokenized: list[Placed], require: tuple[str, ...] = ()
     ) -> tuple[ContextStatus, Tally]:
         self._check_visible(tokenized, require)
         layout, stale = self.window.plan_layout(tokenized)
@@ -152,9 +163,7 @@ class Placement:
         self.gate.record(tally)
         return self.gate.status(tally), tally
 
-    def _check_visible(
-        self, tokenized: list[tuple[Segment, list[int]]], require: tuple[str, ...]
-    ) -> None:
+    def _check_visible(self, tokenized: list[Placed], require: tuple[str, ...]) -> None:
         """Refuse, before anything moves, a context whose required segments cannot be hot
         together with the sinks and the recent window."""
         if not require:
@@ -162,7 +171,9 @@ class Placement:
         need = self.window.protected_tokens(tokenized, require)
         if need > self.ctx.n_ctx:
             sizes = ", ".join(
-                f"{seg.name!r} {len(toks)}" for seg, toks in tokenized if seg.name in require
+                f"{p.segment.name!r} {len(p.tokens)}"
+                for p in tokenized
+                if p.segment.name in require
             )
             raise NotVisibleError(
                 f"the segments required visible ({sizes} tokens), with the sinks and the recent "
@@ -357,7 +368,7 @@ class Placement:
                 computing = [layout[k] for k in blocks]
                 why = {b.id: r for b in computing if (r := self._why_computed(b, placing))}
                 earlier = {**earlier, **moved.sources}
-                moved += await self.paging.prefill(computing, ids(keep), earlier, why)
+                moved += await self.computing.prefill(computing, ids(keep), earlier, why)
                 return len(blocks), moved
 
     async def _restore_leading(self, block: Block, keep: set[int]) -> Tally:
@@ -371,7 +382,9 @@ class Placement:
             return moved  # not measured exact there: windowed layers keep only the window's KV
         if self.ctx.capabilities.recurrent:
             return moved  # dropping the block's tail computes its head again from a checkpoint
-        found = self.cold.leading(self.window.fingerprint, block.prefix, block.start, block.tokens)
+        found = self.cold.leading(
+            self.window.fingerprint, block.prefix, block.start, block.tokens, block.lone
+        )
         if found is None:
             return moved
         entry, shared = found
@@ -388,12 +401,21 @@ class Placement:
         with self.cold.pinned([entry.key]):
             moved += await self.paging.make_room(held, keep | {block.id})
             began = time.perf_counter()
-            marks = [Written(start, start + held, None, "restored")]
-            await self.gate.call("admit", self.ctx.admit_run, [entry.block], writes=marks)
-            self.gate.observed_restore(began, entry.n_bytes)
-            moved.wrote(marks)
-            if shared < held:  # the cold block may also be this one's prefix (it grew)
-                moved += await self.gate.drop(start + shared, start + held)
+            lone = frozenset(start + i for i in entry.lone)
+            marks = [Written(start, start + held, None, "restored", lone=lone)]
+            try:
+                await self.gate.call("admit", self.ctx.admit_run, [entry.block], writes=marks)
+            except (EngineError, ColdBlockMismatchError):
+                rejected = True
+            else:
+                rejected = False
+                self.gate.observed_restore(began, entry.n_bytes)
+                moved.wrote(marks)
+        if rejected:  # bytes the engine refuses: gone from every tier, computed instead
+            await self.cold.discard(entry.key)
+            return moved
+        if shared < held:  # the cold block may also be this one's prefix (it grew)
+            moved += await self.gate.drop(start + shared, start + held)
         moved.restored += shared
         return moved
 
@@ -444,6 +466,6 @@ class Placement:
             resident = self.gate.resident()
         if resident.get(last) == token:
             moved += await self.gate.drop(last, last + 1)
-        moved += (await self.paging.compute([token], last, {tail.id}))[2]
+        moved += (await self.computing.compute([token], last, {tail.id}))[2]
         moved.prefilled += 1
         return moved

@@ -10,7 +10,7 @@ import anyio
 
 from .._reports import PrefetchReport
 from .actor import Actor
-from .layout import Segment
+from .layout import Placed, Segment
 from .tokens import Prepared, TokenKey
 
 __all__ = ["Prefetch"]
@@ -73,7 +73,7 @@ class Prefetch:
         only what ``prepared()`` carries reaches the actor, inside the next ``Ensure``."""
         try:
             with self._scope:
-                tokens: dict[TokenKey, list[int]] = {}
+                tokens: dict[TokenKey, Placed] = {}
                 try:
                     tokenized = await anyio.to_thread.run_sync(
                         partial(actor.tokenize, segments, remember=tokens)
@@ -92,7 +92,7 @@ class Prefetch:
                 self._pins.enter_context(cold.pinned(e.key for e in hits))
                 self._report = PrefetchReport(
                     blocks=len(keys),
-                    tokens=sum(len(t) for _, t in tokenized),
+                    tokens=sum(len(p.tokens) for p in tokenized),
                     cold_blocks=len(hits),
                     cold_tokens=sum(e.meta.n_tokens for e in hits),
                     cold_bytes=sum(e.n_bytes for e in hits),

@@ -19,7 +19,10 @@ block of a later layout reuses resident KV only where that record is its own sta
 prefix, and its tokens match: the same tokens after other tokens — an earlier segment
 replaced by one of the same length, restored in place — attended to something else, and
 :meth:`Provenance.screen` hides them from the bookkeeping (:data:`FOREIGN`), so they are
-computed again.
+computed again. The same goes for *how* a position was computed (``lineage``): alone, as
+a generated token is, or in a batch. A block that expects a generated reply's tokens
+computed alone does not reuse the same tokens prefilled, nor the reverse: their bits
+differ, and so would everything computed after them.
 
 Positions with exact KV carry no mark. A mark is set *before* the engine call that makes
 its position resident (compute or restore), never after, so a call cancelled once the
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from .._cold import PARTIAL_PREFIX, ColdKey
 
@@ -74,6 +77,8 @@ class Provenance:
     def __init__(self) -> None:
         self._marks: dict[int, str] = {}
         self._places: dict[int, Place] = {}
+        self._lone: set[int] = set()
+        """Resident positions whose KV was computed alone (the rest: in a batch)."""
         self._salt = os.urandom(8).hex()
         self._serial = 0
 
@@ -101,15 +106,25 @@ class Provenance:
             if lo < hi:
                 self._places.update(dict.fromkeys(range(lo, hi), place))
 
+    def lineage(self, start: int, end: int, lone: Iterable[int]) -> None:
+        """Positions ``[start, end)`` are about to hold KV computed alone at ``lone``, in a
+        batch elsewhere."""
+        self._lone.difference_update(range(start, end))
+        self._lone.update(p for p in lone if start <= p < end)
+
     def screen(
-        self, resident: dict[int, int], blocks: Iterable[tuple[int, int, Place]]
+        self, resident: dict[int, int], blocks: Iterable[tuple[int, int, Place, Container[int]]]
     ) -> dict[int, int]:
         """``resident`` (position -> token) with :data:`FOREIGN` in place of the token of
-        every position in ``blocks`` whose KV was computed in another place (in place)."""
-        places = self._places
-        for b_start, b_end, place in blocks:
+        every position in ``blocks`` whose KV was computed in another place, or computed
+        alone where the block expects a batch or the reverse (``blocks``: start, end, place
+        and the positions the block expects computed alone), in place."""
+        places, computed_alone = self._places, self._lone
+        for b_start, b_end, place, lone in blocks:
             for p in range(b_start, b_end):
-                if p in resident and places.get(p) != place:
+                if p in resident and (
+                    places.get(p) != place or (p in computed_alone) != (p in lone)
+                ):
                     resident[p] = FOREIGN
         return resident
 

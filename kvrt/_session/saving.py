@@ -30,7 +30,7 @@ from .._errors import InvalidArgumentError, InvalidContextError, InvalidTokenErr
 from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
-from .layout import Segment
+from .layout import Placed, Segment
 from .tokens import Prepared
 
 Request = Callable[[Command], Awaitable[Any]]
@@ -52,6 +52,9 @@ class SavedSegment(msgspec.Struct, frozen=True, kw_only=True):
     """The exact token ids the session placed (BOS and generated tokens included)."""
     text: str
     """The tokens as text, for reading the file (resuming uses the tokens)."""
+    lone: list[int] = []
+    """Offsets of the tokens whose KV was computed alone (generated), so a resumed context
+    has the same lineage, and the same blocks, as the saved one."""
 
 
 class SavedSession(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,14 +87,16 @@ async def save_session(
     cold = actor.cold
     await cold.wait_written(keys, cold.flush_timeout)
     texts = await anyio.to_thread.run_sync(
-        lambda: [actor.engine.detokenize(tokens) for *_, tokens in segments]
+        lambda: [actor.engine.detokenize(seg[3]) for seg in segments]
     )
     saved = SavedSession(
         fingerprint=actor.engine.facts.fingerprint,
         hot_tokens=actor.ctx.n_ctx,
         segments=[
-            SavedSegment(name=name, cache_class=cls, score=score, tokens=tokens, text=text)
-            for (name, cls, score, tokens), text in zip(segments, texts, strict=True)
+            SavedSegment(
+                name=name, cache_class=cls, score=score, tokens=tokens, text=text, lone=lone
+            )
+            for (name, cls, score, tokens, lone), text in zip(segments, texts, strict=True)
         ],
         blocks=[k.digest() for k in keys],
         cold_blocks=sum(k in cold for k in keys),
@@ -176,12 +181,18 @@ async def resume_session(actor: Actor, request: Request, saved: SavedSession) ->
                 f"the saved segment {seg.name!r} holds token id {bad}, outside the model's "
                 f"vocabulary of {n_vocab}"
             )
+        if any(not 0 <= i < len(seg.tokens) for i in seg.lone):
+            raise InvalidContextError(
+                f"the saved segment {seg.name!r} names generated tokens past its end"
+            )
     segments = tuple(
         Segment(s.name, s.text, cache_class=s.cache_class, score=s.score) for s in saved.segments
     )
     prepared = Prepared(lambda: None)
     prepared.tokens = {
-        (seg.text, i == 0, seg.parse_special, seg.markup): list(s.tokens)
+        (seg.text, i == 0, seg.parse_special, seg.markup): Placed(
+            seg, list(s.tokens), frozenset(s.lone)
+        )
         for i, (seg, s) in enumerate(zip(segments, saved.segments, strict=True))
     }
     status: ContextStatus = await request(Ensure(segments, prepared))

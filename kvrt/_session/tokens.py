@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from .._backend import Engine
 from .._errors import ContextTooLargeError
-from .layout import Segment
+from .layout import Placed, Segment
 
 __all__ = [
     "Prepared",
@@ -32,19 +32,22 @@ them still to tokenize (a stop sequence may have cut the last token short)."""
 
 def segment_tokens(
     engine: Engine, segment: Segment, *, first: bool, reply: ReplyTokens | None = None
-) -> list[int]:
+) -> Placed:
     """A segment's tokens as a session places them: special tokens (BOS) only before the
     context's first segment; special-token markup read only where the segment says so;
-    a plain piece holding ``reply``'s text placed with the reply's generated tokens."""
+    a plain piece holding ``reply``'s text placed with the reply's generated tokens,
+    which are computed alone, as they were when generated (:attr:`Placed.lone`)."""
     out: list[int] = []
+    lone: set[int] = set()
     for text, special in segment.pieces():
-        if reply is not None and out and not special and text == reply[0]:
+        if reply is not None and (out or not first) and not special and text == reply[0]:
+            lone.update(range(len(out), len(out) + len(reply[1])))
             out += reply[1]
             if reply[2]:
                 out += engine.tokenize(reply[2], add_special=False, parse_special=False)
             continue
         out += engine.tokenize(text, add_special=first and not out, parse_special=special)
-    return out
+    return Placed(segment, out, frozenset(lone))
 
 
 LONG_TEXT = 1 << 16
@@ -75,7 +78,11 @@ def check_fits(engine: Engine, segments: Sequence[Segment], limit: int) -> None:
 
 def context_tokens(engine: Engine, segments: Sequence[Segment]) -> list[int]:
     """The tokens of a whole context, as a session lays them out."""
-    return [t for i, seg in enumerate(segments) for t in segment_tokens(engine, seg, first=i == 0)]
+    return [
+        t
+        for i, seg in enumerate(segments)
+        for t in segment_tokens(engine, seg, first=i == 0).tokens
+    ]
 
 
 class Prepared:
@@ -86,6 +93,6 @@ class Prepared:
     __slots__ = ("cancel", "tokens")
 
     def __init__(self, cancel: Callable[[], None]) -> None:
-        self.tokens: dict[TokenKey, list[int]] | None = None
+        self.tokens: dict[TokenKey, Placed] | None = None
         """Set by the prefetch when its tokenizations are done; ``None`` until then."""
         self.cancel = cancel
