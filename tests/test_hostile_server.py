@@ -495,24 +495,3 @@ def test_the_log_holds_no_traceback(server: Server) -> None:
     """Runs last in the module: everything above went through without one."""
     out = server.output()
     assert "Traceback" not in out and "athrow" not in out, out[-3000:]
-
-
-def test_the_response_store_keeps_within_its_bytes() -> None:
-    import kvrt
-    from kvrt.serve.responses import ResponseStore
-
-    store = ResponseStore(max_bytes=1000)
-    message = [kvrt.Message(role="user", content="x" * 300)]
-    for i in range(5):
-        store.put(f"r{i}", message, tenant="a")
-    assert store.bytes <= 1000 and len(store) == 2  # the oldest went
-    assert store.get("r4", tenant="a") == message
-    store.put("huge", [kvrt.Message(role="user", content="x" * 2000)], tenant="a")
-    assert len(store) == 2  # larger than the whole budget: not kept
-    for rid, tenant in (("huge", "a"), ("r0", "a"), ("r4", "b"), ("r4", None)):
-        try:
-            store.get(rid, tenant=tenant)
-        except Exception as exc:
-            assert "is not kept" in str(exc)
-        else:
-            raise AssertionError((rid, tenant))

@@ -283,11 +283,11 @@ async def test_conversations_keep_items_and_responses_continue_them(anyio_backen
 async def test_a_conversation_outlives_a_restart_with_its_kv(
     anyio_backend: str, tmp_path: Path
 ) -> None:
-    """The conversation's items come back from its file, its KV from the disk tier: the
-    next turn after the restart restores what the conversation held."""
-    folder = str(tmp_path / "conversations")
+    """The conversation's items come back from the state database, its KV from the disk
+    tier: the next turn after the restart restores what the conversation held."""
+    folder = str(tmp_path / "state.sqlite3")
     long_note = "Notes: " + " ".join(f"item {i} is kept." for i in range(60))
-    async with server(conversations_path=folder) as (_, url):
+    async with server(state_path=folder) as (_, url):
         c = client(url)
         model = await model_of(url)
         conv = await in_thread(
@@ -301,7 +301,7 @@ async def test_a_conversation_outlives_a_restart_with_its_kv(
             )
         )
         before = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
-    async with server(conversations_path=folder) as (_, url):
+    async with server(state_path=folder) as (_, url):
         c = client(url)
         after = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
         assert after == before
@@ -315,29 +315,6 @@ async def test_a_conversation_outlives_a_restart_with_its_kv(
         for bad in ("..%2F..%2Fetc%2Fpasswd", "conv_" + "0" * 32):
             with pytest.raises(openai.NotFoundError):
                 await in_thread(c.conversations.retrieve, bad)
-
-
-def test_conversations_that_leave_memory_are_read_back_from_their_files(tmp_path: Path) -> None:
-    from kvrt.serve.conversations import ConversationStore, canonical_items
-
-    store = ConversationStore(capacity=1, folder=tmp_path)
-    said = canonical_items([{"type": "message", "role": "user", "content": "Hi."}])
-    first = store.create(said, {"k": "v"}, tenant="a")
-    second = store.create([], {}, tenant="a")
-    assert len(store) == 1  # the first left memory
-    assert store.get(first, tenant="a").items == said and store.get(first, tenant="a").metadata
-    with pytest.raises(Exception, match="not kept"):
-        store.get(first, tenant="b")  # another tenant's
-    (path,) = [p for p in tmp_path.rglob(f"{second}.jsonl")]
-    with path.open("ab") as f:
-        f.write(b'{"op": "add", "items": [{"id": "cut sh')  # a crash mid-write
-    memoryless = ConversationStore(folder=tmp_path)
-    assert memoryless.get(second, tenant="a").items == []
-    memoryless.delete(second, tenant="a")
-    assert not path.exists()
-    unwritten = ConversationStore()
-    kept = unwritten.create(said, {}, tenant=None)
-    assert unwritten.messages(kept, tenant=None)[0].content == "Hi."
 
 
 async def test_another_tenant_cannot_reach_kept_responses_or_conversations(

@@ -1,20 +1,28 @@
 """Replicas sharing one Redis answer as one replica: a conversation moving A -> B -> B -> A,
 and a third replica restoring it all from the shared tier, get one replica's replies and
-log-probabilities at temperature 0, every turn labelled exact (a real ``redis-server``)."""
+log-probabilities at temperature 0, every turn labelled exact (a real ``redis-server``),
+in process and as ``kvrt serve`` processes behind the openai client."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 import kvrt
 from kvrt.adapters.llama import LlamaEngine
 
 from .redis_server import RedisServer
-
-pytestmark = pytest.mark.anyio
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one sentence."}
 QUESTIONS = [
@@ -42,6 +50,7 @@ async def turn(session: kvrt.Session, messages: list[dict[str, Any]], question: 
     return done
 
 
+@pytest.mark.anyio
 async def test_a_conversation_moving_between_replicas_answers_as_one_replica(
     engine: LlamaEngine, redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -82,3 +91,144 @@ async def test_a_conversation_moving_between_replicas_answers_as_one_replica(
         last = await on_c.chat(messages[:-1], max_tokens=12, logprobs=3)
         assert last.usage.restored_tokens > 0 and last.usage.prefilled_tokens < 16
     assert logprobs(last) == logprobs(alone[-1]) and last.context.exact
+
+
+@contextmanager
+def serving(
+    tmp_path: Path, name: str, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``kvrt serve`` on the embedded model as a process of its own: its base URL. Its log
+    may hold no traceback."""
+    port = free_port()
+    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--max-sessions", "2"]
+    args += ["--model-name", "smollm2"]
+    log = tmp_path / f"{name}.log"
+    environment = {**os.environ, "KVRT_CACHE_DIR": str(tmp_path / name), **(env or {})}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*args, *flags], stdout=out, stderr=subprocess.STDOUT, env=environment
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chat_turns(urls: list[str]) -> list[tuple[str, list[Any], bool]]:
+    """The conversation through chat completions, each turn on the next of ``urls``:
+    each reply's text, log-probabilities (with alternatives) and exactness."""
+    messages: list[dict[str, Any]] = [SYSTEM]
+    out = []
+    for url, question in zip(urls, QUESTIONS, strict=True):
+        messages.append({"role": "user", "content": question})
+        done = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="-", max_retries=0
+        ).chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,  # type: ignore[arg-type]
+        )
+        choice = done.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        probs = [
+            (t.token, t.logprob, [a.logprob for a in t.top_logprobs])
+            for t in choice.logprobs.content
+        ]
+        extra = (done.usage.model_extra or {}) if done.usage is not None else {}
+        out.append((choice.message.content or "", probs, bool(extra["kvrt"]["exact"])))
+        messages.append({"role": "assistant", "content": choice.message.content or ""})
+    return out
+
+
+def response_turns(urls: list[str], how: str) -> list[tuple[str, list[Any], bool]]:
+    """The conversation through the Responses API, continued by ``previous_response_id``
+    or by a ``conversation``, each turn on the next of ``urls``."""
+    out = []
+    previous: str | None = None
+    conversation = None
+    if how == "conversation":
+        first = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key="-", max_retries=0)
+        conversation = first.conversations.create(items=[]).id
+    for url, question in zip(urls, QUESTIONS, strict=True):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        extra: dict[str, Any] = {}
+        if how == "previous" and previous is not None:
+            extra["previous_response_id"] = previous
+        if conversation is not None:
+            extra["conversation"] = conversation
+        done = c.responses.create(
+            model="smollm2",
+            instructions=SYSTEM["content"],
+            input=question,
+            max_output_tokens=8,
+            temperature=0,
+            top_logprobs=3,
+            include=["message.output_text.logprobs"],
+            **extra,
+        )
+        previous = done.id
+        part = done.output[0].content[0]  # type: ignore[union-attr]
+        probs = [
+            (t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in part.logprobs or []
+        ]
+        usage = (done.usage.model_extra or {}) if done.usage is not None else {}
+        out.append((done.output_text, probs, bool(usage["kvrt"]["exact"])))
+    return out
+
+
+@pytest.mark.subprocess
+def test_two_kvrt_serve_replicas_on_one_redis_answer_as_one(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Chat completions, ``previous_response_id`` and ``conversation`` (the Agents SDK's
+    two ways) moving A -> B -> B -> A give one replica's replies and log-probabilities;
+    kept responses and conversations are on the shared server, so a restarted replica
+    (or the other) reads them."""
+    shared = ("--remote-url", redis_server.url, "--disk-budget", "0")
+    env = {"KVRT_REMOTE_SECRET": "a secret the replicas share, long enough"}
+    with (
+        serving(tmp_path, "alone", "--disk-budget", "0") as alone,
+        serving(tmp_path, "a", *shared, env=env) as a,
+        serving(tmp_path, "b", *shared, env=env) as b,
+    ):
+        order = [a, b, b, a]
+        want = chat_turns([alone] * 4)
+        got = chat_turns(order)
+        assert got == want and all(exact for *_, exact in got)
+        for how in ("previous", "conversation"):
+            want = response_turns([alone] * 4, how)
+            got = response_turns(order, how)
+            assert got == want and all(exact for *_, exact in got), how
+        kept = openai.OpenAI(base_url=f"{a}/v1", api_key="-", max_retries=0)
+        last = kept.responses.create(model="smollm2", input="Thanks.", max_output_tokens=2)
+    with serving(tmp_path, "b-again", *shared, env=env) as b:  # every replica restarted
+        other = openai.OpenAI(base_url=f"{b}/v1", api_key="-", max_retries=0)
+        assert other.responses.retrieve(last.id).id == last.id
+        again = other.responses.create(
+            model="smollm2", input="Bye.", previous_response_id=last.id, max_output_tokens=2
+        )
+        assert again.status in ("completed", "incomplete") and again.output_text

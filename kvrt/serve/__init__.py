@@ -43,6 +43,8 @@ async def serve(
     """
     config = config or ServeConfig()
     app = create_app(runtime, config)
+    server: Server = app.state.server
+    await server.open()  # a state store that cannot be used is refused before listening
     hc = HypercornConfig()
     if sock is None:
         sock = listen(config.host, config.port, send_buffer=config.send_buffer)
@@ -50,7 +52,6 @@ async def serve(
     hc.bind = [f"fd://{sock.detach()}"]  # the server owns the socket from here
     hc.accesslog = None
     hc.graceful_timeout = 2.0
-    server: Server = app.state.server
     url = f"http://{host}:{port}"
     stop = anyio.Event()
     trio = sniffio.current_async_library() == "trio"
@@ -67,7 +68,8 @@ async def serve(
             finally:
                 stop.set()  # the server stops on its own, gracefully (graceful_timeout)
     finally:
-        await server.pool.aclose()
+        with anyio.CancelScope(shield=True):
+            await server.aclose()
 
 
 def listen(host: str, port: int, *, send_buffer: int = 65536) -> socket.socket:

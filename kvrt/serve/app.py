@@ -8,7 +8,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +30,15 @@ from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
 from .reading import read_body, tenant_of
 from .responses import Answer
+from .state import (
+    Bounds,
+    KeptResponse,
+    StateError,
+    StateStats,
+    StateStore,
+    open_state,
+    refusal,
+)
 
 __all__ = ["ServeConfig", "Server", "create_app", "model_id"]
 
@@ -65,12 +74,20 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """When set, every route but ``/health`` requires ``Authorization: Bearer <key>``
     (compared in constant time); others get a 401. One key is one tenant (``default``)."""
     response_store_bytes: int = 64 * 2**20
-    """What stored responses (for ``previous_response_id``) may take in all, in bytes of
-    their conversations; the oldest go first (also past 256 of them or an hour)."""
-    conversations_path: str | None = None
-    """A folder where conversations (``/v1/conversations``) are written, so they outlive
-    memory's bounds and restarts (``kvrt serve``'s default: ``$KVRT_CACHE_DIR/
-    conversations``, beside the disk tier's blocks); None keeps them in memory only."""
+    """What a tenant's kept responses (for ``previous_response_id``) may take, in bytes;
+    the least recently used go first (also past ``state_bounds.responses`` of them, or
+    unused for ``state_bounds.response_age``)."""
+    conversation_store_bytes: int = 256 * 2**20
+    """What a tenant's conversations may take, in bytes; past it items are refused
+    (a 507 naming the bound) until some are deleted."""
+    state_path: str | None = None
+    """The SQLite database of kept responses and conversations, so they outlive restarts
+    (``kvrt serve``'s default: ``$KVRT_CACHE_DIR/state.sqlite3``, beside the disk tier's
+    blocks); None keeps them in this process's memory. With the runtime's ``remote.url``
+    they live on that server instead, shared by every replica."""
+    state_bounds: Bounds = msgspec.field(default_factory=Bounds)
+    """Per-tenant counts and ages of kept responses and conversations (their bytes are
+    ``response_store_bytes`` and ``conversation_store_bytes``)."""
     max_grammar_bytes: int = 256 * 1024
     """The largest JSON Schema (a response format, a tool's parameters) compiled for a
     request, in bytes of JSON; larger ones are a 400 before anything is compiled."""
@@ -110,25 +127,48 @@ class Server:
         )
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
-        self.answers = responses.ResponseStore(max_bytes=config.response_store_bytes)
-        self.kept = responses.KeptRoutes(self.answers, partial(self._error, "responses"))
-        self.conversations = conversations.ConversationStore(
-            max_bytes=config.response_store_bytes,
-            folder=Path(config.conversations_path) if config.conversations_path else None,
-        )
+        self._state: StateStore | None = None
+        self._opening = anyio.Lock()
+        self.kept = responses.KeptRoutes(self.state, partial(self._error, "responses"))
         self.conversation_routes = conversations.Routes(
-            self.conversations, partial(self._error, "conversations")
+            self.state, partial(self._error, "conversations")
         )
         self.readers = anyio.CapacityLimiter(2)
         """Worker threads reading requests and compiling their grammars at once: a flood
         of heavy schemas queues here, not on the event loop."""
-        """Recent responses' conversations, for ``previous_response_id``."""
         self.gone: Counter[str] = Counter()
         """Requests whose client left before the answer: ``body`` (while sending it),
         ``queued`` (waiting for a session), ``answer`` (while it was computed), ``stalled``
         (a stream its client stopped reading, closed after ``stall_timeout``)."""
 
     # -- routes --
+
+    async def state(self) -> StateStore:
+        """The state store (kept responses, conversations), opened on first use (or by
+        :meth:`open`, as ``kvrt serve`` does before it listens)."""
+        if self._state is None:
+            async with self._opening:
+                if self._state is None:
+                    c = self.config
+                    bounds = msgspec.structs.replace(
+                        c.state_bounds,
+                        response_bytes=c.response_store_bytes,
+                        conversation_bytes=c.conversation_store_bytes,
+                    )
+                    self._state = await open_state(self.runtime, c.state_path, bounds)
+        return self._state
+
+    async def open(self) -> None:
+        """Open the state store now (a :class:`~kvrt.serve.state.StateError` says why it
+        cannot be used)."""
+        await self.state()
+
+    async def aclose(self) -> None:
+        """Let the sessions and the state store go."""
+        await self.pool.aclose()
+        if self._state is not None:
+            await self._state.aclose()
+            self._state = None
 
     async def health(self, request: Request) -> Response:
         return JSONResponse(
@@ -151,6 +191,18 @@ class Server:
 
     async def metrics(self, request: Request) -> Response:
         cold = self.runtime.cold_stats()
+        try:
+            state = await (await self.state()).stats()
+        except StateError:
+            state = StateStats(
+                where="",
+                responses=0,
+                response_bytes=0,
+                conversations=0,
+                conversation_bytes=0,
+                refused=0,
+                failures=1,
+            )
         lines = [
             "# HELP kvrt_requests_total Requests answered, by route and status.",
             "# TYPE kvrt_requests_total counter",
@@ -190,12 +242,25 @@ class Server:
             "# HELP kvrt_queue_depth Requests waiting for a session.",
             "# TYPE kvrt_queue_depth gauge",
             f"kvrt_queue_depth {self.pool.waiting}",
-            "# HELP kvrt_responses_stored Responses kept for previous_response_id.",
+            "# HELP kvrt_responses_stored Responses kept for previous_response_id (in a "
+            "shared state server: 0, the server holds the count).",
             "# TYPE kvrt_responses_stored gauge",
-            f"kvrt_responses_stored {len(self.answers)}",
+            f"kvrt_responses_stored {state.responses}",
             "# HELP kvrt_responses_stored_bytes Bytes of the conversations they keep.",
             "# TYPE kvrt_responses_stored_bytes gauge",
-            f"kvrt_responses_stored_bytes {self.answers.bytes}",
+            f"kvrt_responses_stored_bytes {state.response_bytes}",
+            "# HELP kvrt_conversations_stored Conversations kept.",
+            "# TYPE kvrt_conversations_stored gauge",
+            f"kvrt_conversations_stored {state.conversations}",
+            "# HELP kvrt_conversations_stored_bytes Bytes of their items.",
+            "# TYPE kvrt_conversations_stored_bytes gauge",
+            f"kvrt_conversations_stored_bytes {state.conversation_bytes}",
+            "# HELP kvrt_state_refused_total Kept rows or values refused as damaged or forged.",
+            "# TYPE kvrt_state_refused_total counter",
+            f"kvrt_state_refused_total {state.refused}",
+            "# HELP kvrt_state_failures_total Writes the state store could not make.",
+            "# TYPE kvrt_state_failures_total counter",
+            f"kvrt_state_failures_total {state.failures}",
             "# HELP kvrt_clients_gone_total Requests whose client left before the answer, by "
             "when (stalled: a stream closed after its client stopped reading).",
             "# TYPE kvrt_clients_gone_total counter",
@@ -267,7 +332,7 @@ class Server:
             body = await read_body(request)
             tenant = tenant_of(request)
 
-            def parse() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
+            def parse() -> Any:
                 openai.check_schema_bytes(body, self.config.max_grammar_bytes, responses_api=True)
                 req = responses.read(body)
                 self._check_model(req.model)
@@ -277,13 +342,30 @@ class Server:
                         "give conversation or previous_response_id, not both",
                         param="conversation",
                     )
-                if conversation is not None:
-                    before = self.conversations.messages(conversation, tenant=tenant)
-                    req.conversation = conversation
+                req.conversation = conversation
+                return req
+
+            req = await self._off_loop(parse)
+            state = await self.state()
+            try:
+                if req.conversation is not None:
+                    items = await conversations.items_in(
+                        state, tenant, req.conversation, param="conversation"
+                    )
+                    before = await self._off_loop(conversations.messages, items)
                 elif req.previous_response_id:
-                    before = self.answers.get(req.previous_response_id, tenant=tenant)
+                    found = await responses.kept_response(
+                        state, tenant, req.previous_response_id, param="previous_response_id"
+                    )
+                    before = list(found.messages)
                 else:
                     before = []
+            except StateError as exc:
+                raise refusal(
+                    exc, "conversation" if req.conversation else "previous_response_id"
+                ) from None
+
+            def build() -> tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]:
                 given = responses.to_messages(req.input)
                 span[:] = [len(before), len(before) + len(given)]
                 kept.extend(before + given)
@@ -304,27 +386,31 @@ class Server:
 
                 return req, messages, reply
 
-            return await self._off_loop(parse)
+            return await self._off_loop(build)
 
-        def store(rid: str, req: Any, done: kvrt.Completion, body: dict[str, Any]) -> None:
+        async def store(rid: str, req: Any, done: kvrt.Completion, body: dict[str, Any]) -> None:
+            """Keep what the response added (a :class:`StateError` when it cannot be)."""
+            state, tenant = await self.state(), tenant_of(request)
             if req.conversation is not None:
                 added = [i for m in kept[span[0] : span[1]] for i in conversations.items_of(m)]
                 added += conversations.output_items(body["output"])
-                with suppress(RequestError):  # deleted meanwhile, or full
-                    self.conversations.add(req.conversation, added, tenant=tenant_of(request))
+                await conversations.add(state, tenant, req.conversation, added)
             if req.store is not False:
-                messages = kept + responses.output_messages(done)
-                self.answers.put(
-                    rid, messages, tenant=tenant_of(request), inputs=(span[0], span[1]), body=body
-                )
+                messages = tuple(kept + responses.output_messages(done))
+                encoded = msgspec.json.encode(body)
+                answer = KeptResponse(messages, (span[0], span[1]), encoded)
+                await state.keep_response(tenant, rid, answer)
 
-        def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
+        async def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
             req = request.state.responses_request
             output = responses.output_items(done, {})
             body = responses.response_body(
                 rid, self.model, req, created=created, status="completed", output=output, done=done
             )
-            store(rid, req, done, body)
+            try:
+                await store(rid, req, done, body)
+            except StateError as exc:
+                raise refusal(exc) from None
             return body
 
         async def stream(
@@ -332,8 +418,8 @@ class Server:
         ) -> AsyncIterator[bytes]:
             req = request.state.responses_request
 
-            def answered(completion: kvrt.Completion, body: dict[str, Any]) -> None:
-                store(rid, req, completion, body)
+            async def answered(completion: kvrt.Completion, body: dict[str, Any]) -> None:
+                await store(rid, req, completion, body)
 
             async for ev in responses.events(
                 answer, rid, self.model, req, created, finished, answered
@@ -361,7 +447,7 @@ class Server:
         route: str,
         start: Callable[[], Awaitable[tuple[Any, History, Callable[[kvrt.Session], kvrt.Reply]]]],
         *,
-        finish: Callable[[str, kvrt.Completion], dict[str, Any]] | None = None,
+        finish: Callable[[str, kvrt.Completion], Awaitable[dict[str, Any]]] | None = None,
         stream: StreamBody | None = None,
     ) -> Response:
         """Answer one request: read it (``start``), lend it a session, then reply with the
@@ -444,9 +530,14 @@ class Server:
         if left.gone:  # the generation stopped where it was, the session is free
             self.gone["answer"] += 1
             return Response(status_code=400)
-        self.requests[(route, 200)] += 1
         if finish is not None:
-            return JSONResponse(finish(rid, done))
+            try:
+                answered = await finish(rid, done)
+            except RequestError as exc:
+                return self._error(route, exc)
+            self.requests[(route, 200)] += 1
+            return JSONResponse(answered)
+        self.requests[(route, 200)] += 1
         if not chat:
             return JSONResponse(openai.completion_response(rid, self.model, done))
         answered = openai.chat_response(rid, self.model, done)

@@ -7,26 +7,19 @@ up again computes only what is new to it.
 
 Items are kept typed and in one canonical form (messages with text parts,
 ``function_call``, ``function_call_output``), each with an id; metadata as OpenAI bounds
-it (16 keys of at most 64 characters, values of at most 512). In memory, conversations
-are bounded by count and bytes: past either, the least recently used one leaves memory.
-With a folder, each conversation is also a file there (one JSON line a change: created,
-items added, an item removed, metadata set), so one that left memory, or a server that
-restarted, reads it back when it is next asked for; deleting a conversation deletes its
-file.
+it (16 keys of at most 64 characters, values of at most 512). They live in the server's
+state store (:mod:`kvrt.serve.state`: SQLite, or the replicas' shared server), bounded
+per tenant, read and written off the event loop.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import re
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,22 +28,25 @@ import kvrt
 
 from .openai import RequestError
 from .reading import listing, read_json, tenant_of
-from .responses import locked, message_items, new_id, page, to_messages
-
-_log = logging.getLogger("kvrt.serve")
+from .responses import message_items, new_id, page, to_messages
+from .state import ConversationHead, StateError, StateStore, refusal
 
 ID = re.compile(r"conv_[0-9a-f]{32}")
 """What a conversation id looks like (anything else is a 404 before any file is
 touched)."""
 
 __all__ = [
-    "ConversationStore",
     "Routes",
+    "add",
     "body",
     "canonical_items",
     "conversation_id",
+    "head_of",
+    "items_in",
     "items_of",
+    "messages",
     "metadata",
+    "not_kept",
     "output_items",
 ]
 
@@ -133,238 +129,158 @@ def conversation_id(value: Any) -> str | None:
     return value
 
 
-class _Kept(msgspec.Struct):
-    created_at: int
-    metadata: dict[str, str]
-    items: list[dict[str, Any]]
-    size: int = 0
-
-
-class ConversationStore:
-    """Conversations by tenant, bounded in memory by count and bytes (least recently used
-    first out), and written to ``folder`` when one is given."""
-
-    def __init__(
-        self, *, capacity: int = 1024, max_bytes: int = 64 * 2**20, folder: Path | None = None
-    ) -> None:
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.folder = folder
-        self.bytes = 0
-        self._kept: OrderedDict[tuple[str | None, str], _Kept] = OrderedDict()
-        self._lock = threading.RLock()
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    # -- the files --
-
-    def _file(self, tenant: str | None, cid: str) -> Path | None:
-        if self.folder is None:
-            return None
-        owner = "shared" if tenant is None else hashlib.sha256(tenant.encode()).hexdigest()[:16]
-        return self.folder / owner / f"{cid}.jsonl"
-
-    def _write(self, tenant: str | None, cid: str, record: dict[str, Any]) -> None:
-        path = self._file(tenant, cid)
-        if path is None:
-            return
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("ab") as f:
-                f.write(msgspec.json.encode(record) + b"\n")
-        except OSError as exc:  # kept in memory all the same; a restart will not have it
-            _log.warning("conversation %s not written to %s: %s", cid, path, exc)
-
-    def _read(self, tenant: str | None, cid: str) -> _Kept | None:
-        path = self._file(tenant, cid)
-        if path is None or not ID.fullmatch(cid):
-            return None
-        try:
-            lines = path.read_bytes().splitlines()
-        except OSError:
-            return None
-        kept: _Kept | None = None
-        for line in lines:
-            try:
-                record = msgspec.json.decode(line)
-            except msgspec.DecodeError:
-                continue  # a line cut short by a crash: the changes before it stand
-            op = record.get("op")
-            if op == "create":
-                kept = _Kept(record["created_at"], record["metadata"], [])
-            elif kept is None:
-                continue
-            elif op == "add":
-                kept.items.extend(record["items"])
-            elif op == "remove":
-                kept.items = [i for i in kept.items if i["id"] != record["id"]]
-            elif op == "metadata":
-                kept.metadata = record["metadata"]
-        if kept is not None:
-            kept.size = len(msgspec.json.encode(kept.items))
-        return kept
-
-    # -- the API --
-
-    @locked
-    def create(
-        self, items: list[dict[str, Any]], meta: dict[str, str], *, tenant: str | None
-    ) -> str:
-        cid = new_id("conv")
-        kept = self._kept[tenant, cid] = _Kept(int(time.time()), meta, [])
-        self._write(tenant, cid, {"op": "create", "created_at": kept.created_at, "metadata": meta})
-        self.add(cid, items, tenant=tenant)
-        self._trim(keep=(tenant, cid))
-        return cid
-
-    @locked
-    def get(self, cid: str, *, tenant: str | None, param: str | None = None) -> _Kept:
-        found = self._kept.get((tenant, cid))
-        if found is None:
-            found = self._read(tenant, cid)
-            if found is not None:
-                self._kept[tenant, cid] = found
-                self.bytes += found.size
-                self._trim(keep=(tenant, cid))
-        if found is None:
-            raise RequestError(
-                f"conversation {cid!r} is not kept (unknown, deleted, or dropped to stay "
-                "within the server's bounds)",
-                status=404,
-                param=param,
-                code="conversation_not_found",
-            )
-        self._kept.move_to_end((tenant, cid))
-        return found
-
-    @locked
-    def add(self, cid: str, items: list[dict[str, Any]], *, tenant: str | None) -> None:
-        kept = self.get(cid, tenant=tenant)
-        size = len(msgspec.json.encode(items))
-        if kept.size + size > self.max_bytes:
-            raise RequestError(
-                f"conversation {cid!r} would pass the server's {self.max_bytes:,} bytes",
-                param="items",
-            )
-        if not items:
-            return
-        kept.items.extend(items)
-        kept.size += size
-        self.bytes += size
-        self._write(tenant, cid, {"op": "add", "items": items})
-        self._trim(keep=(tenant, cid))
-
-    @locked
-    def set_metadata(self, cid: str, meta: dict[str, str], *, tenant: str | None) -> None:
-        self.get(cid, tenant=tenant).metadata = meta
-        self._write(tenant, cid, {"op": "metadata", "metadata": meta})
-
-    @locked
-    def remove_item(self, cid: str, item_id: str, *, tenant: str | None) -> None:
-        kept = self.get(cid, tenant=tenant)
-        at = next((i for i, item in enumerate(kept.items) if item["id"] == item_id), None)
-        if at is None:
-            raise RequestError(f"item {item_id!r} is not in conversation {cid!r}", status=404)
-        size = len(msgspec.json.encode([kept.items.pop(at)]))
-        kept.size -= size
-        self.bytes -= size
-        self._write(tenant, cid, {"op": "remove", "id": item_id})
-
-    @locked
-    def delete(self, cid: str, *, tenant: str | None) -> None:
-        kept = self.get(cid, tenant=tenant)
-        del self._kept[tenant, cid]
-        self.bytes -= kept.size
-        path = self._file(tenant, cid)
-        if path is not None:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError as exc:
-                _log.warning("conversation %s: its file %s stays: %s", cid, path, exc)
-
-    @locked
-    def messages(self, cid: str, *, tenant: str | None) -> list[kvrt.Message]:
-        """What the conversation holds, as the messages a response's context begins with."""
-        kept = self.get(cid, tenant=tenant, param="conversation")
-        return to_messages([as_input(item) for item in kept.items]) if kept.items else []
-
-    def _trim(self, keep: tuple[str | None, str]) -> None:
-        while len(self._kept) > 1 and (
-            len(self._kept) > self.capacity or self.bytes > self.max_bytes
-        ):
-            oldest = next(iter(self._kept))
-            if oldest == keep:
-                break
-            self.bytes -= self._kept.pop(oldest).size
-
-
-def body(cid: str, kept: _Kept) -> dict[str, Any]:
+def body(cid: str, head: ConversationHead) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "conversation",
-        "created_at": kept.created_at,
-        "metadata": kept.metadata,
+        "created_at": head.created_at,
+        "metadata": head.metadata,
     }
 
 
+def not_kept(cid: str, param: str | None = None) -> RequestError:
+    """The 404 of a conversation that is not kept (unknown, deleted, expired, another
+    tenant's)."""
+    return RequestError(
+        f"conversation {cid!r} is not kept (unknown, deleted, or expired)",
+        status=404,
+        param=param,
+        code="conversation_not_found",
+    )
+
+
+async def head_of(
+    store: StateStore, tenant: str | None, cid: str, param: str | None = None
+) -> ConversationHead:
+    found = await store.conversation(tenant, cid) if ID.fullmatch(cid) else None
+    if found is None:
+        raise not_kept(cid, param)
+    return found
+
+
+async def items_in(
+    store: StateStore, tenant: str | None, cid: str, param: str | None = None
+) -> list[dict[str, Any]]:
+    """A kept conversation's items, or its 404."""
+    found = await store.items(tenant, cid) if ID.fullmatch(cid) else None
+    if found is None:
+        raise not_kept(cid, param)
+    return found
+
+
+async def add(store: StateStore, tenant: str | None, cid: str, items: list[dict[str, Any]]) -> None:
+    """Add ``items`` to a kept conversation, or its 404 (a :class:`StateError` when they
+    cannot be kept)."""
+    if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, items):
+        raise not_kept(cid, "conversation")
+
+
+def messages(items: list[dict[str, Any]]) -> list[kvrt.Message]:
+    """What a conversation holds, as the messages a response's context begins with (in
+    a worker thread: a conversation may be large)."""
+    return to_messages([as_input(item) for item in items]) if items else []
+
+
+async def json_response(content: Any) -> Response:
+    """``content`` as a JSON response, encoded in a worker thread (items may be large)."""
+    encoded = await anyio.to_thread.run_sync(msgspec.json.encode, content)
+    return Response(encoded, media_type="application/json")
+
+
 class Routes:
-    """The Conversations API's routes over a store; ``error`` makes a refusal's
+    """The Conversations API's routes over a state store; ``error`` makes a refusal's
     response (the server's, which counts it)."""
 
-    def __init__(self, store: ConversationStore, error: Callable[[RequestError], Response]) -> None:
-        self.store, self.error = store, error
+    def __init__(
+        self,
+        store: Callable[[], Awaitable[StateStore]],
+        error: Callable[[RequestError], Response],
+    ) -> None:
+        self.state, self.error = store, error
+
+    async def _answer(self, work: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await work()
+        except RequestError as exc:
+            return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))
 
     async def create(self, request: Request) -> Response:
         """``POST /v1/conversations``: ``items`` (input items) and ``metadata``."""
-        try:
+
+        async def work() -> Response:
+            store = await self.state()
             sent = await read_json(request)
             unknown = sorted(set(sent) - {"items", "metadata"})
             if unknown:
                 raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
-            items = canonical_items(sent.get("items") or [])
-            meta = metadata(sent.get("metadata"))
-            tenant = tenant_of(request)
-            cid = self.store.create(items, meta, tenant=tenant)
-            kept = self.store.get(cid, tenant=tenant)
-        except RequestError as exc:
-            return self.error(exc)
-        return JSONResponse(body(cid, kept))
+            items = await anyio.to_thread.run_sync(canonical_items, sent.get("items") or [])
+            head = ConversationHead(int(time.time()), metadata(sent.get("metadata")))
+            cid = new_id("conv")
+            await store.create_conversation(tenant_of(request), cid, head, items)
+            return JSONResponse(body(cid, head))
+
+        return await self._answer(work)
 
     async def one(self, request: Request) -> Response:
         """``GET`` a conversation, ``POST`` its new ``metadata``, or ``DELETE`` it."""
         cid, tenant = request.path_params["cid"], tenant_of(request)
-        try:
+
+        async def work() -> Response:
+            store = await self.state()
             if request.method == "DELETE":
-                self.store.delete(cid, tenant=tenant)
+                if not ID.fullmatch(cid) or not await store.delete_conversation(tenant, cid):
+                    raise not_kept(cid)
                 return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
             if request.method == "POST":
                 sent = await read_json(request)
                 meta = metadata(sent.get("metadata"))
-                self.store.set_metadata(cid, meta, tenant=tenant)
-            kept = self.store.get(cid, tenant=tenant)
-        except RequestError as exc:
-            return self.error(exc)
-        return JSONResponse(body(cid, kept))
+                if not ID.fullmatch(cid) or not await store.set_metadata(tenant, cid, meta):
+                    raise not_kept(cid)
+            return JSONResponse(body(cid, await head_of(store, tenant, cid)))
+
+        return await self._answer(work)
 
     async def items(self, request: Request) -> Response:
         """``GET`` a conversation's items (``limit``, ``order`` asc by default, ``after``),
         or ``POST`` more (``items``)."""
         cid, tenant = request.path_params["cid"], tenant_of(request)
-        try:
+
+        async def work() -> Response:
+            store = await self.state()
             if request.method == "POST":
                 sent = await read_json(request)
-                added = canonical_items(sent.get("items"))
-                self.store.add(cid, added, tenant=tenant)
+                added = await anyio.to_thread.run_sync(canonical_items, sent.get("items"))
+                if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, added):
+                    raise not_kept(cid)
                 return JSONResponse(page(added, limit=len(added) or 1, order="asc", after=None))
             limit, order = listing(request, default_order="asc")
-            kept = self.store.get(cid, tenant=tenant)
-            listed = page(
-                kept.items, limit=limit, order=order, after=request.query_params.get("after")
+            after = request.query_params.get("after")
+            try:
+                found = (
+                    await store.item_page(tenant, cid, limit=limit, order=order, after=after)
+                    if ID.fullmatch(cid)
+                    else None
+                )
+            except KeyError:
+                raise RequestError(
+                    f"after {after!r} is no item of this list", param="after"
+                ) from None
+            if found is None:
+                raise not_kept(cid)
+            data, more = found
+            return await json_response(
+                {
+                    "object": "list",
+                    "data": data,
+                    "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None,
+                    "has_more": more,
+                }
             )
-        except RequestError as exc:
-            return self.error(exc)
-        return JSONResponse(listed)
+
+        return await self._answer(work)
 
     async def item(self, request: Request) -> Response:
         """``GET`` one item of a conversation, or ``DELETE`` it (answered with the
@@ -374,14 +290,20 @@ class Routes:
             request.path_params["iid"],
             tenant_of(request),
         )
-        try:
+
+        async def work() -> Response:
+            store = await self.state()
             if request.method == "DELETE":
-                self.store.remove_item(cid, iid, tenant=tenant)
-                return JSONResponse(body(cid, self.store.get(cid, tenant=tenant)))
-            kept = self.store.get(cid, tenant=tenant)
-            item = next((i for i in kept.items if i["id"] == iid), None)
-            if item is None:
+                removed = await store.remove_item(tenant, cid, iid) if ID.fullmatch(cid) else None
+                if removed is None:
+                    raise not_kept(cid)
+                if not removed:
+                    raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
+                return JSONResponse(body(cid, await head_of(store, tenant, cid)))
+            kept = await items_in(store, tenant, cid)
+            found = next((i for i in kept if i["id"] == iid), None)
+            if found is None:
                 raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
-        except RequestError as exc:
-            return self.error(exc)
-        return JSONResponse(item)
+            return await json_response(found)
+
+        return await self._answer(work)

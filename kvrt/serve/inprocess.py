@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import ModuleType
 from typing import Any
 
@@ -137,6 +137,11 @@ def in_process_transport(http: ModuleType) -> type[Any]:
     return Transport
 
 
+async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
+    with anyio.CancelScope(shield=True):
+        await close()
+
+
 @asynccontextmanager
 async def openai_client(
     runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
@@ -166,7 +171,10 @@ async def openai_client(
     config = config or ServeConfig()
     app = create_app(runtime, config)
     keys = config.tenants()
-    async with anyio.create_task_group() as tg:
+    server = app.state.server
+    await server.open()
+    async with AsyncExitStack() as stack, anyio.create_task_group() as tg:
+        stack.push_async_callback(_shielded, server.aclose)
         transport = in_process_transport(http)(app, tg)
         async with http.AsyncClient(transport=transport, base_url=BASE_URL) as client_http:
             client = openai.AsyncOpenAI(

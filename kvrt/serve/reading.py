@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.requests import Request
 
@@ -31,13 +32,20 @@ async def read_body(request: Request) -> bytes:
     return b"".join(parts)
 
 
+LARGE_BODY = 64 * 1024
+"""Bytes past which a JSON body is decoded off the event loop."""
+
+
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object (an empty body: ``{}``), or a 400."""
     body = await read_body(request)
     if not body.strip():
         return {}
     try:
-        found = msgspec.json.decode(body)
+        if len(body) > LARGE_BODY:  # decoded in a worker thread: the loop serves others
+            found = await anyio.to_thread.run_sync(msgspec.json.decode, body)
+        else:
+            found = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         raise RequestError("the body is not valid JSON") from None
     if not isinstance(found, dict):

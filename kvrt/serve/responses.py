@@ -3,9 +3,9 @@ built as response objects and as the event stream the OpenAI Agents SDK consumes
 
 Input is a string or items: messages (``input_text``/``output_text`` parts),
 ``function_call`` and ``function_call_output``. ``instructions`` come first as a system
-message; ``previous_response_id`` continues a stored response's conversation (the server
-keeps recent ones, bounded by count and age; ``store: false`` keeps none), and the pool
-finds the session that holds its KV; ``conversation`` continues a kept conversation
+message; ``previous_response_id`` continues a kept response's conversation (the server keeps them
+in its state store, :mod:`kvrt.serve.state`, bounded per tenant; ``store: false`` keeps
+none), and the pool finds the session that holds its KV; ``conversation`` continues a kept conversation
 (:mod:`kvrt.serve.conversations`). Function ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``top_logprobs`` are served; any other
@@ -14,14 +14,10 @@ field that asks for something kvrt does not do is a 400 naming it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import secrets
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any, Protocol, TypeVar, cast
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -31,16 +27,17 @@ import kvrt
 
 from .openai import MAX_BODY, RequestError, chat_logprob, check_salt, usage
 from .reading import listing, tenant_of
+from .state import KeptResponse, StateError, StateStore, refusal
 
 __all__ = [
     "KeptRoutes",
-    "ResponseStore",
     "ResponsesRequest",
-    "Stored",
     "events",
     "input_items",
+    "kept_response",
     "message_items",
     "new_id",
+    "not_kept",
     "page",
     "read",
     "response_body",
@@ -286,120 +283,6 @@ def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def locked(method: F) -> F:
-    """A store's method, run holding the store's lock: the event loop and the worker
-    threads that read requests (and the conversations they continue) share a store."""
-
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return cast(F, run)
-
-
-class Stored(msgspec.Struct, frozen=True):
-    """One kept response: its conversation (without instructions), where its own input
-    lies in it, and the response object as it was answered."""
-
-    messages: tuple[kvrt.Message, ...]
-    inputs: tuple[int, int]
-    """The messages its request's ``input`` gave: ``messages[inputs[0]:inputs[1]]``."""
-    body: bytes
-    """The response object, JSON (``GET /v1/responses/{id}``)."""
-
-
-class ResponseStore:
-    """Recent responses (``store`` not false), for ``previous_response_id`` and ``GET``:
-    typed messages only (never a request's raw input) and the response object, bounded by
-    count, age and bytes, each kept for the tenant that made it (another tenant asking for
-    it gets the same 404 as for an unknown id)."""
-
-    def __init__(
-        self, *, capacity: int = 256, max_age: float = 3600.0, max_bytes: int = 64 * 2**20
-    ) -> None:
-        self.capacity = capacity
-        self.max_age = max_age
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        """What the kept responses take (their conversations' and bodies' JSON size)."""
-        self._lock = threading.RLock()
-        self._kept: OrderedDict[tuple[str | None, str], tuple[float, int, Stored]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    @locked
-    def put(
-        self,
-        rid: str,
-        messages: list[kvrt.Message],
-        *,
-        tenant: str | None = None,
-        inputs: tuple[int, int] | None = None,
-        body: dict[str, Any] | None = None,
-    ) -> None:
-        """Keep ``messages`` (and the response ``body``) under ``rid``; one larger than the
-        whole budget is not kept (a later ``previous_response_id`` to it is a 404)."""
-        encoded = msgspec.json.encode(body) if body is not None else b"null"
-        size = len(msgspec.json.encode(messages)) + len(encoded)
-        if size > self.max_bytes:
-            return
-        old = self._kept.pop((tenant, rid), None)
-        if old is not None:
-            self.bytes -= old[1]
-        span = inputs if inputs is not None else (0, len(messages))
-        self._kept[tenant, rid] = (time.monotonic(), size, Stored(tuple(messages), span, encoded))
-        self.bytes += size
-        self._trim()
-
-    @locked
-    def stored(self, rid: str, *, tenant: str | None = None, param: str | None = None) -> Stored:
-        """The kept response, or a 404."""
-        self._trim()
-        found = self._kept.get((tenant, rid))
-        if found is None:
-            raise RequestError(
-                f"response {rid!r} is not kept (unknown, expired, deleted, or stored with "
-                "store: false)",
-                status=404,
-                param=param,
-                code="response_not_found",
-            )
-        return found[2]
-
-    @locked
-    def get(self, rid: str, *, tenant: str | None = None) -> list[kvrt.Message]:
-        """The conversation a ``previous_response_id`` continues, or a 404."""
-        try:
-            return list(self.stored(rid, tenant=tenant).messages)
-        except RequestError:
-            raise RequestError(
-                f"previous response {rid!r} is not kept (unknown, expired, or stored with "
-                "store: false)",
-                status=404,
-                param="previous_response_id",
-                code="previous_response_not_found",
-            ) from None
-
-    @locked
-    def delete(self, rid: str, *, tenant: str | None = None) -> None:
-        """Forget a kept response, or a 404."""
-        self.stored(rid, tenant=tenant)
-        _, size, _ = self._kept.pop((tenant, rid))
-        self.bytes -= size
-
-    def _trim(self) -> None:
-        now = time.monotonic()
-        while self._kept and (
-            len(self._kept) > self.capacity
-            or self.bytes > self.max_bytes
-            or now - next(iter(self._kept.values()))[0] > self.max_age
-        ):
-            _, (_, size, _) = self._kept.popitem(last=False)
-            self.bytes -= size
-
-
 def message_items(message: kvrt.Message, id_of: Callable[[str], str]) -> list[dict[str, Any]]:
     """A kept message as the items the API lists: its text (a message), then each of its
     calls (``function_call``); a tool message is a ``function_call_output``. ``id_of``
@@ -440,7 +323,7 @@ def message_items(message: kvrt.Message, id_of: Callable[[str], str]) -> list[di
     return found
 
 
-def input_items(rid: str, stored: Stored) -> list[dict[str, Any]]:
+def input_items(rid: str, stored: KeptResponse) -> list[dict[str, Any]]:
     """The items its request's ``input`` gave, as the API lists them (ids derived from the
     response's: ``{rid}_in_{n}``)."""
     start, end = stored.inputs
@@ -578,11 +461,12 @@ async def events(
     req: ResponsesRequest,
     created: float,
     finished: Callable[[kvrt.Completion], None],
-    answered: Callable[[kvrt.Completion, dict[str, Any]], None] | None = None,
+    answered: Callable[[kvrt.Completion, dict[str, Any]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """The event stream of one response, as the Agents SDK reads it: created, in
     progress, then per output item added / deltas / done, then completed (``answered`` is
-    handed the completion and the final response object first)."""
+    handed the completion and the final response object first, and keeps them: what it
+    could not keep ends the stream with ``response.failed`` instead)."""
     seq = 0
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
@@ -702,7 +586,12 @@ async def events(
         rid, model, req, created=created, status="completed", output=output, done=done
     )
     if answered is not None:
-        answered(done, body)
+        try:
+            await answered(done, body)
+        except StateError as exc:
+            error = {"code": f"state_{exc.kind}", "message": str(exc)}
+            yield event("response.failed", response={**body, "status": "failed", "error": error})
+            return
     yield event(
         "response.completed" if body["status"] == "completed" else "response.incomplete",
         response=body,
@@ -713,19 +602,27 @@ class KeptRoutes:
     """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
     (the server's, which counts it)."""
 
-    def __init__(self, store: ResponseStore, error: Callable[[RequestError], Response]) -> None:
-        self.store, self.error = store, error
+    def __init__(
+        self,
+        store: Callable[[], Awaitable[StateStore]],
+        error: Callable[[RequestError], Response],
+    ) -> None:
+        self.state, self.error = store, error
 
     async def one(self, request: Request) -> Response:
         """``GET`` a kept response as it was answered, or ``DELETE`` it."""
         rid, tenant = request.path_params["rid"], tenant_of(request)
         try:
+            store = await self.state()
             if request.method == "DELETE":
-                self.store.delete(rid, tenant=tenant)
+                if not await store.forget_response(tenant, rid):
+                    raise not_kept(rid)
                 return JSONResponse({"id": rid, "object": "response", "deleted": True})
-            found = self.store.stored(rid, tenant=tenant)
+            found = await kept_response(store, tenant, rid)
         except RequestError as exc:
             return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))
         return Response(found.body, media_type="application/json")
 
     async def inputs(self, request: Request) -> Response:
@@ -734,8 +631,9 @@ class KeptRoutes:
         ``after`` an item id)."""
         rid, query = request.path_params["rid"], request.query_params
         try:
+            store = await self.state()
             limit, order = listing(request, default_order="desc")
-            found = self.store.stored(rid, tenant=tenant_of(request))
+            found = await kept_response(store, tenant_of(request), rid)
             listed = page(
                 input_items(rid, found),
                 limit=limit,
@@ -744,4 +642,36 @@ class KeptRoutes:
             )
         except RequestError as exc:
             return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))
         return JSONResponse(listed)
+
+
+def not_kept(rid: str, param: str | None = None) -> RequestError:
+    """The 404 of a response that is not kept (unknown, expired, deleted, another
+    tenant's, or stored with ``store: false``)."""
+    if param == "previous_response_id":
+        return RequestError(
+            f"previous response {rid!r} is not kept (unknown, expired, or stored with "
+            "store: false)",
+            status=404,
+            param=param,
+            code="previous_response_not_found",
+        )
+    return RequestError(
+        f"response {rid!r} is not kept (unknown, expired, deleted, or stored with store: false)",
+        status=404,
+        param=param,
+        code="response_not_found",
+    )
+
+
+async def kept_response(
+    store: StateStore, tenant: str | None, rid: str, param: str | None = None
+) -> KeptResponse:
+    """The kept response ``rid``, or the 404 :func:`not_kept` says (a damaged one is a
+    :class:`StateError`)."""
+    found = await store.response(tenant, rid)
+    if found is None:
+        raise not_kept(rid, param)
+    return found

@@ -100,15 +100,24 @@ def add(sub: Any) -> None:
         type=size(0, 2**40),
         default=64 * 2**20,
         metavar="SIZE",
-        help="what stored responses (for previous_response_id) may take in all; the oldest "
-        "go first (default 64MiB)",
+        help="what each tenant's kept responses (for previous_response_id) may take; the "
+        "least recently used go first (default 64MiB)",
     )
     serve.add_argument(
-        "--conversations",
+        "--conversation-store",
+        type=size(0, 2**40),
+        default=256 * 2**20,
+        metavar="SIZE",
+        help="what each tenant's conversations may take; past it items are refused until "
+        "some are deleted (default 256MiB)",
+    )
+    serve.add_argument(
+        "--state",
         default=None,
-        metavar="DIR",
-        help="folder where conversations are written, to outlive restarts (default: "
-        "$KVRT_CACHE_DIR/conversations, beside the disk tier's blocks; none: memory only)",
+        metavar="PATH",
+        help="SQLite database of kept responses and conversations, to outlive restarts "
+        "(default: $KVRT_CACHE_DIR/state.sqlite3, beside the disk tier's blocks; none: "
+        "memory only); with --remote-url they live on that server, shared by the replicas",
     )
     serve.add_argument(
         "--loop",
@@ -120,13 +129,13 @@ def add(sub: Any) -> None:
     serve.set_defaults(handler=main)
 
 
-def _conversations(given: str | None) -> str | None:
-    """``--conversations``: a folder, ``none``, or the default beside the blocks."""
+def _state(given: str | None) -> str | None:
+    """``--state``: a database file, ``none``, or the default beside the blocks."""
     if given is not None:
         return None if given.lower() == "none" else given
     from kvrt._cold import default_disk_path
 
-    return str(default_disk_path().parent / "conversations")
+    return str(default_disk_path().parent / "state.sqlite3")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -149,7 +158,8 @@ def main(args: argparse.Namespace) -> None:
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_timeout=args.grammar_timeout,
         response_store_bytes=args.response_store,
-        conversations_path=_conversations(args.conversations),
+        conversation_store_bytes=args.conversation_store,
+        state_path=_state(args.state),
         api_keys=_api_keys(args),
     )
     # Bound before the model loads: a port in use is one line and exit status 2, at once.
