@@ -282,6 +282,41 @@ def test_clients_that_leave_give_their_session_back(server: Server) -> None:
         sock.close()
 
 
+def test_clients_that_never_read_lose_their_session_soon_after_the_stall_timeout(
+    server: Server,
+) -> None:
+    """Raw sockets with the kernel's default receive buffers, never read: what they took
+    is read from their connections, not waited for in full buffers (measured: 5.3 s for
+    four on two sessions; with the connections unread, waiting for the buffers, four had
+    not all stalled after 60 s)."""
+    model = model_of(server)
+    endless = chat_body(
+        model,
+        "Tell a very long story.",
+        max_tokens=3000,
+        stream=True,
+        response_format={"type": "regex", "regex": "(once upon a time, ){200}"},
+    )
+    before = gone(server, "stalled")
+    silent = [connect(server) for _ in range(4)]
+    began = time.monotonic()
+    for sock in silent:
+        sock.sendall(
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(endless))}) + endless
+        )
+    # Two sessions: two streams at a time, each closed STALL seconds after it began.
+    wait_for(lambda: gone(server, "stalled") >= before + 4, 60)
+    took = time.monotonic() - began
+    assert took < 2 * (STALL + 3), took
+    wait_for(lambda: metric(server, "kvrt_sessions_busy") == 0, 10)
+    status, body = request(
+        server, "POST", "/v1/chat/completions", chat_body(model, "Hi", max_tokens=4)
+    )
+    assert status == 200, body
+    for sock in silent:
+        sock.close()
+
+
 def test_usage_adds_up_and_the_banner_names_the_served_model(server: Server) -> None:
     model = model_of(server)
     messages = [{"role": "user", "content": "Name a colour."}]

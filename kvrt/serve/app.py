@@ -30,6 +30,7 @@ from .openai import ChatRequest, CompletionRequest, RequestError
 from .pool import History, Pool, PoolFull, Slot
 from .reading import read_body, tenant_of
 from .responses import Answer
+from .stall import PADDING, ClientWatch
 from .state import (
     Bounds,
     KeptResponse,
@@ -63,10 +64,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     retry_after: int = 1
     """Seconds a refused (429) request is told to wait."""
     stall_timeout: float = 30.0
-    """Seconds a streamed response may wait for its client to take the next chunk; past
-    it the stream is closed and the session goes back to the pool. A client that stops
-    reading holds a session until the send buffer (``send_buffer``) and its own receive
-    buffer are full, then at most this long."""
+    """Seconds a streaming client may hold bytes it has not taken; past it the stream is
+    closed and the session goes back to the pool, however slow the engine (what the client
+    has taken is read from its connection on Linux; elsewhere, once the send buffer and
+    the client's receive buffer are full)."""
     send_buffer: int = 65536
     """Bytes of each connection's socket send buffer (``SO_SNDBUF``; the kernel may
     double it)."""
@@ -516,7 +517,9 @@ class Server:
                 )
             else:
                 body = self._streamed(route, stack, slot, wanted, partial(stream, rid, started))
-            return _Stream(body, self.config.stall_timeout, self._stalled, self._left_stream)
+            return _Stream(
+                body, request.scope, self.config.stall_timeout, self._stalled, self._left_stream
+            )
         done = None
         async with stack, _until_gone(request) as left:
             try:
@@ -870,21 +873,26 @@ async def _until_gone(request: Request) -> AsyncIterator[_Left]:
 
 
 class _Stream(StreamingResponse):
-    """Server-sent events whose client must take each chunk within ``stall_timeout``
-    seconds. A client that stops reading gets its stream ended (``on_stall`` counts it)
-    and the session it held is freed at once, instead of being held as long as the
-    client waits. Chunks go to the client through a writer task, so the stream notices
-    a stall even where the server's socket write cannot be interrupted (Hypercorn on
-    trio shields it: that write then ends when the client reads or leaves)."""
+    """Server-sent events whose client must take what it is sent: one that holds bytes it
+    has not taken for ``stall_timeout`` seconds gets its stream ended (``on_stall``
+    counts it) and the session it held is freed at once, however slow the engine (what
+    the client has taken is read from its connection: :mod:`kvrt.serve.stall`; the
+    stream opens with a padding comment so that one that never reads is seen at once).
+    Chunks go to the client through a writer task, so the stream notices a stall even
+    where the server's socket write cannot be interrupted (Hypercorn on trio shields it:
+    that write then ends when the client reads or leaves); where the connection cannot
+    be read, a write that waits past the timeout is the stall."""
 
     def __init__(
         self,
         body: AsyncIterator[bytes],
+        scope: Scope,
         stall_timeout: float,
         on_stall: Callable[[], None],
         on_gone: Callable[[], None],
     ) -> None:
         super().__init__(body, media_type="text/event-stream")
+        self.scope = scope
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
         self.on_gone = on_gone
@@ -892,42 +900,78 @@ class _Stream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         to_client, from_body = anyio.create_memory_object_stream[Message](1)
+        watch = await anyio.to_thread.run_sync(ClientWatch.of, dict(self.scope), self.stall_timeout)
+        stalled = False
 
         async def writer() -> None:
             async with from_body:
                 async for message in from_body:
                     await send(message)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(writer)
-            try:
-                async with to_client:
-                    start = {"type": "http.response.start", "status": self.status_code}
-                    await self._put(to_client, {**start, "headers": self.raw_headers})
-                    async for chunk in self.body_iterator:
-                        body = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+        watching = anyio.CancelScope()
+
+        async def watcher(stream: anyio.CancelScope) -> None:
+            nonlocal stalled
+            assert watch is not None
+            tick = min(0.5, self.stall_timeout / 4)
+            with watching:
+                while not watch.stalled():
+                    await anyio.sleep(tick)
+                stalled = True
+                stream.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(writer)
+                if watch is not None:
+                    tg.start_soon(watcher, tg.cancel_scope)
+                try:
+                    async with to_client:
+                        start = {"type": "http.response.start", "status": self.status_code}
+                        await self._put(to_client, {**start, "headers": self.raw_headers})
+                        if watch is not None:
+                            await self._put(to_client, _body(_PADDING))
+                        async for chunk in self.body_iterator:
+                            body = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+                            await self._put(to_client, _body(body))
                         await self._put(
                             to_client,
-                            {"type": "http.response.body", "body": body, "more_body": True},
+                            {"type": "http.response.body", "body": b"", "more_body": False},
                         )
-                    await self._put(
-                        to_client, {"type": "http.response.body", "body": b"", "more_body": False}
-                    )
-            except _Stalled:
-                self.on_stall()
-                tg.cancel_scope.cancel()  # unfinished: the server closes the connection
-            except BaseException:
-                self.on_gone()  # the client left (its connection's task was cancelled)
-                raise
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                    watching.cancel()  # done: the writer sends the rest
+                except _Stalled:
+                    stalled = True
+                    self.on_stall()
+                    tg.cancel_scope.cancel()  # unfinished: the server closes the connection
+                except BaseException:
+                    if stalled:
+                        self.on_stall()  # the watcher saw it
+                    else:
+                        self.on_gone()  # the client left (its connection's task was cancelled)
+                    raise
+                finally:
+                    # The session goes back now, even where the writer's send cannot be
+                    # interrupted (it ends when the client reads or leaves).
+                    with anyio.CancelScope(shield=True):
+                        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        finally:
+            if watch is not None:
+                watch.close()
 
     async def _put(self, to_client: MemoryObjectSendStream[Message], message: Message) -> None:
         with anyio.move_on_after(self.stall_timeout) as waited:
             await to_client.send(message)
         if waited.cancelled_caught:
             raise _Stalled
+
+
+def _body(chunk: bytes) -> Message:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
+
+
+_PADDING = (b":" + b" " * 1021 + b"\n") * (PADDING // 1023) + b"\n"
+"""The comment a stream opens with (lines of a kilobyte: readers that bound a line's
+length read it too), which every SSE reader skips."""
 
 
 class _Stalled(Exception):

@@ -59,8 +59,8 @@ def add(sub: Any) -> None:
         type=seconds,
         default=30.0,
         metavar="S",
-        help="seconds a streaming client may leave a chunk unread before its stream is "
-        "closed and its session freed (default 30)",
+        help="seconds a streaming client may hold bytes it has not read before its stream is "
+        "closed and its session freed, however slow the engine (default 30)",
     )
     serve.add_argument(
         "--api-key",
@@ -76,8 +76,7 @@ def add(sub: Any) -> None:
         type=count(4096, 2**26),
         default=65536,
         metavar="BYTES",
-        help="each connection's socket send buffer (default 65536): a client that stops "
-        "reading is noticed once it and the client's receive buffer are full",
+        help="each connection's socket send buffer (default 65536)",
     )
     serve.add_argument(
         "--max-grammar-bytes",
