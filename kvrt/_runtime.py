@@ -100,6 +100,12 @@ class Runtime(metaclass=NoPublicConstructor):
         """The engine's slots, shared by every session (see :mod:`kvrt._turns`)."""
 
     @property
+    def closed(self) -> bool:
+        """Whether the runtime has closed (its ``async with`` block ended): it opens no
+        more sessions."""
+        return self._closed
+
+    @property
     def engine(self) -> Engine:
         return self._engine
 
@@ -156,6 +162,42 @@ class Runtime(metaclass=NoPublicConstructor):
         check_bool("chat_segment generation_prompt", generation_prompt)
         cache_class = check_choice("chat_segment cache_class", cache_class, CacheClass)
         return self._chat.message_segment(name, role, content, cache_class, generation_prompt)
+
+    def hot_window(self, hot_tokens: int | None = None) -> int:
+        """The hot window a session opened with ``hot_tokens`` gets (None: the runtime's),
+        or the :class:`~kvrt.ConfigError` saying why no session can have it (a server
+        checks its setting with this before it serves).
+
+        >>> rt.hot_window(256)
+        Traceback (most recent call last):
+        kvrt.ConfigError: hot_tokens must be between 512 (four blocks of 128) and ...
+        """
+        cap = self.model_info.capacity
+        facts = self.model_info.model
+        cfg = self.config.session
+        hot = hot_tokens if hot_tokens is not None else cap.hot_context_tokens
+        least = 4 * cfg.block_tokens
+        if (
+            isinstance(hot, bool)
+            or not isinstance(hot, int)
+            or not (least <= hot <= facts.trained_context)
+        ):
+            raise ConfigError(
+                f"hot_tokens must be between {least} (four blocks of {cfg.block_tokens}) and the "
+                f"model's trained context of {facts.trained_context}, got {hot!r}"
+            )
+        if hot > cap.hot_context_tokens and Limit.MEMORY in cap.hot_limited_by:
+            raise ConfigError(
+                f"a hot window of {hot} tokens needs {format_size(hot * facts.kv_bytes_per_token)} "
+                f"of KV, but the memory limits leave room for {cap.hot_context_tokens} tokens "
+                "(memory.max, memory.reserve, memory.headroom, memory.cold)"
+            )
+        if cfg.sink_tokens + cfg.recent_tokens + 2 * cfg.block_tokens > hot:
+            raise ConfigError(
+                f"a hot window of {hot} tokens cannot hold the sinks ({cfg.sink_tokens}), the recent "
+                f"window ({cfg.recent_tokens}) and two blocks of {cfg.block_tokens}"
+            )
+        return hot
 
     @asynccontextmanager
     async def open_session(
@@ -214,24 +256,7 @@ class Runtime(metaclass=NoPublicConstructor):
         cap = self.model_info.capacity
         facts = self.model_info.model
         cfg = self.config.session
-        hot = hot_tokens if hot_tokens is not None else cap.hot_context_tokens
-        least = 4 * cfg.block_tokens
-        if not isinstance(hot, int) or not least <= hot <= facts.trained_context:
-            raise ConfigError(
-                f"hot_tokens must be between {least} (four blocks of {cfg.block_tokens}) and the "
-                f"model's trained context of {facts.trained_context}, got {hot!r}"
-            )
-        if hot > cap.hot_context_tokens and Limit.MEMORY in cap.hot_limited_by:
-            raise ConfigError(
-                f"a hot window of {hot} tokens needs {format_size(hot * facts.kv_bytes_per_token)} "
-                f"of KV, but the memory limits leave room for {cap.hot_context_tokens} tokens "
-                "(memory.max, memory.reserve, memory.headroom, memory.cold)"
-            )
-        if cfg.sink_tokens + cfg.recent_tokens + 2 * cfg.block_tokens > hot:
-            raise ConfigError(
-                f"a hot window of {hot} tokens cannot hold the sinks ({cfg.sink_tokens}), the recent "
-                f"window ({cfg.recent_tokens}) and two blocks of {cfg.block_tokens}"
-            )
+        hot = self.hot_window(hot_tokens)
         planner, _ = planner_context(
             hot,
             cap.cold_store_tokens + cap.disk_store_tokens,

@@ -98,6 +98,25 @@ BAD_SETTINGS = [
 ]
 
 
+BAD_SERVE = [
+    (["--session-tokens", "256"], "the sessions' hot window (--session-tokens"),
+    (["--state", "/proc/kvrt/state.sqlite3"], "the state database /proc/kvrt/state.sqlite3"),
+    (["--state", "/dev/null"], "is not a regular file"),
+    (
+        ["--remote-url", "redis://127.0.0.1:1/0", "--remote-secret-file", "/nonexistent"],
+        "cannot read remote.secret_file /nonexistent",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_SERVE)
+def test_settings_kvrt_serve_cannot_serve_with_are_refused_at_start(
+    kvrt_main: Callable[..., None], args: list[str], expected: str
+) -> None:
+    """Refused before a request comes (exit 2, one line), not a 500 for each request."""
+    kvrt_main("serve", "--port", "0", "--disk-budget", "0", *args, expected=expected)
+
+
 @pytest.mark.parametrize(("args", "expected"), BAD_FLAGS)
 def test_bad_flags(kvrt_main: Callable[..., None], args: list[str], expected: str) -> None:
     kvrt_main(*args, expected=expected)

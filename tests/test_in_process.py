@@ -109,3 +109,32 @@ async def test_an_agents_sdk_agent_and_a_langchain_model_in_process(anyio_backen
         )
         chunks = [c.content async for c in llm.astream("Name a colour.")]
         assert len(chunks) > 1 and "".join(str(c) for c in chunks)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_client_used_from_another_loop_or_thread_refuses_at_once(
+    anyio_backend: str,
+) -> None:
+    """Its app's tasks run in the owner's loop: another loop (in another thread) gets an
+    error naming the loop the client belongs to, at once, and the owner goes on."""
+    import asyncio
+
+    import trio
+
+    async with kvrt.open_runtime() as rt, kvrt.serve.openai_client(rt) as client:
+
+        async def use() -> Any:
+            return await client.chat.completions.create(
+                model=client.kvrt_model, messages=ASK, max_tokens=2
+            )
+
+        for run in (lambda: asyncio.run(use()), lambda: trio.run(use)):
+            began = time.perf_counter()
+            with pytest.raises(kvrt.InvalidArgumentError, match="belongs to the asyncio event"):
+                await anyio.to_thread.run_sync(run)
+            assert time.perf_counter() - began < 5  # no retries, no wait
+        with anyio.fail_after(60):
+            assert (await use()).choices[0].message.content
+    with pytest.raises(kvrt.SessionClosedError, match="the runtime is closed"):
+        async with kvrt.serve.openai_client(rt):
+            pass

@@ -160,8 +160,19 @@ class Server:
         return self._state
 
     async def open(self) -> None:
-        """Open the state store now (a :class:`~kvrt.serve.state.StateError` says why it
-        cannot be used)."""
+        """Check the settings against the runtime and open the state store now: a
+        :class:`kvrt.ConfigError` (or :class:`~kvrt.serve.state.StateError`) says what
+        cannot be served with, before a request comes."""
+        if self.runtime.closed:
+            raise kvrt.SessionClosedError(
+                "the runtime is closed: serve it inside its `async with kvrt.open_runtime()`"
+            )
+        try:
+            self.runtime.hot_window(self.config.hot_tokens)
+        except kvrt.ConfigError as exc:
+            raise kvrt.ConfigError(
+                f"the sessions' hot window (--session-tokens, ServeConfig.hot_tokens): {exc}"
+            ) from None
         await self.state()
 
     async def aclose(self) -> None:
@@ -487,6 +498,9 @@ class Server:
                     RequestError(str(exc), status=429, code="busy", kind="rate_limit_exceeded"),
                     headers={"Retry-After": str(self.config.retry_after)},
                 )
+            except kvrt.KvrtError as exc:  # no session could open (the runtime closed)
+                await stack.aclose()
+                return self._error(route, _refusal(exc))
         if left.gone:
             await stack.aclose()
             self.gone["queued"] += 1
@@ -1004,6 +1018,13 @@ def _held(wanted: History, done: kvrt.Completion) -> History:
 
 
 def _refusal(exc: kvrt.KvrtError) -> RequestError:
+    if isinstance(exc, kvrt.SessionClosedError):
+        return RequestError(
+            f"this server's runtime is closed: {exc}",
+            status=503,
+            code="runtime_closed",
+            kind="server_error",
+        )
     if isinstance(exc, kvrt.ContextTooLargeError):
         return RequestError(str(exc), code="context_length_exceeded")
     if isinstance(exc, kvrt.ArgumentTypeError | kvrt.InvalidArgumentError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import ModuleType
@@ -19,6 +20,8 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 import kvrt
@@ -137,6 +140,32 @@ def in_process_transport(http: ModuleType) -> type[Any]:
     return Transport
 
 
+class _Owner:
+    """The event loop (and thread) an in-process client belongs to: its app's tasks run
+    in that loop's task group, which no other loop or thread may touch."""
+
+    def __init__(self) -> None:
+        self.thread = threading.current_thread()
+        self.library = sniffio.current_async_library()
+        self.token = anyio.lowlevel.current_token()
+
+    def check(self) -> None:
+        """Raise at once when called from another event loop or thread."""
+        here = threading.current_thread()
+        try:
+            token = anyio.lowlevel.current_token()
+            library = sniffio.current_async_library()
+        except (RuntimeError, sniffio.AsyncLibraryNotFoundError):
+            token, library = None, "no anyio-compatible"
+        if here is self.thread and token == self.token:
+            return
+        raise kvrt.InvalidArgumentError(
+            f"this in-process client belongs to the {self.library} event loop of thread "
+            f"{self.thread.name!r}, and was used from the {library} event loop of thread "
+            f"{here.name!r}: open a kvrt.serve.openai_client in each event loop that uses one"
+        )
+
+
 async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
     with anyio.CancelScope(shield=True):
         await close()
@@ -177,7 +206,16 @@ async def openai_client(
         stack.push_async_callback(_shielded, server.aclose)
         transport = in_process_transport(http)(app, tg)
         async with http.AsyncClient(transport=transport, base_url=BASE_URL) as client_http:
-            client = openai.AsyncOpenAI(
+            owner = _Owner()
+
+            class Client(openai.AsyncOpenAI):
+                """An ``AsyncOpenAI`` that serves only the event loop it was made in."""
+
+                async def request(self, *args: Any, **kwargs: Any) -> Any:
+                    owner.check()  # before the client retries or touches the app
+                    return await super().request(*args, **kwargs)
+
+            client = Client(
                 base_url=f"{BASE_URL}/v1",
                 api_key=options.pop("api_key", next(iter(keys), "in-process")),
                 http_client=client_http,
