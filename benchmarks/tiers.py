@@ -35,7 +35,7 @@ import msgspec
 
 import kvrt
 from kvrt import AdmitMode, CacheClass, ColdKey, Config, EngineContext, EvictMode
-from kvrt._cold import ColdEntry, DiskTier, RemoteTier, token_digest
+from kvrt._cold import ColdEntry, DiskTier, RemoteTier, Signer, blockfile, token_digest
 from kvrt.tools.bench.quick import text_of
 
 from ._common import config_of, count, int_list, parser, run_main, section
@@ -54,6 +54,10 @@ class TierRow(msgspec.Struct, frozen=True, kw_only=True):
     plain_read_ms: float
     """A plain sequential read of the same file, page cache dropped the same way."""
     remote_ms: float | None
+    remote_signed_ms: float | None = None
+    """Read from Redis with the replicas' secret: the tag checked, then admitted."""
+    sign_ms: float = 0.0
+    """Sealing the block's stored bytes and checking the seal (HMAC-SHA256, 32 bytes)."""
     recompute_ms: float
 
     @property
@@ -147,6 +151,10 @@ def _admit(ctx: EngineContext, block: kvrt.ColdBlock) -> None:
     ctx.admit(block, AdmitMode.IN_PLACE)
 
 
+def _seal_and_check(signer: Signer, name: str, head: bytes, payload: memoryview) -> None:
+    signer.open(name, signer.seal(name, head, payload))
+
+
 async def _block_rows(
     config: Config, sizes: tuple[int, ...], repeat: int, step: Callable[[str], None]
 ) -> tuple[list[TierRow], str, str]:
@@ -158,6 +166,8 @@ async def _block_rows(
             disk = DiskTier(folder, 1 << 40, engine.facts.fingerprint, victim.order)
             disk.open()
             remote = RemoteTier(url) if url else None
+            secret = Signer(b"a benchmark's shared secret, 32 bytes")
+            signed = RemoteTier(url, signer=secret) if url else None
             for n in sizes:
                 step(f"{n}-token block")
                 ctx = engine.open_context(max(512, n + 64))
@@ -196,6 +206,20 @@ async def _block_rows(
                         admit(got.block)
                         times.append(time.perf_counter() - began)
                     remote_ms = statistics.median(times) * 1e3
+                remote_signed_ms = None
+                if signed is not None:
+                    await signed.write(entry)
+                    times = []
+                    for _ in range(repeat):
+                        began = time.perf_counter()
+                        got = await signed.read(key)
+                        assert got is not None
+                        admit(got.block)
+                        times.append(time.perf_counter() - began)
+                    remote_signed_ms = statistics.median(times) * 1e3
+                head, payload = blockfile.encode(entry)
+                name = secret.name("blk", key.digest().encode())
+                sign_ms = _median_ms(partial(_seal_and_check, secret, name, head, payload), repeat)
                 fresh = engine.open_context(max(512, n + 64))
                 began = time.perf_counter()
                 fresh.prefill(tokens)
@@ -211,11 +235,14 @@ async def _block_rows(
                         disk_read_ms=statistics.median(disk_read) * 1e3,
                         plain_read_ms=statistics.median(plain) * 1e3,
                         remote_ms=remote_ms,
+                        remote_signed_ms=remote_signed_ms,
+                        sign_ms=sign_ms,
                         recompute_ms=recompute_ms,
                     )
                 )
-            if remote is not None:
-                remote.close()
+            for tier in (remote, signed):
+                if tier is not None:
+                    tier.close()
             where = "a local redis-server on loopback" if url else "none: redis-server not found"
     finally:
         engine.close()
@@ -341,13 +368,17 @@ async def run_tiers_bench(
 
 def print_tiers(f: TiersBench) -> None:
     print("block restore, median ms (page cache: " + f.page_cache + "; remote: " + f.remote + ")")
-    print("tokens     bytes      RAM     disk  (read  GB/s | plain read GB/s)   Redis  recompute")
+    print(
+        "tokens     bytes      RAM     disk  (read  GB/s | plain read GB/s)   Redis  signed"
+        " (seal+check)  recompute"
+    )
     for r in f.rows:
         remote = f"{r.remote_ms:7.2f}" if r.remote_ms is not None else "      -"
+        signed = f"{r.remote_signed_ms:7.2f}" if r.remote_signed_ms is not None else "      -"
         print(
             f"{r.tokens:6d} {r.bytes:9d} {r.ram_ms:8.2f} {r.disk_ms:8.2f}  ({r.disk_read_ms:6.2f} "
             f"{r.disk_gbps:5.2f} | {r.plain_read_ms:6.2f} {r.plain_gbps:5.2f})   {remote} "
-            f"{r.recompute_ms:9.1f}"
+            f"{signed} ({r.sign_ms:6.2f})  {r.recompute_ms:9.1f}"
         )
     print(
         f"re-sent {f.restart_tokens}-token segment in a restarted process: first token "

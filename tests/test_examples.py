@@ -170,6 +170,8 @@ def test_the_tiers_benchmark_measures_every_tier() -> None:
     for figure in ("ram_ms", "disk_ms", "disk_read_ms", "plain_read_ms", "recompute_ms"):
         assert row[figure] > 0, figure
     assert (row["remote_ms"] is not None) == report["remote"].startswith("a local redis-server")
+    assert (row["remote_signed_ms"] is not None) == (row["remote_ms"] is not None)
+    assert row["sign_ms"] > 0
     assert report["restart_restored_tokens"] >= 128  # the restarted process read the disk
     assert report["ttft_restarted_disk_ms"] > 0 and report["ttft_restarted_recomputed_ms"] > 0
     assert report["spilled_blocks"] > 0 and report["decode_tps_quiet"] > 0
