@@ -42,8 +42,9 @@ async def second_turn(session: kvrt.Session, reply: str) -> kvrt.Completion:
     return await session.chat(messages, max_tokens=6, logprobs=3)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_generated_reply_sent_back_answers_as_the_session_that_generated_it(
-    engine: LlamaEngine,
+    engine: LlamaEngine, anyio_backend: str
 ) -> None:
     async with kvrt.open_runtime(engine=engine, config=config()) as rt:
         async with rt.open_session(hot_tokens=1024) as first:
@@ -74,8 +75,9 @@ async def test_a_generated_reply_sent_back_answers_as_the_session_that_generated
     assert logprobs(prefilled) != logprobs(want)
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_block_after_a_prefilled_reply_is_never_an_exact_hit_for_a_generated_one(
-    engine: LlamaEngine, tmp_path: Any
+    engine: LlamaEngine, tmp_path: Any, anyio_backend: str
 ) -> None:
     """Two runtimes on one disk tier: the first generated the reply and its blocks went to
     disk; the second, which never generated it, prefills it and restores nothing from

@@ -51,8 +51,9 @@ async def turn(session: kvrt.Session, messages: list[dict[str, Any]], question: 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # the kvrt serve test below: asyncio
 async def test_a_conversation_moving_between_replicas_answers_as_one_replica(
-    engine: LlamaEngine, redis_server: RedisServer, tmp_path: Path
+    engine: LlamaEngine, redis_server: RedisServer, tmp_path: Path, anyio_backend: str
 ) -> None:
     alone: list[Any] = []
     off = kvrt.load_config(flags={"disk.budget": "0"})

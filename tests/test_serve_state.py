@@ -20,6 +20,7 @@ from .test_serve import client, in_thread, server
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_kept_responses_outlive_a_restart(anyio_backend: str, tmp_path: Path) -> None:
     path = str(tmp_path / "state.sqlite3")
     async with server(state_path=path) as (_, url):
@@ -42,6 +43,7 @@ async def test_kept_responses_outlive_a_restart(anyio_backend: str, tmp_path: Pa
         assert [i.type for i in items.data] == ["message"]
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
     anyio_backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -95,8 +95,9 @@ def reencoded(raw: bytes, signed: bool, data: np.ndarray) -> bytes:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_another_prompts_kv_under_a_blocks_name_is_a_miss(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path
+    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
 ) -> None:
     """The attack that worked on an unsigned store: Y's blocks re-encoded with X's KV
     bytes (checksums recomputed) and written over Y's values. With a secret they fail
@@ -138,8 +139,9 @@ async def test_another_prompts_kv_under_a_blocks_name_is_a_miss(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_value_moved_under_another_name_or_planted_is_a_miss(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path
+    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
 ) -> None:
     """Values swapped between names keep valid tags for their own names only; a value
     written by someone without the secret carries none."""
@@ -171,30 +173,35 @@ async def test_a_value_moved_under_another_name_or_planted_is_a_miss(
     assert remote.warning is not None and "trusts every writer" in remote.warning
 
 
+def damaged(kv: np.ndarray, kind: int) -> np.ndarray:
+    """``kv`` made malformed four ways: cut in half, zeros, 0xFF, a huge first word."""
+    match kind % 4:
+        case 0:
+            return kv[: kv.size // 2].copy()
+        case 1:
+            return np.zeros_like(kv)
+        case 2:
+            return np.full_like(kv, 0xFF)
+        case _:
+            bad = kv.copy()
+            bad[:8] = np.frombuffer((1 << 62).to_bytes(8, "little"), dtype=np.uint8)
+            return bad
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("damage", ["half", "zeros", "ones", "huge first word"])
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_state_bytes_the_engine_rejects_cost_a_recompute(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, damage: str
+    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
 ) -> None:
-    """Malformed state bytes under a valid checksum (an unsigned store): the call
-    succeeds with a fresh computation's logits, the blocks leave the server, counted."""
+    """Malformed state bytes under a valid checksum (an unsigned store; each block damaged
+    one of four ways): the call succeeds with a fresh computation's logits, the blocks
+    leave the server, counted; the next call finds nothing bad."""
     cfg = shared(redis_server.url, tmp_path, None)
     await fill(engine, cfg)
     client = redis.Redis.from_url(redis_server.url)
-    stored = values(redis_server.url)
-    for name, raw in stored.items():
+    for n, (name, raw) in enumerate(sorted(values(redis_server.url).items())):
         kv = blockfile.decode(np.frombuffer(raw, dtype=np.uint8).copy()).data
-        match damage:
-            case "half":
-                bad = kv[: kv.size // 2].copy()
-            case "zeros":
-                bad = np.zeros_like(kv)
-            case "ones":
-                bad = np.full_like(kv, 0xFF)
-            case _:
-                bad = kv.copy()
-                bad[:8] = np.frombuffer((1 << 62).to_bytes(8, "little"), dtype=np.uint8)
-        client.set(name, reencoded(raw, False, bad))
+        client.set(name, reencoded(raw, False, damaged(kv, n)))
     want = await fresh_logits(engine, Y)
     rejected = []
     for _ in range(2):  # and again: nothing bad is left to fail on
@@ -262,9 +269,9 @@ def certificates(folder: Path) -> tuple[Path, Path, Path]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["acl", "tls"])
+@pytest.mark.parametrize(("transport", "anyio_backend"), [("acl", "asyncio"), ("tls", "trio")])
 async def test_an_acl_user_and_tls_carry_the_shared_tier(
-    engine: LlamaEngine, tmp_path: Path, transport: str
+    engine: LlamaEngine, tmp_path: Path, transport: str, anyio_backend: str
 ) -> None:
     """The transport's half of the trust boundary: a server that admits only a kvrt ACL
     user (to ``kvrt:*`` names), or only TLS; replicas that can reach it share blocks,
