@@ -63,6 +63,7 @@ from ._errors import NotInColdStoreError as NotInColdStoreError
 from ._errors import NotVisibleError as NotVisibleError
 from ._errors import OperationCancelledError as OperationCancelledError
 from ._errors import SessionClosedError as SessionClosedError
+from ._errors import SharedValueError as SharedValueError
 from ._errors import UnknownPolicyError as UnknownPolicyError
 from ._errors import UnknownSegmentError as UnknownSegmentError
 from ._grammar import Grammar as Grammar
@@ -173,6 +174,7 @@ __all__ = [
     "SessionCounters",
     "SessionReport",
     "SharedStore",
+    "SharedValueError",
     "Timings",
     "TokenLogprob",
     "TokenOrigins",

@@ -115,6 +115,11 @@ class NotInColdStoreError(KvrtError, LookupError):
     ``ensure_context`` to compute it."""
 
 
+class SharedValueError(KvrtError):
+    """A value on the replicas' shared server failed its check (its tag: written without
+    the secret, altered or moved; or its size): never used, deleted from the server."""
+
+
 class ContextNotPlacedError(KvrtError):
     """The last ``ensure_context`` was cancelled or failed before its context was in
     place: send the context again before generating."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ._cold import SharedStore
+from ._errors import SharedValueError
 
 __all__ = ["SHARED_REPLY_TTL", "ReplyMemory"]
 
@@ -158,7 +159,10 @@ class ReplyMemory:
             return 0
         learnt = 0
         for text in dict.fromkeys(t for t in texts if self.lookup(t) is None):
-            raw = await shared.get("reply", self._ident(text), max_bytes=MAX_SHARED_REPLY)
+            try:
+                raw = await shared.get("reply", self._ident(text), max_bytes=MAX_SHARED_REPLY)
+            except SharedValueError:
+                continue  # refused (and deleted): the reply is placed as text
             if raw is None:
                 continue
             try:

@@ -199,13 +199,22 @@ async def test_a_forged_or_moved_value_on_the_shared_server_is_refused(
     client.set(one, client.get(two) or b"")  # resp_2's value moved under resp_1's name
     items = shared.name("items", b"-\0conv_1")
     client.hset(items, "2", client.hget(items, "1") or b"")  # item 1 copied over item 2
-    async with opened("redis", redis_server) as store:
+    async with opened("redis", redis_server, Bounds(response_bytes=1 << 20)) as store:
         with pytest.raises(StateError) as forged:
             await store.response(None, "resp_1")
         assert forged.value.kind == "damaged" and "secret" in str(forged.value)
         assert await store.response(None, "resp_2") == kept(2)
         with pytest.raises(StateError):
             await store.items(None, "conv_1")
+        assert client.exists(one) == 0  # refused values are deleted
+        client.set(two, b"\0" * (64 << 20))  # larger than a response may be: never fetched
+        sent = int(client.info("stats")["total_net_output_bytes"])
+        with pytest.raises(StateError) as large:
+            await store.response(None, "resp_2")
+        assert large.value.kind == "damaged" and "too large" in str(large.value)
+        assert (
+            int(client.info("stats")["total_net_output_bytes"]) - sent < 2 * Bounds().response_bytes
+        )
 
 
 async def test_a_full_or_read_only_database_is_an_error_never_silence(tmp_path: Path) -> None:

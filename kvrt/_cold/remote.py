@@ -34,7 +34,7 @@ from . import blockfile
 from .entry import ColdEntry, ColdKey
 from .trust import ForgedValueError, Signer
 
-__all__ = ["RemoteStats", "RemoteTier", "redis_client"]
+__all__ = ["RemoteStats", "RemoteTier", "bounded_get", "redis_client"]
 
 log = logging.getLogger("kvrt")
 T = TypeVar("T")
@@ -86,6 +86,16 @@ def redis_client(url: str, *, timeout: float, ca_file: str | None = None) -> red
     return redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout, **extra
     )
+
+
+def bounded_get(client: Any, name: str, limit: int) -> tuple[int, Any]:
+    """A value's size, and at most ``limit`` bytes of it, in one round trip (a value past
+    the limit is never fetched whole)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.strlen(name)
+    pipe.getrange(name, 0, limit - 1)
+    size, raw = pipe.execute()
+    return int(size), raw
 
 
 def safe_url(url: str) -> str:
@@ -259,10 +269,7 @@ class RemoteTier:
     def _fetch(self, name: str, key: ColdKey) -> tuple[ColdEntry | None, tuple[str, str] | None]:
         """In a worker thread: the value's size, then at most ``max_value_bytes`` of it,
         checked (tag, checksum, key). A value that fails is deleted."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.strlen(name)
-        pipe.getrange(name, 0, self.max_value_bytes - 1)
-        size, raw = pipe.execute()
+        size, raw = bounded_get(self.client, name, self.max_value_bytes)
         if not size:
             return None, None
         problem: tuple[str, str]

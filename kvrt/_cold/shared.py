@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 
-from .remote import RemoteTier
+from .._errors import SharedValueError
+from .remote import RemoteTier, bounded_get
 from .trust import ForgedValueError
 
 __all__ = ["SharedStore"]
@@ -57,33 +58,39 @@ class SharedStore:
         """``value`` as stored under ``name`` (with its tag, where values are signed)."""
         return self._tier.signer.seal(name, value)
 
-    def open(self, name: str, stored: bytes) -> bytes | None:
-        """The value sealed in ``stored`` under ``name``; None (counted) if its tag fails."""
+    def open(self, name: str, stored: bytes) -> bytes:
+        """The value sealed in ``stored`` under ``name``; a
+        :class:`~kvrt.SharedValueError` (counted) if its tag fails."""
         try:
             return bytes(self._tier.signer.open(name, stored))
         except ForgedValueError as exc:
             self.refused += 1
             log.warning("kvrt: refused a shared value %s: %s", name, exc)
-            return None
+            raise SharedValueError(f"the shared value {name} was refused: {exc}") from None
 
     async def get(self, kind: str, ident: bytes, *, max_bytes: int) -> bytes | None:
-        """The value, checked; None when absent, refused (larger than ``max_bytes`` or its
-        tag fails: deleted, counted) or the server is down."""
+        """The value, checked; None when absent or the server is down. One larger than
+        ``max_bytes`` or whose tag fails is deleted and a :class:`~kvrt.SharedValueError`
+        (counted): it is never used."""
         name = self.name(kind, ident)
         limit = max_bytes + self._tier.signer.tag_bytes
-        got = await self.run("read", partial(_bounded_get, name=name, limit=limit))
+        got = await self.run("read", partial(bounded_get, name=name, limit=limit))
         if got is None:
             return None
         size, raw = got
         if not size:
             return None
-        value = self.open(name, raw) if size <= limit else None
-        if value is None:
+        try:
             if size > limit:
                 self.refused += 1
                 log.warning("kvrt: refused a shared value %s of %d bytes", name, size)
+                raise SharedValueError(
+                    f"the shared value {name} holds {size} bytes, more than its kind's {limit}"
+                )
+            return self.open(name, raw)
+        except SharedValueError:
             await self.run("delete", lambda client: client.delete(name))
-        return value
+            raise
 
     async def put(self, kind: str, ident: bytes, value: bytes, *, ttl: float | None = None) -> bool:
         """Store ``value`` (replacing what was there), for ``ttl`` seconds if given; True
@@ -104,12 +111,3 @@ class SharedStore:
         (counted, the server marked down if it did not answer)."""
         client = self._tier.client
         return await self._tier.call(what, lambda: fn(client))
-
-
-def _bounded_get(client: redis.Redis, *, name: str, limit: int) -> tuple[int, Any]:
-    """A value's size, and at most ``limit`` bytes of it (one round trip)."""
-    pipe = client.pipeline(transaction=False)
-    pipe.strlen(name)
-    pipe.getrange(name, 0, limit - 1)
-    size, raw = pipe.execute()
-    return int(size), raw

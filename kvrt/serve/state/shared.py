@@ -35,6 +35,11 @@ _head = msgspec.msgpack.Decoder(tuple[int, dict[str, str]])
 _item = msgspec.json.Decoder(dict[str, Any])
 
 
+MAX_HEAD = 64 * 1024
+"""The largest conversation head read (its metadata is at most 16 keys of 64 characters
+and values of 512)."""
+
+
 def page_of(
     items: list[Item], *, limit: int, order: str, after: str | None
 ) -> tuple[list[Item], bool]:
@@ -87,15 +92,33 @@ class SharedState:
         return done
 
     def _open(self, name: str, stored: Any) -> bytes:
-        value = self.shared.open(name, bytes(stored))
-        if value is None:
+        try:
+            return self.shared.open(name, bytes(stored))
+        except kvrt.SharedValueError:
             self.refused += 1
             raise StateError(
                 f"a kept value ({name}) fails its check: written without the replicas' secret "
                 "or altered; it is not used",
                 kind="damaged",
+            ) from None
+
+    async def _get(self, kind: str, tenant: str | None, key: str, max_bytes: int) -> bytes | None:
+        """A kept value, bounded and checked (a refused one is ``damaged``)."""
+        ident = _tenant(tenant) + b"\0" + key.encode()
+        if not self.shared.up:
+            self.failures += 1
+            raise StateError(
+                "the shared state server is down: try again shortly", kind="unavailable"
             )
-        return value
+        try:
+            return await self.shared.get(kind, ident, max_bytes=max_bytes)
+        except kvrt.SharedValueError as exc:
+            self.refused += 1
+            raise StateError(
+                f"a kept value fails its check ({exc}): written without the replicas' secret, "
+                "altered or too large; it is not used",
+                kind="damaged",
+            ) from None
 
     async def aclose(self) -> None:
         """Nothing to close: the runtime owns the connection."""
@@ -144,10 +167,9 @@ class SharedState:
 
     async def response(self, tenant: str | None, rid: str) -> KeptResponse | None:
         name = self._name("response", tenant, rid)
-        raw = await self._run("reading a response", lambda c: [c.get(name)])
-        if raw[0] is None:
+        value = await self._get("response", tenant, rid, self.bounds.response_bytes)
+        if value is None:
             return None
-        value = self._open(name, raw[0])
         try:
             kept = _response.decode(value)
         except (msgspec.DecodeError, TypeError) as exc:
@@ -235,21 +257,22 @@ class SharedState:
         await self._run("creating a conversation", create)
 
     async def conversation(self, tenant: str | None, cid: str) -> ConversationHead | None:
-        head_name, items_name, _ = self._conversation_names(tenant, cid)
+        _, items_name, _ = self._conversation_names(tenant, cid)
         sizes = self._name("conversation-sizes", tenant)
+        stored = await self._get("conversation", tenant, cid, MAX_HEAD)
+        if stored is None:
+            return None
         got = await self._run(
             "reading a conversation",
-            lambda c: c.pipeline().get(head_name).hlen(items_name).hget(sizes, cid).execute(),
+            lambda c: c.pipeline().hlen(items_name).hget(sizes, cid).execute(),
         )
-        if got[0] is None:
-            return None
         try:
-            created_at, meta = _head.decode(self._open(head_name, got[0]))
+            created_at, meta = _head.decode(stored)
         except (msgspec.DecodeError, TypeError) as exc:
             self.refused += 1
             raise StateError(f"conversation {cid!r} is damaged ({exc})", kind="damaged") from None
         await self._touch(tenant, cid)
-        return ConversationHead(created_at, meta, int(got[1]), int(got[2] or 0))
+        return ConversationHead(created_at, meta, int(got[0]), int(got[1] or 0))
 
     async def _touch(self, tenant: str | None, cid: str) -> None:
         names = self._conversation_names(tenant, cid)
@@ -373,8 +396,9 @@ class SharedState:
 
         def remove(client: Client) -> bool:
             for field, stored in client.hscan_iter(items_name, count=256):
-                value = self.shared.open(f"{items_name}:{int(field)}", bytes(stored))
-                if value is None:
+                try:
+                    value = self.shared.open(f"{items_name}:{int(field)}", bytes(stored))
+                except kvrt.SharedValueError:
                     continue
                 if _item.decode(value).get("id") == iid:
                     pipe = client.pipeline(transaction=True)
