@@ -154,11 +154,13 @@ async def test_concurrent_item_writes_are_all_kept_in_order(
     async with opened(kind, where) as store:
         await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [])
         async with anyio.create_task_group() as tg:
-            for n in range(30):
-                tg.start_soon(store.add_items, None, "conv_1", [item(n)])
+            for n in range(30):  # each write two items, which stay together and in order
+                tg.start_soon(store.add_items, None, "conv_1", [item(2 * n), item(2 * n + 1)])
                 await anyio.sleep(0)
         ids = [i["id"] for i in await store.items(None, "conv_1") or []]
-        assert sorted(ids) == sorted(f"msg_{n}" for n in range(30)) and len(ids) == 30
+        assert sorted(ids) == sorted(f"msg_{n}" for n in range(60)) and len(ids) == 60
+        for first, second in zip(ids[::2], ids[1::2], strict=True):
+            assert int(second.split("_")[1]) == int(first.split("_")[1]) + 1, ids
 
 
 async def test_a_damaged_row_is_refused_and_the_rest_stays_readable(tmp_path: Path) -> None:
