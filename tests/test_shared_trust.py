@@ -16,6 +16,7 @@ import pytest
 import redis
 
 import kvrt
+import kvrt.serve
 from kvrt import Segment, policies
 from kvrt._cold import ColdStore, RemoteTier, Signer, blockfile
 from kvrt._cold.trust import TAG_BYTES
@@ -27,6 +28,7 @@ from .redis_server import RedisServer, start_redis
 from .test_disk_tier import settled
 
 SECRET = "correct horse battery staple, twice over"
+ROOT = "http://kvrt.in-process"
 X = [Segment("doc", "The vault code is 4417. " * 30), Segment("q", "What is the vault code?")]
 Y = [Segment("doc", "The garden gate is painted green. " * 20), Segment("q", "What colour?")]
 
@@ -158,8 +160,11 @@ async def test_a_value_moved_under_another_name_or_planted_is_a_miss(
             status = await s.ensure_context(X)
             got = await next_logits(s)
         remote = rt.cold_stats().remote
+        async with kvrt.serve.openai_client(rt) as client:  # what an operator reads
+            metrics = str(await client.get(f"{ROOT}/metrics", cast_to=str))
     assert remote is not None and remote.forged >= 1 and remote.hits == 0
     assert status.restored_tokens == 0 and np.array_equal(got, want)
+    assert f'kvrt_cold_blocks_refused_total{{why="forged"}} {remote.forged}' in metrics
 
     # Without the secret a replica reads no name the signed ones wrote, and says that it
     # trusts every writer.
