@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 
@@ -181,7 +182,7 @@ async def test_cancelled_caller_while_queued_does_not_run() -> None:
     ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(s.ensure_context, context(question="First?"))
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             with anyio.move_on_after(0.01):
                 await s.ensure_context(context(("file:a.py", FILE_A), question="Second?"))
         _check(s)

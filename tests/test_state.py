@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis
 
@@ -156,7 +157,7 @@ async def test_concurrent_item_writes_are_all_kept_in_order(
         async with anyio.create_task_group() as tg:
             for n in range(30):  # each write two items, which stay together and in order
                 tg.start_soon(store.add_items, None, "conv_1", [item(2 * n), item(2 * n + 1)])
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         ids = [i["id"] for i in await store.items(None, "conv_1") or []]
         assert sorted(ids) == sorted(f"msg_{n}" for n in range(60)) and len(ids) == 60
         for first, second in zip(ids[::2], ids[1::2], strict=True):

@@ -148,11 +148,11 @@ class ColdStore:
                 await tier.discover(unknown)
                 unknown = [k for k in unknown if k not in tier]
 
-    async def wait_written(self, keys: Iterable[ColdKey], timeout: float) -> None:
-        """Wait, at most ``timeout`` seconds, until none of ``keys`` is still queued for,
+    async def wait_written(self, keys: Iterable[ColdKey], within: float) -> None:
+        """Wait, at most ``within`` seconds, until none of ``keys`` is still queued for,
         or being written to, the tiers below RAM."""
         wanted = list(keys)
-        with anyio.move_on_after(timeout):
+        with anyio.move_on_after(within):
             while any(k in self._writing for k in wanted):
                 if self._written is None:
                     self._written = anyio.Event()

@@ -929,7 +929,8 @@ class _Stream(StreamingResponse):
             assert watch is not None
             tick = min(0.5, self.stall_timeout / 4)
             with watching:
-                while not watch.stalled():
+                # The kernel's connection state: nothing to wait on but time.
+                while not watch.stalled():  # noqa: ASYNC110
                     await anyio.sleep(tick)
                 stalled = True
                 stream.cancel()
