@@ -69,7 +69,14 @@ def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
         "--backend",
         backend,
     ]
-    report = json.loads(run(*argv))
+    proc = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    # Not a terminal: a line a turn; and a disk tier of its own (a first turn is a first).
+    assert "disk tier: a fresh folder for this run" in proc.stderr
+    assert proc.stderr.count(" done (") == 6 and "(6/6," in proc.stderr, proc.stderr
     assert report["combined_logical_tokens"] > 2 * report["hot_tokens"]
     for session in report["sessions"]:
         first, _, third = session["turns"]

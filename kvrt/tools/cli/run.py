@@ -4,7 +4,10 @@ window."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -53,16 +56,46 @@ def main(args: argparse.Namespace) -> None:
     config = config_from(args)
     # engine.hot_tokens caps the window the capacity resolves; the demo's default is 512.
     hot = min(config.engine.hot_tokens or 512, 8192)
-    console = Console(stderr=args.json)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"{args.sessions} sessions x 3 turns", total=args.sessions * 3)
+    console = Console(stderr=True)
+    total = args.sessions * 3
+    with contextlib.ExitStack() as stack:
+        if config.disk.path is None and config.disk.budget != 0:
+            # A first run is a first run: the demo's disk tier is a fresh folder of its own,
+            # not the one earlier runs filled (give --disk-path to keep blocks across runs).
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrt-run-"))
+            config = msgspec.structs.replace(
+                config, disk=msgspec.structs.replace(config.disk, path=folder)
+            )
+            note = "disk tier: a fresh folder for this run (--disk-path keeps one across runs)"
+        else:
+            note = f"disk tier: {config.disk.path or 'off'} (blocks earlier runs left are restored)"
+        if console.is_terminal:
+            progress = stack.enter_context(Progress(console=console, transient=True))
+            task = progress.add_task(f"{args.sessions} sessions x 3 turns", total=total)
+
+            def advanced(name: str, turn: int) -> None:
+                progress.advance(task)
+        else:  # a log or a pipe: a line a turn
+            began, done = time.perf_counter(), 0
+
+            def advanced(name: str, turn: int) -> None:
+                nonlocal done
+                done += 1
+                print(
+                    f"kvrt run: session {name} turn {turn} done ({done}/{total}, "
+                    f"{time.perf_counter() - began:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        print(f"kvrt run: {note}", file=sys.stderr, flush=True)
         report = anyio.run(
             lambda: run_demo(
                 config,
                 sessions=args.sessions,
                 hot_tokens=hot,
                 max_tokens=args.max_tokens,
-                on_progress=lambda name, turn: progress.advance(task),
+                on_progress=advanced,
             )
         )
     if args.json:
@@ -99,6 +132,11 @@ def main(args: argparse.Namespace) -> None:
         out.print(table)
         for t in session.turns:
             out.print(f"  [bold]turn {t.turn}[/bold] ({t.file}): {t.text!r}", highlight=False)
+    out.print(
+        "reused, restored and prefilled count work: a block computed, pushed out of the hot "
+        "window and brought back within one turn counts in both (so a first turn restores "
+        "too); cold: tokens parked in the cold store"
+    )
     out.print(
         f"{len(report.sessions)} sessions, {report.combined_logical_tokens} context tokens in all over hot "
         f"windows of {report.hot_tokens}; cold store: {report.cold_entries} blocks, "
