@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,8 +136,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         openvino = params.get("backend") == "openvino" or item.path.name == "test_openvino.py"
         if openvino and params.get("anyio_backend") == "asyncio":
             drop.append(item)
-        else:
-            keep.append(item)
+            continue
+        keep.append(item)
+        if openvino:
+            item.add_marker(pytest.mark.openvino)
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _interrupted() -> Generator[None, object, object]:
+    """Ctrl-C ends the run at once, with pytest's own summary: an event loop's task group
+    hands the KeyboardInterrupt on inside an exception group, which pytest would report
+    as one failed test before going on to the next."""
+    try:
+        return (yield)
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from group
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _interrupted())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _interrupted())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    return (yield from _interrupted())

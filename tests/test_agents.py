@@ -26,7 +26,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.frameworks]
 
 KEY = "kvrt-test-key"
 

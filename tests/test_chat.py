@@ -95,6 +95,7 @@ async def test_chat_matches_llama_cpp_chat_completion_over_two_turns() -> None:
             llm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["trio"])  # the other tests here run both loops
 @pytest.mark.parametrize("backend", ["llama", "openvino"])
 async def test_ten_turn_chat_prefills_only_each_new_message(
@@ -313,6 +314,7 @@ REPO = "Repository map:\n" + "".join(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["trio"])  # one loop: the waiting is anyio's
 async def test_concurrent_sessions_share_a_stable_prefix_computed_once(
     anyio_backend: str,

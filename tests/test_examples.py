@@ -44,6 +44,7 @@ def test_describe_example() -> None:
     assert "KV bytes per token: 23,040" in example("describe_model.py")
 
 
+@pytest.mark.slow
 def test_concurrent_sessions_example() -> None:
     out = example("concurrent_sessions.py", "llama")
     assert out.count("consistent: True") == 3

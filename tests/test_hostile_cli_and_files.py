@@ -7,10 +7,12 @@ process too, so an abort could not take the test run with it."""
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -254,6 +256,7 @@ def _build(cache: Path) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 def test_openvino_builds_killed_or_racing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     killed = _build(cache)
@@ -312,3 +315,32 @@ def test_version_local_config_and_describe_policies(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"hot_context_tokens": 1024' in proc.stdout
+
+
+def test_ctrl_c_ends_the_test_run_at_once_with_its_summary() -> None:
+    """A newcomer's Ctrl-C in the middle of a trio test whose task group runs engine
+    work: the run stops there (exit status 2, pytest's KeyboardInterrupt summary), not
+    one failed test and on to the next."""
+    args = [sys.executable, "-m", "pytest", "tests/test_trio_suite.py", "-v", "-p"]
+    args += ["no:cacheprovider"]
+    child = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert child.stdout is not None
+    seen = ""
+    while "test_trio_suite.py::" not in seen:  # a test has begun
+        line = child.stdout.readline()
+        assert line, seen
+        seen += line
+    time.sleep(1.0)
+    child.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    out, _ = child.communicate(timeout=60)
+    assert time.monotonic() - began < 20
+    assert child.returncode == 2, seen + out
+    assert "KeyboardInterrupt" in out and " failed" not in out, seen + out

@@ -65,6 +65,7 @@ async def test_streams_arrive_as_they_are_made_and_a_closed_one_frees_its_sessio
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # it calls asyncio.create_task
+@pytest.mark.frameworks
 async def test_a_pydantic_ai_agent_in_process(anyio_backend: str) -> None:
     import pydantic_ai
     from pydantic_ai.models.openai import OpenAIChatModel
@@ -81,6 +82,7 @@ async def test_a_pydantic_ai_agent_in_process(anyio_backend: str) -> None:
         assert pieces and "".join(pieces)
 
 
+@pytest.mark.frameworks
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_agents_sdk_agent_and_a_langchain_model_in_process(anyio_backend: str) -> None:
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled

@@ -315,6 +315,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_closing_a_runtime_returns_its_memory() -> None:
     """The compiled model goes with its runtime, and nothing piles up across runtimes

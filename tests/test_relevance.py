@@ -135,6 +135,7 @@ def haystack(key: str, n_filler: int = 40, depth: float = 0.3) -> str:
     return passkey.haystack(key, n_filler, depth)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_passkey_outside_the_window_is_answered_under_relevance(

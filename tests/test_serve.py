@@ -266,6 +266,7 @@ async def test_session_id_header_pins_conversations(anyio_backend: str) -> None:
         assert health["sessions"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # both loops serve in the tests above
 async def test_sixteen_streaming_clients_five_turns_each(anyio_backend: str) -> None:
     """A bounded load: 16 clients stream five turns each through four sessions; the only

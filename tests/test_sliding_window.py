@@ -204,6 +204,7 @@ def test_moved_blocks_are_approximate_and_labelled(gemma: LlamaEngine) -> None:
     assert 0 < delta < 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 @pytest.mark.anyio
 async def test_sessions_restore_exactly_and_match_llama_cpp(gemma_path: str) -> None:

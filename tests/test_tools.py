@@ -354,6 +354,7 @@ async def test_tools_on_a_model_without_a_chat_template_are_refused(gemma_path: 
             s.chat(ASK, tools=[WEATHER])
 
 
+@pytest.mark.slow
 async def test_a_ten_step_tool_loop_computes_only_what_is_new(backend: str) -> None:
     """Each step sends the whole loop back (the calls as structured tool_calls, as
     frameworks do): the session computes the new tool result and the template's framing,
