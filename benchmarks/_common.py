@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 import kvrt
-from kvrt.tools.bench import own_disk_tier
-from kvrt.tools.cli._common import check_writable, count, int_list
+from kvrt.bench import own_disk_tier
+from kvrt.cli._common import check_writable, count, int_list
 
 __all__ = ["check_writable", "count", "int_list", "parser", "run_main", "section"]
 

@@ -24,7 +24,7 @@ import msgspec
 
 from kvrt import Config, Engine, Segment, open_runtime
 from kvrt._session import context_tokens
-from kvrt.tools.bench.full import serve_trace, trace_contexts
+from kvrt.bench.full import serve_trace, trace_contexts
 
 from .passkey import QUESTIONS, Answer, ask, haystack, per_filler, summarize
 

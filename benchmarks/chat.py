@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 import kvrt
-from kvrt.tools.bench import own_disk_tier
+from kvrt.bench import own_disk_tier
 
 LLAMA_SERVER = [sys.executable, str(Path(__file__).with_name("_llama_server.py"))]
 """Starts ``llama_cpp.server`` as the benchmark's peer (its arguments follow), its weights

@@ -34,7 +34,7 @@ import msgspec
 
 import kvrt
 from kvrt import Config, Runtime, Segment, open_runtime
-from kvrt.tools.bench.plot import pyplot, save_figure
+from kvrt.bench.plot import pyplot, save_figure
 
 from ._common import config_of, count, int_list, parser, run_main, section
 from .blend import RATIOS, TRACE_TURNS, BlendRow, print_blend, run_blend_bench

@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from kvrt import ColdBlock, Config, ConfigError, EngineContext, EvictMode, open_engine
-from kvrt.tools.bench.quick import text_of
+from kvrt.bench.quick import text_of
 
 from ._common import config_of, count, parser, run_main, section
 

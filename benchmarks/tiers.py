@@ -36,7 +36,7 @@ import msgspec
 import kvrt
 from kvrt import AdmitMode, CacheClass, ColdKey, Config, EngineContext, EvictMode
 from kvrt._cold import ColdEntry, DiskTier, RemoteTier, Signer, blockfile, token_digest
-from kvrt.tools.bench.quick import text_of
+from kvrt.bench.quick import text_of
 
 from ._common import config_of, count, int_list, parser, run_main, section
 
@@ -257,7 +257,7 @@ async def _block_rows(
 RESTART = """
 import anyio, json, sys, time, kvrt
 from kvrt import Segment
-from kvrt.tools.bench.quick import text_of
+from kvrt.bench.quick import text_of
 
 async def main(mode):
     async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens={hot}) as s:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from ._backend import ModelFacts
-from ._capacity import (
+from ._cold.disk import disk_location
+from ._config import Config
+from ._engine.capacity import (
     Capacity,
     CapacityInputs,
     LayerProfile,
@@ -13,10 +14,9 @@ from ._capacity import (
     MemoryReading,
     resolve_capacity,
 )
-from ._cold.disk import disk_location
-from ._config import Config
-from ._engines import open_engine
-from ._memory import read_memory
+from ._engine.contract import ModelFacts
+from ._engine.memory import read_memory
+from ._engine.registry import open_engine
 
 __all__ = ["ModelInfo", "capacity_inputs", "describe_model", "model_info"]
 

@@ -6,9 +6,9 @@ from collections.abc import Container, Sequence
 
 import msgspec
 
-from ._backend import Capabilities, Counters
+from ._chat.tools import ToolCall, ToolCallDelta
 from ._cold import ColdStats
-from ._tools import ToolCall, ToolCallDelta
+from ._engine.contract import Capabilities, Counters
 from ._types import CacheClass, Residency
 
 __all__ = [

@@ -15,16 +15,18 @@ from anyio.abc import TaskGroup
 
 from . import policies as policies  # registers the built-in policies
 from . import policy
-from ._backend import Engine
-from ._capacity import Limit, planner_context
+from ._chat.replies import ReplyMemory
+from ._chat.templates import JinjaTemplate, read_template_file
 from ._checks import check_bool, check_choice, check_int, check_salt, check_text
 from ._cold import ColdStats, ColdStore, RemoteTier, SharedStore, salted
 from ._config import Config, EngineConfig, check_config, load_config
 from ._describe import ModelInfo, model_info
-from ._engines import open_engine
+from ._engine.capacity import Limit, planner_context
+from ._engine.contract import Engine
+from ._engine.registry import open_engine
+from ._engine.turns import EngineTurns
 from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
-from ._jinja import JinjaTemplate, read_template_file
-from ._replies import ReplyMemory
+from ._paging.window import HotWindow, Segment
 from ._session import (
     Actor,
     SavedSession,
@@ -35,9 +37,7 @@ from ._session import (
     resume_session,
 )
 from ._session.chat import ChatTemplate
-from ._session.layout import HotWindow, Segment
 from ._tiers import open_tiers
-from ._turns import EngineTurns
 from ._types import CacheClass
 from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
@@ -97,7 +97,7 @@ class Runtime(metaclass=NoPublicConstructor):
         threads = config.engine.threads or physical_cores()
         parallel = config.engine.parallel or max(1, physical_cores() // threads)
         self.engine_turns = EngineTurns(parallel, check_policies(config)["engine_turn"])
-        """The engine's slots, shared by every session (see :mod:`kvrt._turns`)."""
+        """The engine's slots, shared by every session (see :mod:`kvrt._engine.turns`)."""
 
     @property
     def closed(self) -> bool:

@@ -8,10 +8,10 @@ from typing import Any
 
 import anyio
 
-from ._backend import ModelFacts
 from ._cold import ColdTier, DiskTier, RemoteTier, Signer, load_secret
 from ._config import Config
 from ._describe import ModelInfo
+from ._engine.contract import ModelFacts
 from ._errors import ConfigError
 
 __all__ = ["max_block_bytes", "open_tiers"]

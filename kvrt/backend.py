@@ -38,26 +38,26 @@ are there so an adapter needs nothing private from kvrt.
 
 from __future__ import annotations
 
-from ._backend import AdmitMode as AdmitMode
-from ._backend import Capabilities as Capabilities
-from ._backend import Checkpoint as Checkpoint
-from ._backend import ColdBlock as ColdBlock
-from ._backend import ColdBlockMeta as ColdBlockMeta
-from ._backend import Counters as Counters
-from ._backend import Engine as Engine
-from ._backend import EngineContext as EngineContext
-from ._backend import EvictMode as EvictMode
-from ._backend import KeySketching as KeySketching
-from ._backend import Logits as Logits
-from ._backend import ModelFacts as ModelFacts
-from ._backend import Recompute as Recompute
-from ._backend import SamplingParams as SamplingParams
-from ._backend import TemplateSource as TemplateSource
+from ._chat.sampling import Sampler as Sampler
 from ._config import EngineConfig as EngineConfig
-from ._model import GgufMetadata as GgufMetadata
-from ._model import expand_path as expand_path
-from ._model import file_digest as file_digest
-from ._model import read_gguf_metadata as read_gguf_metadata
-from ._sampling import Sampler as Sampler
+from ._engine.contract import AdmitMode as AdmitMode
+from ._engine.contract import Capabilities as Capabilities
+from ._engine.contract import Checkpoint as Checkpoint
+from ._engine.contract import ColdBlock as ColdBlock
+from ._engine.contract import ColdBlockMeta as ColdBlockMeta
+from ._engine.contract import Counters as Counters
+from ._engine.contract import Engine as Engine
+from ._engine.contract import EngineContext as EngineContext
+from ._engine.contract import EvictMode as EvictMode
+from ._engine.contract import KeySketching as KeySketching
+from ._engine.contract import Logits as Logits
+from ._engine.contract import ModelFacts as ModelFacts
+from ._engine.contract import Recompute as Recompute
+from ._engine.contract import SamplingParams as SamplingParams
+from ._engine.contract import TemplateSource as TemplateSource
+from ._engine.model_files import GgufMetadata as GgufMetadata
+from ._engine.model_files import expand_path as expand_path
+from ._engine.model_files import file_digest as file_digest
+from ._engine.model_files import read_gguf_metadata as read_gguf_metadata
 from ._util import physical_cores as physical_cores
 from .models import resolve_model_path as resolve_model_path

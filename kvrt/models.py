@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._engine.model_files import GGUF_MAGIC, embedded_model_path, expand_path
 from ._errors import ModelLoadError
-from ._model import GGUF_MAGIC, embedded_model_path, expand_path
 
 __all__ = [
     "NAMES",
@@ -91,7 +91,7 @@ def gemma3_270m(folder: str | os.PathLike[str] | None = None) -> Path:
 
 
 def _verified(package: Any, path: Path) -> bool:
-    from ._model import file_digest
+    from ._engine.model_files import file_digest
 
     return file_digest(path) == str(package.EXPECTED_SHA256)
 

@@ -1,17 +1,17 @@
 """The rooms and the arrows between them, read from the imports of every module.
 
-- the core (``kvrt/`` less ``kvrt/tools/``) never imports its tools;
+- every room imports only rooms after it in :data:`ROOMS` (the import direction, written
+  once here and on the architecture page of the README);
 - ``policies/`` imports nothing of kvrt but the public ``kvrt.policy``;
 - ``adapters/`` imports only ``kvrt`` (public names), ``kvrt.backend`` and the bridge;
 - ``native_bridge/`` imports nothing of kvrt;
+- ``kvrt serve`` imports only kvrt's public names;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
-- inside ``kvrt/_session/`` dependencies run one way: handle -> saving -> chat -> reply ->
-  mailbox -> prefetch -> actor -> generation -> placement -> scoring -> computing -> paging
-  -> gate -> layout;
-- the placement planner (``kvrt/_session/planner.py``) is pure: it imports no I/O, no
+- inside ``kvrt/_session/``, ``kvrt/_paging/`` and ``kvrt/_cold/`` dependencies run one
+  way, in the order each package states;
+- the placement planner (``kvrt/_paging/planner.py``) is pure: it imports no I/O, no
   engine and no other part of the session;
-- the session's parts are composed, never inherited: no class of ``kvrt/_session/``
-  derives from another one of the package's classes.
+- the session's parts are composed, never inherited.
 """
 
 from __future__ import annotations
@@ -56,29 +56,77 @@ def imports(path: Path) -> Iterator[str]:
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
-            yield target
-            yield from (f"{target}.{alias.name}" for alias in node.names)
+            subs = [f"{target}.{alias.name}" for alias in node.names]
+            if not all(is_module(sub) for sub in subs):  # names of it, not only its modules
+                yield target
+            yield from subs
+
+
+def is_module(dotted: str) -> bool:
+    """Whether ``dotted`` names one of the repository's modules or packages."""
+    parts = dotted.split(".")
+    if parts[0] != "kvrt":
+        return False
+    if len(parts) > 1 and parts[1] in GENERIC:
+        parts = parts[1:]
+    else:
+        parts[0] = "kvrt"
+    where = ROOT.joinpath(*parts)
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
 
 
 def kvrt_imports(path: Path) -> set[str]:
     return {m for m in imports(path) if m == "kvrt" or m.startswith("kvrt.")}
 
 
-def test_the_core_never_imports_its_tools_or_its_server() -> None:
-    outside = {"tools", "serve"}
-    core = [
-        p
-        for p in modules("kvrt")
-        if not outside & set(p.relative_to(ROOT).parts)
-        and p.name != "__main__.py"  # the CLI's door
-    ]
-    assert len(core) > 20
-    wrong = {
-        f"{p.relative_to(ROOT)} -> {m}"
-        for p in core
-        for m in kvrt_imports(p)
-        if m.startswith(("kvrt.tools", "kvrt.serve"))
-    }
+ROOMS = [
+    {"kvrt.__main__"},  # python -m kvrt
+    {"kvrt.cli", "kvrt.bench"},  # the command line and kvrt bench
+    {"kvrt.serve"},  # the OpenAI-compatible server
+    {"kvrt.testing", "kvrt.adapters"},  # fixtures; the engines' adapters
+    {"kvrt.native_bridge"},  # the only code touching C APIs
+    {"kvrt", "kvrt.backend"},  # the public faces: import kvrt, the adapters' contract
+    {"kvrt._runtime", "kvrt._tiers", "kvrt._describe"},  # a runtime, assembled
+    {"kvrt._session"},  # the session as its caller sees it
+    {"kvrt._paging"},  # where blocks live and how they move
+    {"kvrt._reports"},  # what calls return
+    {"kvrt._chat"},  # conversations to tokens and back: no engine state, no await
+    {"kvrt._cold"},  # the cold store and its tiers
+    {"kvrt.models"},  # model names -> files
+    {"kvrt._engine"},  # talking to an engine
+    {"kvrt.policies"},  # the built-in policies
+    {"kvrt.policy"},  # the policy contract
+    # shared vocabulary
+    {"kvrt._config", "kvrt._units", "kvrt._checks", "kvrt._types", "kvrt._errors"},
+    {"kvrt._util", "kvrt._docs"},
+]
+"""Each room, from the top down: a module imports only its own room's and rooms below."""
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def rank_of(module: str) -> int | None:
+    room = room_of(module)
+    return next((i for i, rooms in enumerate(ROOMS) if room in rooms), None)
+
+
+def test_every_room_imports_only_rooms_below_it() -> None:
+    paths = modules("kvrt") + modules("adapters") + modules("native_bridge") + modules("policies")
+    unknown, wrong = set(), set()
+    for path in paths:
+        me = package_of(path) if path.name == "__init__.py" else f"{package_of(path)}.{path.stem}"
+        mine = rank_of(me)
+        if mine is None:
+            unknown.add(me)
+            continue
+        for m in kvrt_imports(path):
+            theirs = rank_of(m)
+            if theirs is not None and theirs < mine and room_of(m) != room_of(me):
+                wrong.add(f"{me} -> {m}")
+    assert not unknown  # every module is in a room
     assert not wrong
 
 
@@ -100,7 +148,7 @@ TOOLS_INTERNALS = {
     "kvrt._units": {"format_size", "parse_size"},
     "kvrt._runtime": {"check_policies"},  # the CLI refuses a bad policy before loading
     "kvrt._session": {"context_tokens"},  # a context's token count, for the references
-    "kvrt._engines": {"adapter_package"},
+    "kvrt._engine.registry": {"adapter_package"},
     "kvrt._cold": {
         "ColdEntry",
         "DiskTier",
@@ -132,15 +180,16 @@ def _private_names(path: Path) -> set[tuple[str, str]]:
 
 
 def test_the_tools_and_benchmarks_reach_only_named_internals() -> None:
-    """``kvrt/tools`` and ``benchmarks/`` import the core's public names, plus the few
-    internals in :data:`TOOLS_INTERNALS`; no private attribute reach either."""
-    paths = modules("kvrt/tools") + sorted((ROOT / "benchmarks").glob("*.py"))
+    """``kvrt/cli``, ``kvrt/bench`` and ``benchmarks/`` import the core's public names,
+    plus the few internals in :data:`TOOLS_INTERNALS`; no private attribute reach either."""
+    paths = modules("kvrt/cli") + modules("kvrt/bench") + sorted((ROOT / "benchmarks").glob("*.py"))
     assert len(paths) > 15
     wrong = {
         f"{p.relative_to(ROOT)}: {module}.{name}"
         for p in paths
         for module, name in _private_names(p)
-        if not module.startswith("kvrt.tools") and name not in TOOLS_INTERNALS.get(module, ())
+        if not module.startswith(("kvrt.cli", "kvrt.bench"))
+        and name not in TOOLS_INTERNALS.get(module, ())
     }
     assert not wrong
     reach = {
@@ -209,44 +258,47 @@ SESSION_LAYERS = [
     "prefetch",
     "actor",
     "generation",
-    "placement",
-    "tokens",
-    "scoring",
-    "approximate",
-    "computing",
-    "paging",
-    "gate",
-    "provenance",
     "arguments",
-    "layout",
-    "planner",
 ]
+"""``kvrt/_session/``, the session as its caller sees it, from the top down."""
 
 
-def test_session_layers_depend_one_way() -> None:
+def one_way(package: str, layers: list[str]) -> set[str]:
+    """The arrows inside ``kvrt/<package>/`` that run up ``layers``; checks that every
+    module is a layer."""
     wrong = set()
-    for layer in SESSION_LAYERS:
-        rank = SESSION_LAYERS.index(layer)
-        path = ROOT / "kvrt" / "_session" / f"{layer}.py"
-        for m in kvrt_imports(path):
+    for layer in layers:
+        rank = layers.index(layer)
+        for m in kvrt_imports(ROOT / "kvrt" / package / f"{layer}.py"):
             parts = m.split(".")
-            inside = parts[:2] == ["kvrt", "_session"] and len(parts) > 2
+            inside = parts[:2] == ["kvrt", package] and len(parts) > 2
             other = parts[2] if inside else layer
-            if other in SESSION_LAYERS and SESSION_LAYERS.index(other) < rank:
+            if other in layers and layers.index(other) < rank:
                 wrong.add(f"{layer} -> {other}")
-    assert not wrong
-    assert sorted(p.stem for p in (ROOT / "kvrt" / "_session").glob("*.py")) == sorted(
-        [*SESSION_LAYERS, "__init__"]
+    assert sorted(p.stem for p in (ROOT / "kvrt" / package).glob("*.py")) == sorted(
+        [*layers, "__init__"]
     )
+    return wrong
+
+
+def test_session_and_paging_layers_depend_one_way() -> None:
+    from kvrt._paging import LAYERS
+
+    assert not one_way("_session", SESSION_LAYERS)
+    assert not one_way("_paging", list(LAYERS))
     core = [p for p in modules("kvrt") if p.parent == ROOT / "kvrt"]
-    packages = modules("kvrt/_session") + modules("kvrt/_cold")
+    packages = [
+        p
+        for package in ("_session", "_paging", "_cold", "_chat", "_engine")
+        for p in modules(f"kvrt/{package}")
+    ]
     assert max(len(p.read_text().splitlines()) for p in core + packages) < 500
 
 
 def test_the_placement_planner_is_pure() -> None:
     """The planner decides from a snapshot: nothing it imports can await, call an engine
     or reach the session's state (its tests need no model)."""
-    planner = ROOT / "kvrt" / "_session" / "planner.py"
+    planner = ROOT / "kvrt" / "_paging" / "planner.py"
     allowed = {"__future__", "collections.abc", "dataclasses", "kvrt._types"}
     wrong = {
         m for m in imports(planner) if not any(m == a or m.startswith(f"{a}.") for a in allowed)
@@ -259,7 +311,9 @@ def test_the_placement_planner_is_pure() -> None:
 def test_the_session_parts_are_composed_not_inherited() -> None:
     """The actor holds its gate, paging, scoring, placement and generation; none of them
     is a base class of another (an inheritance tower hides who calls whom)."""
-    trees = {p: ast.parse(p.read_text()) for p in modules("kvrt/_session")}
+    trees = {
+        p: ast.parse(p.read_text()) for p in modules("kvrt/_session") + modules("kvrt/_paging")
+    }
     classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
     assert {"Actor", "EngineGate", "Paging", "Placement", "Generation"} <= classes
     wrong = {
@@ -276,7 +330,9 @@ def test_the_session_parts_are_composed_not_inherited() -> None:
 def test_tallies_are_returned_never_shared() -> None:
     """What a command did is the sum of what its moves return: no part of a session holds
     a tally for others to write into, and every move of the executor returns its own."""
-    trees = {p: ast.parse(p.read_text()) for p in modules("kvrt/_session")}
+    trees = {
+        p: ast.parse(p.read_text()) for p in modules("kvrt/_session") + modules("kvrt/_paging")
+    }
     shared = [
         f"{p.stem}:{n.lineno}"
         for p, t in trees.items()
@@ -286,7 +342,7 @@ def test_tallies_are_returned_never_shared() -> None:
     assert not shared
     paging = next(
         n
-        for n in trees[ROOT / "kvrt" / "_session" / "paging.py"].body
+        for n in trees[ROOT / "kvrt" / "_paging" / "moves.py"].body
         if isinstance(n, ast.ClassDef) and n.name == "Paging"
     )
     moves = {
@@ -311,7 +367,9 @@ def test_the_cold_store_stands_below_the_sessions() -> None:
     wrong = set()
     for path in modules("kvrt/_cold"):
         for m in kvrt_imports(path):
-            if m.startswith(("kvrt._session", "kvrt._runtime", "kvrt.tools", "kvrt.serve")):
+            if m.startswith(
+                ("kvrt._session", "kvrt._paging", "kvrt._runtime", "kvrt.cli", "kvrt.serve")
+            ):
                 wrong.add(f"{path.name} -> {m}")
             parts = m.split(".")
             other = parts[2] if parts[:2] == ["kvrt", "_cold"] and len(parts) > 2 else None
@@ -330,8 +388,8 @@ def test_the_reader_sees_a_wrong_arrow() -> None:
     assert any(m.startswith("kvrt.backend") for m in kvrt_imports(source))
     handle = ROOT / "kvrt" / "_session" / "handle.py"
     assert "kvrt._session.actor" in kvrt_imports(handle)
-    gate = ROOT / "kvrt" / "_session" / "gate.py"
-    assert "kvrt._session.layout" in kvrt_imports(gate)
+    gate = ROOT / "kvrt" / "_paging" / "gate.py"
+    assert "kvrt._paging.window" in kvrt_imports(gate)
 
 
 def test_every_public_struct_documents_itself_and_its_fields() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import kvrt
 from kvrt import AdmitMode, ColdBlockMismatchError, EvictMode, Segment
-from kvrt._session.tokens import context_tokens
+from kvrt._paging.tokens import context_tokens
 from kvrt.backend import KeySketching
 from kvrt.testing import zoo
 

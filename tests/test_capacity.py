@@ -14,7 +14,7 @@ from kvrt import (
     MemoryReading,
     resolve_capacity,
 )
-from kvrt._capacity import (
+from kvrt._engine.capacity import (
     DEFAULT_HOST_COLD_FRACTION,
     FALLBACK_CONTEXT,
     RESERVE_FLOOR_BYTES,

@@ -239,7 +239,7 @@ async def test_the_models_own_template_is_used_without_tools_and_with_them() -> 
 def test_each_call_format_reads_back_what_it_renders() -> None:
     """Fed a character at a time, a format's reader finds the calls its renderer wrote, and
     text that only starts like a call stays text."""
-    from kvrt._call_formats import Envelope, JsonCall, Tagged
+    from kvrt._chat.call_formats import Envelope, JsonCall, Tagged
 
     formats = [Tagged(), JsonCall(("get_weather", "get_time")), Envelope()]
     calls = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]

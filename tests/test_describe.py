@@ -21,7 +21,7 @@ from kvrt import (
     embedded_model_path,
     load_config,
 )
-from kvrt._model import read_gguf_metadata
+from kvrt._engine.model_files import read_gguf_metadata
 
 GiB = 1024**3
 

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from kvrt import policies
-from kvrt._turns import EngineTurns, Served
+from kvrt._engine.turns import EngineTurns, Served
 from kvrt.policy import TurnView
 
 pytestmark = pytest.mark.anyio

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import kvrt
-from kvrt.tools.cli import main
+from kvrt.cli import main
 
 pytestmark = pytest.mark.subprocess
 

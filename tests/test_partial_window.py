@@ -26,7 +26,7 @@ import pytest
 
 import kvrt
 from kvrt import Residency, Segment
-from kvrt._session.tokens import context_tokens
+from kvrt._paging.tokens import context_tokens
 
 from ._agent import NO_DISK, loaded, next_logits, tiny, zoo_path
 from .redis_server import RedisServer

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrt._session.gate import Tally, Written
-from kvrt._session.planner import (
+from kvrt._paging.gate import Tally, Written
+from kvrt._paging.planner import (
     Begin,
     Compute,
     Cursor,

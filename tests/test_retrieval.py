@@ -10,7 +10,7 @@ import pytest
 
 import kvrt
 from kvrt import Residency
-from kvrt._session.placement import LEADING_MIN_TOKENS
+from kvrt._paging.placement import LEADING_MIN_TOKENS
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import AdmitMode, EvictMode
 

@@ -8,8 +8,8 @@ import pytest
 
 import kvrt
 from kvrt import Config, MemoryConfig, Residency
+from kvrt._paging.placement import LEADING_MIN_TOKENS
 from kvrt._session import context_tokens
-from kvrt._session.placement import LEADING_MIN_TOKENS
 
 from ._agent import FILE_A, FILE_B, NO_DISK, SYSTEM, context, greedy, llama_cpp_greedy, loaded, tiny
 

@@ -471,8 +471,8 @@ async def test_nested_schemas_work_as_tool_parameters(anyio_backend: str) -> Non
     """A tool whose parameters use ``$defs``/``$ref`` (every nested pydantic model) works
     as it does as a response format, beside other such tools and a response format of
     its own (the references were resolved against the envelope's root: a 400)."""
-    from kvrt._call_formats import JsonCall, Tagged
-    from kvrt._grammar import _compile
+    from kvrt._chat.call_formats import JsonCall, Tagged
+    from kvrt._chat.grammar import _compile
 
     person, order = nested_schemas()
     assert "$defs" in person and "$defs" in order
@@ -500,7 +500,7 @@ async def test_nested_schemas_work_as_tool_parameters(anyio_backend: str) -> Non
         else:
             jsonschema.validate(json.loads(done.text), order)
     # The templates' own call formats compile them too.
-    read = kvrt._tools.read_tools(tools)
+    read = kvrt._chat.tools.read_tools(tools)
     for format_ in (Tagged(), JsonCall(names=("add_person", "place_order"))):
         grammar = format_.grammar(read, "auto", parallel=True, response_schema=order)
         assert grammar is not None
@@ -539,8 +539,8 @@ def test_a_reply_ends_at_its_first_repeated_call() -> None:
     """A call identical to an earlier one of the reply is dropped and ends the reply
     (generation stops on ``repeated``): a model repeating one call went on to its token
     limit, reported as one call with every token spent."""
-    from kvrt._call_formats import Tagged
-    from kvrt._tools import EnvelopeStream
+    from kvrt._chat.call_formats import Tagged
+    from kvrt._chat.tools import EnvelopeStream
 
     call = '{"name": "f", "arguments": {"a": 1}}'
     other = '{"name": "f", "arguments": {"a": 2}}'

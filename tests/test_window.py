@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import kvrt
 from kvrt import policies
 from kvrt._cold.entry import token_digest
-from kvrt._session.layout import Block, HotWindow, Placed
-from kvrt._session.provenance import FOREIGN, Provenance
+from kvrt._paging.provenance import FOREIGN, Provenance
+from kvrt._paging.window import Block, HotWindow, Placed
 
 BLOCK = 4
 

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .._backend import ColdBlock, ColdBlockMeta
+from .._engine.contract import ColdBlock, ColdBlockMeta
 from .._errors import KvrtError
 from .._types import CacheClass
 from .entry import ColdEntry, ColdKey, token_digest

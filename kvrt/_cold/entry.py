@@ -10,14 +10,14 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._backend import ColdBlock, ColdBlockMeta
+from .._engine.contract import ColdBlock, ColdBlockMeta
 from .._types import CacheClass
 
 __all__ = ["PARTIAL_PREFIX", "ColdEntry", "ColdKey", "salted", "token_digest"]
 
 PARTIAL_PREFIX = "pw"
 """How the prefix field of a partial-window block's key begins (an exact key's prefix is
-a hex digest, which never does): see :mod:`kvrt._session.provenance`."""
+a hex digest, which never does): see :mod:`kvrt._paging.provenance`."""
 
 
 def token_digest(tokens: Sequence[int], seed: bytes = b"", lone: Iterable[int] = ()) -> str:

@@ -16,17 +16,17 @@ attended to) -> ``arguments`` (a call's arguments checked) -> ``layout`` (segmen
 synchronous bookkeeping, no ``await``).
 """
 
+from .._paging.gate import SessionParts as SessionParts
+from .._paging.gate import SessionPolicies as SessionPolicies
+from .._paging.tokens import context_tokens as context_tokens
+from .._paging.tokens import segment_tokens as segment_tokens
+from .._paging.window import HotWindow as HotWindow
+from .._paging.window import Segment as Segment
 from .actor import Actor as Actor
-from .gate import SessionParts as SessionParts
-from .gate import SessionPolicies as SessionPolicies
 from .handle import Session as Session
-from .layout import HotWindow as HotWindow
-from .layout import Segment as Segment
 from .prefetch import Prefetch as Prefetch
 from .reply import Reply as Reply
 from .saving import SavedSegment as SavedSegment
 from .saving import SavedSession as SavedSession
 from .saving import read_saved as read_saved
 from .saving import resume_session as resume_session
-from .tokens import context_tokens as context_tokens
-from .tokens import segment_tokens as segment_tokens

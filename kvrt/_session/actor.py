@@ -31,15 +31,15 @@ from .._errors import (
     OperationCancelledError,
     SessionClosedError,
 )
+from .._paging.gate import EngineGate, SessionParts, Tally
+from .._paging.moves import Paging
+from .._paging.placement import Placement
+from .._paging.scoring import Scoring
+from .._paging.tokens import Prepared
+from .._paging.window import Block, Segment
 from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
-from .gate import EngineGate, SessionParts, Tally
 from .generation import Generate, Generation
-from .layout import Block, Segment
-from .paging import Paging
-from .placement import Placement
-from .scoring import Scoring
-from .tokens import Prepared
 
 __all__ = [
     "Actor",

@@ -8,16 +8,16 @@ from typing import Any
 
 import msgspec
 
-from .._backend import SamplingParams
+from .._chat.grammar import Grammar
 from .._checks import check_int, check_struct, check_text
+from .._engine.contract import SamplingParams
 from .._errors import (
     ArgumentTypeError,
     ContextTypeError,
     InvalidArgumentError,
     InvalidContextError,
 )
-from .._grammar import Grammar
-from .layout import Segment
+from .._paging.window import Segment
 
 __all__ = ["grammar", "logprobs", "required", "sampling", "segments", "stops", "target"]
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import msgspec
 
-from .._backend import Engine
-from .._call_formats import CallFormat
+from .._chat.call_formats import CallFormat
+from .._chat.replies import ReplyMemory
+from .._chat.templates import JinjaTemplate
+from .._chat.tools import Tool, canonical_arguments, tools_prompt
 from .._checks import check_choice, check_text
+from .._engine.contract import Engine
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
-from .._jinja import JinjaTemplate
-from .._replies import ReplyMemory
-from .._tools import Tool, canonical_arguments, tools_prompt
+from .._paging.window import Segment
 from .._types import CacheClass
-from .layout import Segment
 
 __all__ = ["ChatTemplate", "Conversation", "Message", "messages_of", "with_tools"]
 
@@ -170,7 +170,7 @@ class ChatTemplate:
 
     The engine renders it (roles and contents), unless a template was configured
     (``engine.chat_template``) or the conversation needs what only a full rendering gives
-    (tools, tool results): then kvrt renders the Jinja source itself (:mod:`kvrt._jinja`).
+    (tools, tool results): then kvrt renders the Jinja source itself (:mod:`kvrt._chat.templates`).
     """
 
     def __init__(self, engine: Engine, configured: JinjaTemplate | None = None) -> None:
@@ -189,7 +189,7 @@ class ChatTemplate:
     def tool_template(self) -> JinjaTemplate | None:
         """The template that shows the model its tools in a call format kvrt knows: the
         configured one, else the model's own; None when neither does (kvrt then uses
-        its envelope, :mod:`kvrt._tools`)."""
+        its envelope, :mod:`kvrt._chat.tools`)."""
         template = self._configured or self._model_template()
         if template is None or not template.knows_tools or template.call_style is None:
             return None

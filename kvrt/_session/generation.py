@@ -19,20 +19,20 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._backend import Logits, SamplingParams
-from .._call_formats import CallFormat, CallStream
+from .._chat.call_formats import CallFormat, CallStream
+from .._chat.grammar import Constraint, Grammar
+from .._chat.sampling import Sampler, log_softmax
+from .._chat.stops import TextTail
+from .._chat.tools import ToolCall, ToolCallDelta
+from .._engine.contract import Logits, SamplingParams
 from .._errors import ContextNotPlacedError, InvalidRangeError
-from .._grammar import Constraint, Grammar
+from .._paging.gate import EngineGate, Tally, Written
+from .._paging.moves import Paging
+from .._paging.placement import Placement
+from .._paging.tokens import ReplyTokens
+from .._paging.window import Segment
 from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
-from .._sampling import Sampler, log_softmax
-from .._stops import TextTail
-from .._tools import ToolCall, ToolCallDelta
 from .._types import CacheClass, Residency
-from .gate import EngineGate, Tally, Written
-from .layout import Segment
-from .paging import Paging
-from .placement import Placement
-from .tokens import ReplyTokens
 
 __all__ = ["Generate", "Generated", "Generation"]
 
@@ -57,7 +57,7 @@ class Generate:
     logprobs: int | None = None
     """Report each token's log-probability and this many likeliest alternatives."""
     calls: CallFormat | None = None
-    """The format the reply's tool calls are written in (:mod:`kvrt._call_formats`), when
+    """The format the reply's tool calls are written in (:mod:`kvrt._chat.call_formats`), when
     it may call tools."""
 
 

@@ -12,29 +12,29 @@ import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskGroup
 
-from .._backend import SamplingParams
-from .._call_formats import CallFormat, call_format
+from .._chat.call_formats import CallFormat, call_format
+from .._chat.grammar import Grammar, read_response_format
+from .._chat.tools import Tool, check_tool_schemas, read_tool_choice, read_tools
 from .._checks import check_bool, check_choice, check_int, check_number, check_text
+from .._engine.contract import SamplingParams
 from .._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     SessionClosedError,
 )
-from .._grammar import Grammar, read_response_format
+from .._paging.tokens import ReplyTokens
+from .._paging.window import Segment
 from .._reports import ContextStatus, Piece, SessionReport
-from .._tools import Tool, check_tool_schemas, read_tool_choice, read_tools
 from .._types import CacheClass
 from .._util import NoPublicConstructor
 from . import arguments
 from .actor import Actor, Admit, Ensure, Evict, NextLogits
 from .chat import ChatTemplate, Message, messages_of, with_tools
 from .generation import Generate
-from .layout import Segment
 from .mailbox import Mailbox
 from .prefetch import Prefetch
 from .reply import Reply
 from .saving import SavedSession, save_session
-from .tokens import ReplyTokens
 
 __all__ = ["Prefetch", "Session"]
 

@@ -8,10 +8,10 @@ from functools import partial
 
 import anyio
 
+from .._paging.tokens import Prepared, TokenKey
+from .._paging.window import Placed, Segment
 from .._reports import PrefetchReport
 from .actor import Actor
-from .layout import Placed, Segment
-from .tokens import Prepared, TokenKey
 
 __all__ = ["Prefetch"]
 

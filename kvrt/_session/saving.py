@@ -27,11 +27,11 @@ import anyio
 import msgspec
 
 from .._errors import InvalidArgumentError, InvalidContextError, InvalidTokenError
+from .._paging.tokens import Prepared
+from .._paging.window import Placed, Segment
 from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
-from .layout import Placed, Segment
-from .tokens import Prepared
 
 Request = Callable[[Command], Awaitable[Any]]
 """A session handle's way to run a command on its actor and await the result."""

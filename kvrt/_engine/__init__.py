@@ -1,0 +1,4 @@
+"""Talking to an engine: the contract an adapter implements (:mod:`.contract`, public as
+:mod:`kvrt.backend`), which adapter serves a backend name (:mod:`.registry`), model files
+(:mod:`.model_files`), what a machine's memory allows (:mod:`.capacity`, :mod:`.memory`)
+and whose turn an engine's slot is (:mod:`.turns`)."""

@@ -1,0 +1,407 @@
+"""The engine backend protocol kvrt's runtime drives, and the values that cross it.
+
+Published for adapter authors as :mod:`kvrt.backend`, which documents the contract.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .._checks import check_int, check_number
+from .._config import EngineConfig
+from .._errors import InvalidArgumentError
+
+__all__ = [
+    "AdmitMode",
+    "Capabilities",
+    "Checkpoint",
+    "ColdBlock",
+    "ColdBlockMeta",
+    "Counters",
+    "Engine",
+    "EngineContext",
+    "EvictMode",
+    "KeySketching",
+    "ModelFacts",
+    "Recompute",
+    "SamplingParams",
+]
+
+Logits = npt.NDArray[np.float32]
+Checkpoint = Callable[[], None]
+"""Called between chunks of long engine work; raising from it stops the work cleanly."""
+
+
+class EvictMode(enum.StrEnum):
+    GAP = "gap"
+    """Remove the range; every other token keeps its position."""
+    SLIDE = "slide"
+    """Remove the range and shift the tail down to close the hole."""
+
+
+class AdmitMode(enum.StrEnum):
+    IN_PLACE = "in_place"
+    """Back at the block's original positions (bit-exact)."""
+    TAIL = "tail"
+    """After the last resident token, keys re-rotated by the position delta."""
+
+
+class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine knows about its loaded model and KV layout."""
+
+    backend: str
+    """The engine that loaded the model: ``llama`` or ``openvino``."""
+    path: str
+    """The model file (or IR folder) loaded."""
+    name: str | None
+    """The model's own name from its metadata, if it has one."""
+    architecture: str
+    """The architecture name (``llama``, ``gemma3`` ...)."""
+    fingerprint: str
+    """Model digest plus KV layout: cold bytes fit only an engine with the same one."""
+    n_layers: int
+    """Transformer layers."""
+    n_head: int
+    """Attention (query) heads."""
+    n_head_kv: int
+    """Key/value heads (fewer than ``n_head`` with grouped-query attention)."""
+    head_dim: int
+    """Size of one head."""
+    n_vocab: int
+    """Tokens in the vocabulary."""
+    trained_context: int
+    """The context length the model was trained for, in tokens."""
+    sliding_window: int | None
+    """From the model file's metadata."""
+    sliding_window_live: int | None
+    """As the loaded engine reports it (``llama_model_n_swa``)."""
+    sliding_window_pattern: int | None
+    """Every how many layers one attends globally, where the model says."""
+    swa_full: bool
+    """The engine keeps windowed layers at full size, so the window saves no memory."""
+    rope_freq_base: float | None
+    """RoPE base frequency, where known."""
+    kv_type: str
+    """The KV cache precision (``f16``, ``q8_0``, ``f32`` ...)."""
+    kv_bytes_per_token: int
+    """KV bytes one token costs across all layers at ``kv_type``."""
+    weight_bytes: int
+    """Bytes of weights loaded."""
+    file_bytes: int
+    """Bytes of the model file(s) on disk."""
+    n_swa_layers: int = 0
+    """Layers that attend over the sliding window only, as the engine's KV cache holds them
+    (measured from the cache's own state layout; 0 for models without a window)."""
+    kv_bytes_per_token_swa: int = 0
+    """Of ``kv_bytes_per_token``, the share of the windowed layers."""
+    cold_bytes_per_token: int | None = None
+    """Bytes one token takes in a cold block where that differs from
+    ``kv_bytes_per_token``; the planner counts the cold and disk budgets with it."""
+    max_block_tokens: int | None = None
+    """The most tokens one cold block may hold, where the engine sets a limit: llama.cpp
+    writes a windowed layer's KV only for the last ``window`` positions of a range, so on
+    a sliding-window model a block is at most the window."""
+    flash_attention: bool = False
+    """The engine computes attention with flash attention (llama.cpp then keeps V rows
+    untransposed, so its cold bytes differ from those of a context without it)."""
+    chat_template: bool = True
+    """The model carries a chat template; base models do not, and take text segments only."""
+    rope_freq_base_swa: float | None = None
+    """RoPE base frequency of the windowed layers where it differs by layer kind (Gemma 3:
+    10,000 there, 1,000,000 in global layers); shifts re-rotate each layer by its own."""
+    rope: str | None = None
+    """The model's RoPE in words: pair layout, base, scaling (linear, YaRN, LongRoPE,
+    Llama 3 frequency factors) and the magnitude it scales keys by."""
+    layer_kinds: tuple[str, ...] = ()
+    """Each layer's kind, ``global`` (attends to every position), ``windowed`` (the
+    sliding window), ``recurrent`` (keeps a recurrent state, no KV) or ``global+recurrent``
+    (attention beside a recurrent mixer, as Falcon-H1's), where the engine lets kvrt tell them apart (empty where not)."""
+    rope_original_context: int | None = None
+    """The context YaRN or LongRoPE scaling starts from (LongRoPE: its short factors serve
+    contexts up to it), where the model scales RoPE."""
+    context_dependent_kv: str | None = None
+    """A context setting that changes what the engine computes for the same tokens at
+    the same positions (Phi-3's LongRoPE tables by context size), if any: blocks computed
+    under one setting never serve a context under another."""
+    key_shift: str = "engine"
+    """Who turns keys when a block moves to other positions: ``engine`` (its own shift),
+    ``kvrt`` (kvrt turns the keys in the state bytes, where the engine's shift would scale
+    them again or crash) or ``none`` (blocks come back at their own positions only)."""
+    exact_in_place: bool = True
+    """A block restored at its own positions is bit-identical to recomputing it (false
+    where the KV cache re-quantizes on import)."""
+    recurrent: str | None = None
+    """``hybrid`` (attention layers beside recurrent ones: Granite 4, LFM2) or
+    ``recurrent`` (recurrent layers alone: Mamba-2); None for attention-only models."""
+    checkpoint_bytes: int = 0
+    """Bytes of one checkpoint of the recurrent state (constant: it does not grow with
+    the context); each cold block of such a model carries one, taken after its last
+    token. 0 for attention-only models."""
+
+
+class TemplateSource(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's chat template as its Jinja source, with the token texts it names."""
+
+    text: str
+    """The Jinja source (as transformers and ``llama-server --jinja`` render it)."""
+    bos_token: str = ""
+    """The text of the beginning-of-sequence token (``bos_token`` in the template)."""
+    eos_token: str = ""
+    """The text of the end-of-sequence token (``eos_token`` in the template)."""
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine context can do with its KV cache, stated honestly."""
+
+    remove_middle: bool
+    """A range can leave the middle of the window with every other position kept (gap eviction)."""
+    position_shift: bool
+    """Positions can be shifted (slide eviction, tail admission with re-rotated keys)."""
+    exact_in_place: bool
+    """An in-place admit gives logits bit-identical to never evicting."""
+    exact_tail: bool
+    """A tail admit after a shift is bit-identical (false where keys are re-rotated)."""
+    sliding_window: int | None
+    """The sliding window of windowed layers, if the model has any."""
+    kv_type: str
+    """The KV cache precision restores work at."""
+    notes: tuple[str, ...] = ()
+    """What else to know, in words."""
+    recurrent: bool = False
+    """The model has recurrent layers: removing the window's tail puts the recurrent
+    state back to the nearest checkpoint before it and computes the tokens from there
+    again."""
+
+
+class Counters(msgspec.Struct, kw_only=True):
+    """Cumulative work done by one engine context."""
+
+    prefill_tokens: int = 0
+    """Tokens the engine computed KV for from scratch (prompt processing)."""
+    decode_tokens: int = 0
+    """Tokens generated and fed back one at a time."""
+    evicted_tokens: int = 0
+    """Tokens removed from the window."""
+    exported_tokens: int = 0
+    """Tokens whose KV was exported as cold bytes."""
+    exported_bytes: int = 0
+    """Bytes exported."""
+    admitted_tokens: int = 0
+    """Tokens whose KV came back from cold bytes."""
+    admitted_bytes: int = 0
+    """Bytes admitted."""
+    relayouts: int = 0
+    """Times the engine's cells were laid out again in position order before computing
+    on a whole context (llama.cpp), so the result equals a fresh context's."""
+    relayout_tokens: int = 0
+    """Tokens those relayouts moved."""
+
+
+MAX_LOGIT_BIAS = 1024
+"""The most tokens one request may bias."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Token choice; ``temperature == 0`` is greedy (argmax).
+
+    Checked when built: ``SamplingParams(top_p=2)`` raises :class:`kvrt.InvalidArgumentError`
+    at once, never later inside a session.
+    """
+
+    temperature: float = 0.0
+    """0 or more; 0 is greedy."""
+    top_k: int = 0
+    """0 keeps every token; at most 2**31 - 1."""
+    top_p: float = 1.0
+    """In (0, 1]: keep the smallest set of likeliest tokens whose mass reaches it."""
+    seed: int | None = None
+    """0 to 2**63 - 1 (a signed 64-bit integer, as OpenAI's); None draws from fresh
+    entropy."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a bias from -100 to 100 added to its logit before the token is chosen
+    (OpenAI's ``logit_bias``: -100 in effect bans a token, 100 all but forces it); at most
+    1,024 tokens. Reported log-probabilities are the model's, before the bias."""
+
+    def __post_init__(self) -> None:
+        check_number("sampling.temperature", self.temperature, low=0.0)
+        check_int("sampling.top_k", self.top_k, low=0, high=2**31 - 1)
+        check_number("sampling.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.seed is not None:
+            check_int("sampling.seed", self.seed, low=0, high=2**63 - 1)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidArgumentError(
+                    f"sampling.logit_bias holds at most {MAX_LOGIT_BIAS:,} tokens, "
+                    f"got {len(self.logit_bias):,}"
+                )
+            for token, bias in self.logit_bias.items():
+                check_int("a sampling.logit_bias token id", token, low=0, high=2**31 - 1)
+                check_number(f"sampling.logit_bias[{token}]", bias, low=-100.0, high=100.0)
+
+
+class Recompute(NamedTuple):
+    """What removing the window's tail does on an engine with recurrent layers: the
+    state goes back to a checkpoint and the resident tokens in [first, end) are computed
+    again from it. Tokens are removed from ``removed_from`` on: the range's start, or an
+    earlier position where resident tokens follow a gap before the range, which cannot
+    be computed again (the recurrent state would skip the gap's tokens)."""
+
+    first: int
+    end: int
+    removed_from: int
+
+
+class ColdBlockMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to check cold KV bytes before they go back into an engine."""
+
+    fingerprint: str
+    """Model digest plus KV layout: bytes only fit an engine with the same one."""
+    kv_type: str
+    """The KV precision of the bytes."""
+    start: int
+    """Position of the first token when the block was exported."""
+    tokens: tuple[int, ...]
+    """The block's tokens."""
+    n_bytes: int
+    """Size of the KV bytes."""
+    resumable: bool = True
+    """The bytes hold all the engine needs to go on after the block's last token. False
+    for a block of a model with recurrent layers exported without the checkpoint taken
+    after its last token: it comes back only before resident tokens, never as the end of
+    a context."""
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ColdBlock:
+    """Immutable KV bytes of a token range, with their metadata."""
+
+    meta: ColdBlockMeta
+    """What the bytes are: checked before they go back into an engine."""
+    data: npt.NDArray[np.uint8]
+    """The KV bytes, as the engine exported them."""
+
+
+class EngineContext(Protocol):
+    """One KV window of one model, driven synchronously by one owner at a time."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def positions(self) -> Sequence[int]: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def next_position(self) -> int: ...
+    @property
+    def logits_position(self) -> int | None: ...
+    @property
+    def n_resident(self) -> int: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def capabilities(self) -> Capabilities: ...
+    @property
+    def facts(self) -> ModelFacts:
+        """What the engine knows of the model this context runs."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """The identity of the KV this context computes (what its cold blocks carry and
+        what a block must carry to come back): the model's fingerprint, plus any setting
+        of this context that changes what the engine computes for a token at a position."""
+        ...
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        start: int | None = None,
+        checkpoint: Checkpoint | None = None,
+        keep_state_at: Sequence[int] = (),
+    ) -> Logits:
+        """``keep_state_at``: positions (block ends) after which an engine with recurrent
+        layers keeps a checkpoint of the recurrent state, so blocks ending there export
+        whole and the context can go back there; others ignore it."""
+        ...
+
+    def step(self, token: int) -> Logits: ...
+    def logits(self) -> Logits: ...
+    def evict(self, start: int, end: int, mode: EvictMode) -> int: ...
+    def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
+        """What a gap eviction of [start, end) computes again (an engine with recurrent
+        layers, removing the window's tail), and from where it removes tokens; None
+        where it only removes the range."""
+        ...
+
+    def export(self, start: int, end: int) -> ColdBlock: ...
+    def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]: ...
+    def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int: ...
+    def admit_run(self, blocks: Sequence[ColdBlock]) -> None: ...
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeySketching(Protocol):
+    """Optional for a context: sketches of its keys, for relevance scoring by key vectors.
+
+    A sketch is an opaque object the ``relevance_keys`` policy understands (for kvrt's
+    adapters, ``float32[layer, kv_head, vector, head_dim]`` of keys rotated back to position
+    0). Any method may return None where the engine cannot say; scoring then falls back to
+    the policy's lexical score.
+    """
+
+    def key_sketches(self, ranges: Sequence[tuple[int, int]]) -> list[object | None]:
+        """One sketch per resident range ``[start, end)``; the window is unchanged."""
+        ...
+
+    def cold_key_sketch(self, block: ColdBlock) -> object | None:
+        """The sketch of a cold block's bytes."""
+        ...
+
+    def query_sketch(self, tokens: Sequence[int]) -> object | None:
+        """Every key of ``tokens`` computed on their own (not attending to the window)."""
+        ...
+
+
+class Engine(Protocol):
+    """One loaded model, shared by every context opened on it."""
+
+    config: EngineConfig
+    """The settings it was opened with."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]: ...
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...
+    def is_end_of_generation(self, token: int) -> bool: ...
+    def apply_chat_template(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> str: ...
+    def chat_template_source(self) -> TemplateSource | None:
+        """The chat template's Jinja source (None for a base model), which kvrt renders
+        itself where the engine's own rendering cannot (tools, tool calls)."""
+        ...
+
+    def open_context(self, n_ctx: int) -> EngineContext: ...
+    def close(self) -> None: ...

@@ -1,0 +1,22 @@
+"""Where a session's blocks live and how they move: the hot window's bookkeeping
+(:mod:`.window`), the pure placement planner (:mod:`.planner`) and its executor
+(:mod:`.placement`), computing blocks (:mod:`.computing`), moving them out and back in
+(:mod:`.moves`), the engine gate every call goes through (:mod:`.gate`), what each token's
+KV attended to (:mod:`.provenance`), approximate hits (:mod:`.approximate`), relevance
+(:mod:`.scoring`) and a context's tokens (:mod:`.tokens`).
+
+Dependencies run one way, in the order of :data:`LAYERS` (a module imports only those
+after it); the architecture test holds it."""
+
+LAYERS = (
+    "placement",
+    "scoring",
+    "approximate",
+    "computing",
+    "moves",
+    "gate",
+    "provenance",
+    "tokens",
+    "window",
+    "planner",
+)

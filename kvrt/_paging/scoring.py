@@ -1,0 +1,88 @@
+"""Scoring: how relevant each block is to the query, for a hot-eviction policy that asks.
+
+A policy with ``relevance`` (:class:`kvrt.policy.Relevance`) scores blocks by their tokens;
+one that also has ``key_relevance`` (:class:`kvrt.policy.KeyScoring`) scores them by key
+vectors, where the engine context can sketch them (:class:`kvrt.backend.KeySketching`).
+Sketches are computed once per block and kept while the block is in the context: a hot
+block's from its KV (a copy out, the window unchanged), a cold block's from its bytes in
+RAM; the query's by running its tokens on their own.
+"""
+
+from __future__ import annotations
+
+from .._cold import ColdKey
+from .._engine.contract import KeySketching
+from .._types import Residency
+from ..policy import KeyScoring, Relevance
+from .gate import EngineGate
+from .window import Block
+
+__all__ = ["Scoring"]
+
+
+class Scoring:
+    """Keeps the window's relevance scores current before a context is placed."""
+
+    def __init__(self, gate: EngineGate) -> None:
+        self.gate = gate
+        self.ctx, self.window, self.cold = gate.ctx, gate.window, gate.cold
+        self.policies = gate.policies
+        self._sketches: dict[ColdKey, object] = {}
+        self._query_sketch: tuple[tuple[int, ...], object | None] | None = None
+
+    async def score(self) -> None:
+        policy = self.policies.hot_eviction
+        if not isinstance(policy, Relevance):
+            self.window.relevance_scoring = None
+            return
+        how = "lexical"
+        if isinstance(policy, KeyScoring):
+            how = "lexical: the engine gives no key vectors"
+            if isinstance(self.ctx, KeySketching):
+                how = "lexical: the engine cannot read this model's keys"
+                query = await self._sketch_query()
+                if query is not None:
+                    blocks = await self._sketch_blocks()
+                    if any(s is not None for s in blocks):
+                        self.window.set_relevance(policy.key_relevance(blocks, query))
+                        self.window.relevance_scoring = "keys"
+                        return
+                    how = "lexical: no block has key vectors yet"
+        self.window.score_relevance(policy.relevance)
+        self.window.relevance_scoring = how
+
+    async def _sketch_query(self) -> object | None:
+        assert isinstance(self.ctx, KeySketching)
+        tokens = tuple(self.window.query_tokens())
+        if self._query_sketch is None or self._query_sketch[0] != tokens:
+            sketch = await self.gate.call("sketch query", self.ctx.query_sketch, tokens)
+            self._query_sketch = (tokens, sketch)
+        return self._query_sketch[1]
+
+    async def _sketch_blocks(self) -> list[object | None]:
+        """Each block's sketch, computing those missing; forgets blocks no longer there."""
+        ctx = self.ctx
+        assert isinstance(ctx, KeySketching)
+        fingerprint = self.window.fingerprint
+        keys = [b.key(fingerprint) for b in self.window.blocks]
+        known = {k: self._sketches[k] for k in keys if k in self._sketches}
+        resident = self.gate.resident()
+        hot: list[tuple[ColdKey, Block]] = []
+        for key, block in zip(keys, self.window.blocks, strict=True):
+            if key in known:
+                continue
+            state = self.window.residency(block, resident, self.cold)
+            if state is Residency.HOT:
+                hot.append((key, block))
+            elif state is Residency.COLD and (entry := self.cold.peek(key)) is not None:
+                sketch = await self.gate.call("sketch cold", ctx.cold_key_sketch, entry.block)
+                if sketch is not None:
+                    known[key] = sketch
+        if hot:
+            ranges = [(b.start, b.end) for _, b in hot]
+            sketches = await self.gate.call("sketch hot", ctx.key_sketches, ranges)
+            for (key, _), sketch in zip(hot, sketches, strict=True):
+                if sketch is not None:
+                    known[key] = sketch
+        self._sketches = known
+        return [known.get(k) for k in keys]

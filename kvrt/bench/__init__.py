@@ -1,0 +1,31 @@
+"""``kvrt bench`` (quick and full, with its plot) and the engine-layer figures, each
+printing figures measured side by side in one run; the research benchmarks live in the
+repository's ``benchmarks/``, outside the wheel.
+
+    kvrt bench [--quick]
+    python -m kvrt.bench.engine_figures [--backend openvino]
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def own_disk_tier() -> Iterator[str]:
+    """Point the disk tier's default folder (``$KVRT_CACHE_DIR``) at a temporary one for a
+    benchmark's run, removed afterwards, so the run measures what it computed itself, not
+    blocks an earlier run left on disk. An explicit ``disk.path`` still wins."""
+    before = os.environ.get("KVRT_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="kvrt-bench-") as folder:
+        os.environ["KVRT_CACHE_DIR"] = folder
+        try:
+            yield folder
+        finally:
+            if before is None:
+                os.environ.pop("KVRT_CACHE_DIR", None)
+            else:
+                os.environ["KVRT_CACHE_DIR"] = before
