@@ -15,7 +15,7 @@ from rich.progress import Progress
 
 import kvrt
 from kvrt.bench import own_disk_tier
-from kvrt.cli._common import check_writable, count, int_list
+from kvrt.cli.arguments import check_writable, count, int_list
 
 __all__ = ["check_writable", "count", "int_list", "parser", "run_main", "section"]
 

@@ -23,7 +23,7 @@ from functools import partial
 import msgspec
 
 from kvrt import Config, Engine, Segment, open_runtime
-from kvrt._session import context_tokens
+from kvrt.bench import context_tokens
 from kvrt.bench.full import serve_trace, trace_contexts
 
 from .passkey import QUESTIONS, Answer, ask, haystack, per_filler, summarize

@@ -300,21 +300,47 @@ class EngineContext(Protocol):
     """One KV window of one model, driven synchronously by one owner at a time."""
 
     @property
-    def n_ctx(self) -> int: ...
+    def n_ctx(self) -> int:
+        """How many tokens the window holds at most (its KV cells)."""
+
     @property
-    def positions(self) -> Sequence[int]: ...
+    def positions(self) -> Sequence[int]:
+        """The position of each resident token, increasing (gaps where a range was
+        gap-evicted)."""
+        ...
+
     @property
-    def tokens(self) -> Sequence[int]: ...
+    def tokens(self) -> Sequence[int]:
+        """The resident tokens, in position order (one per entry of :attr:`positions`)."""
+
     @property
-    def next_position(self) -> int: ...
+    def next_position(self) -> int:
+        """The position the next prefilled or decoded token gets: one past the last
+        resident token (0 when empty)."""
+        ...
+
     @property
-    def logits_position(self) -> int | None: ...
+    def logits_position(self) -> int | None:
+        """The position whose following-token logits :meth:`logits` returns, or None when
+        the window holds none (nothing computed yet, or the last token was evicted)."""
+        ...
+
     @property
-    def n_resident(self) -> int: ...
+    def n_resident(self) -> int:
+        """How many tokens are resident (``len(tokens)``)."""
+
     @property
-    def counters(self) -> Counters: ...
+    def counters(self) -> Counters:
+        """What this context has done so far (tokens prefilled, decoded, evicted,
+        exported, admitted; relayouts), for reports."""
+        ...
+
     @property
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        """What this context can do and what is exact (gap eviction, key shifts, exact
+        in-place and tail restores, its KV type): kvrt plans by it and reports it."""
+        ...
+
     @property
     def facts(self) -> ModelFacts:
         """What the engine knows of the model this context runs."""
@@ -340,21 +366,62 @@ class EngineContext(Protocol):
         whole and the context can go back there; others ignore it."""
         ...
 
-    def step(self, token: int) -> Logits: ...
-    def logits(self) -> Logits: ...
-    def evict(self, start: int, end: int, mode: EvictMode) -> int: ...
+    def step(self, token: int) -> Logits:
+        """Decode one token at :attr:`next_position` (a batch of one, as generation
+        computes it) and return the logits after it."""
+        ...
+
+    def logits(self) -> Logits:
+        """The logits after the token at :attr:`logits_position`, again, computing
+        nothing; an :class:`~kvrt.EngineError` when there are none."""
+        ...
+
+    def evict(self, start: int, end: int, mode: EvictMode) -> int:
+        """Remove the resident tokens at positions ``[start, end)`` and return how many
+        left. ``GAP`` leaves every other token at its position (bit-exact);
+        ``SLIDE`` moves the tokens after ``end`` down by the range's length, turning
+        their keys (not exact)."""
+        ...
+
     def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
         """What a gap eviction of [start, end) computes again (an engine with recurrent
         layers, removing the window's tail), and from where it removes tokens; None
         where it only removes the range."""
         ...
 
-    def export(self, start: int, end: int) -> ColdBlock: ...
-    def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]: ...
-    def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int: ...
-    def admit_run(self, blocks: Sequence[ColdBlock]) -> None: ...
-    def clear(self) -> None: ...
-    def close(self) -> None: ...
+    def export(self, start: int, end: int) -> ColdBlock:
+        """The KV bytes of the resident range ``[start, end)`` as an immutable
+        :class:`ColdBlock`, with the metadata that checks them later; the window is
+        unchanged."""
+        ...
+
+    def export_run(self, ranges: Sequence[tuple[int, int]]) -> list[ColdBlock]:
+        """:meth:`export` of several ranges in one call (one state read where the engine
+        allows), in the order given."""
+        ...
+
+    def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int:
+        """Put ``block`` back and return the position its first token got: ``IN_PLACE`` at
+        its own positions (bit-exact; they must be free), ``TAIL`` after the last
+        resident token with its keys turned; ``skip=m`` (``TAIL`` only) leaves out its
+        first ``m`` tokens, which must be the last resident ones, just computed afresh.
+        Whole or not at all: bytes of another model,
+        layout or position raise :class:`~kvrt.ColdBlockMismatchError` before native
+        code sees them."""
+        ...
+
+    def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
+        """:meth:`admit` in place of several adjacent blocks in one call, whole or not at
+        all."""
+        ...
+
+    def clear(self) -> None:
+        """Remove every token: the window is empty and usable."""
+
+    def close(self) -> None:
+        """Free the window's native memory; no call may follow (closing twice is a
+        no-op)."""
+        ...
 
 
 @runtime_checkable
@@ -387,21 +454,45 @@ class Engine(Protocol):
     """The settings it was opened with."""
 
     @property
-    def facts(self) -> ModelFacts: ...
+    def facts(self) -> ModelFacts:
+        """What the engine knows of the model: architecture, layers, KV layout and
+        bytes, fingerprint."""
+        ...
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
-    ) -> list[int]: ...
-    def detokenize(self, tokens: Sequence[int]) -> str: ...
-    def token_bytes(self, token: int) -> bytes: ...
-    def is_end_of_generation(self, token: int) -> bool: ...
+    ) -> list[int]:
+        """Token ids of ``text``: ``add_special`` adds the model's begin-of-text token;
+        ``parse_special`` reads control tokens' text as those tokens (markup kvrt wrote),
+        else as plain characters (what a user sent)."""
+        ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``."""
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes (a character may span tokens: kvrt decodes streams from
+        these)."""
+        ...
+
+    def is_end_of_generation(self, token: int) -> bool:
+        """Whether ``token`` ends a reply (end of text, end of turn)."""
+
     def apply_chat_template(
         self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
-    ) -> str: ...
+    ) -> str:
+        """``messages`` (role, content) rendered with the model's own chat template, by
+        the engine (kvrt renders tool-aware templates itself)."""
+        ...
+
     def chat_template_source(self) -> TemplateSource | None:
         """The chat template's Jinja source (None for a base model), which kvrt renders
         itself where the engine's own rendering cannot (tools, tool calls)."""
         ...
 
-    def open_context(self, n_ctx: int) -> EngineContext: ...
-    def close(self) -> None: ...
+    def open_context(self, n_ctx: int) -> EngineContext:
+        """A new, empty window of ``n_ctx`` tokens on this model, for one owner."""
+
+    def close(self) -> None:
+        """Free the model; contexts opened on it must be closed first."""
+        ...

@@ -13,6 +13,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvrt._session import context_tokens
+
+__all__ = ["context_tokens", "own_disk_tier"]
+
 
 @contextmanager
 def own_disk_tier() -> Iterator[str]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvrt import KvrtError, __version__
 
 from . import bench, describe, run, serve
-from ._common import Parser, kvrt_error
+from .arguments import Parser, kvrt_error
 
 __all__ = ["main"]
 

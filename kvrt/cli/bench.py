@@ -13,7 +13,7 @@ import msgspec
 from kvrt import ConfigError
 from kvrt._units import format_size
 
-from ._common import check_writable, common, config_from, count, int_list
+from .arguments import check_writable, common, config_from, count, int_list
 
 __all__ = ["add", "main"]
 

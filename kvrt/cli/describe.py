@@ -12,7 +12,7 @@ from kvrt import ModelInfo, describe_model
 from kvrt._runtime import check_policies
 from kvrt._units import format_size
 
-from ._common import common, config_from
+from .arguments import common, config_from
 
 __all__ = ["add", "main"]
 

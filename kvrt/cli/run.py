@@ -14,7 +14,7 @@ import msgspec
 
 from kvrt._units import format_size
 
-from ._common import common, config_from, count
+from .arguments import common, config_from, count
 
 __all__ = ["add", "main"]
 

@@ -13,7 +13,7 @@ from typing import Any
 from kvrt import ConfigError
 from kvrt._runtime import check_policies
 
-from ._common import common, config_from, count, seconds, size
+from .arguments import common, config_from, count, seconds, size
 
 __all__ = ["add", "main"]
 

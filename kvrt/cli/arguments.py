@@ -59,7 +59,16 @@ HELP = {
     "partial_window": "partial-window KV once its prefix fits hot (recompute, keep)",
     "write_through": "blocks copied to the cold store once computed (stable, none, all)",
     "message_class": "a chat message's cache class by role (system_pinned, volatile)",
-    "engine_turn": "which session's engine call runs next (least_served, fifo)",
+    "engine_turn": "which session's engine call runs next (least_served, fewest_left, fifo)",
+    "checkpoint": "after which blocks a hybrid model keeps its recurrent state "
+    "(every_block, kv_sized)",
+    "path": "the disk tier's folder (default: $KVRT_CACHE_DIR/blocks)",
+    "budget": "the disk tier's budget, e.g. 20GiB (default: 10%% of the free space; 0: off)",
+    "flush_timeout": "seconds closing waits for queued disk writes",
+    "url": "a Redis/Valkey server shared by replicas, e.g. redis://host:6379/0",
+    "timeout": "seconds a call to the remote server may take",
+    "secret_file": "a file holding the replicas' shared secret (or $KVRT_REMOTE_SECRET)",
+    "ca_file": "a CA bundle for the remote server's TLS certificate",
     "cold_wait": "seconds an eviction waits for room in a full cold store",
 }
 
@@ -72,7 +81,7 @@ def common(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("settings (override the config file and KVRT_* variables)")
     for s in SETTINGS:
-        group.add_argument(s.flag, dest=f"set_{s.name}", metavar="VALUE", help=HELP.get(s.name))
+        group.add_argument(s.flag, dest=f"set_{s.name}", metavar="VALUE", help=HELP[s.name])
 
 
 def config_from(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:

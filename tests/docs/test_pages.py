@@ -1,0 +1,193 @@
+"""The README and the pages under ``docs/`` as a user meets them: every Python block runs
+as written, every command shown is one kvrt's command line takes, every option its
+``--help`` shows is documented, every TOML block is a configuration kvrt loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvrt
+from kvrt.cli import parser
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(
+    r"^(?P<indent> *)```(?P<lang>[\w-]*)\n(?P<body>.*?)^(?P=indent)```$", re.M | re.S
+)
+
+
+def blocks(lang: str) -> list[tuple[str, str]]:
+    """``(where, text)`` of every fenced block of ``lang`` in the pages, dedented."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            if match["lang"] != lang:
+                continue
+            line = text.count("\n", 0, match.start()) + 1
+            indent = len(match["indent"])
+            body = "".join(row[indent:] for row in match["body"].splitlines(keepends=True))
+            found.append((f"{page.relative_to(ROOT)}:{line}", body))
+    return found
+
+
+def test_the_pages_hold_blocks_of_each_kind() -> None:
+    """The collector finds what it checks (a block it missed would pass unseen)."""
+    assert len(blocks("python")) >= 10
+    assert len(blocks("sh")) >= 8
+    assert blocks("toml")
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``kvrt serve`` on a free port, for the blocks that talk to one over HTTP."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("docs-serve") / "serve.log"
+    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--state", "none"]
+    env = {**os.environ, "KVRT_DISK_BUDGET": "0"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    json.loads(r.read())
+                break
+            except OSError:
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        yield f"{url}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def _marks(text: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.subprocess, pytest.mark.model]
+    if re.search(r"^(from|import) (agents|pydantic_ai|langchain_openai)\b", text, re.M):
+        marks.append(pytest.mark.frameworks)
+    return marks
+
+
+@pytest.mark.parametrize(
+    "text",
+    [pytest.param(text, id=where, marks=_marks(text)) for where, text in blocks("python")],
+)
+def test_every_python_block_runs_as_written(
+    text: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each block is a whole program: run as a user would (``python block.py``, in a
+    folder of its own), it exits 0 and says something."""
+    env = dict(os.environ)
+    if "KVRT_BASE_URL" in text:
+        env["KVRT_BASE_URL"] = request.getfixturevalue("server")
+    program = tmp_path / "block.py"
+    program.write_text(text)
+    done = subprocess.run(
+        [sys.executable, str(program)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    top = parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """Every command line the pages show, as ``(where, argv)``, comments and the shell's
+    own lines left out."""
+    found = []
+    for where, text in blocks("sh"):
+        for row in text.splitlines():
+            row = row.split(" #")[0].strip()
+            for part in re.split(r"\s*&&\s*", row):
+                if part and not part.startswith(("export ", "#")):
+                    found.append((where, shlex.split(part)))
+    return found
+
+
+def test_every_command_shown_is_one_kvrt_takes() -> None:
+    """``kvrt ...`` lines parse with kvrt's own parser (every option exists, every value
+    has its form); scripts and modules named exist; pip extras are the project's."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    checked, wrong = 0, []
+    for where, argv in _commands():
+        tool = Path(argv[0]).name
+        if tool == "kvrt":
+            try:
+                parser().parse_args(argv[1:])
+            except SystemExit:
+                wrong.append(f"{where}: {shlex.join(argv)}")
+        elif tool == "python" and argv[1:2] == ["-m"] and argv[2] != "pytest":
+            where_module = ROOT.joinpath(*argv[2].split("."))
+            if not (where_module.with_suffix(".py").is_file() or where_module.is_dir()):
+                wrong.append(f"{where}: no module {argv[2]}")
+        elif tool == "python" or (tool == "pytest" and len(argv) > 1):
+            paths = [a for a in argv[1:] if not a.startswith("-") and "/" in a]
+            wrong += [f"{where}: no file {p}" for p in paths if not (ROOT / p).exists()]
+        elif tool == "pip":
+            for arg in argv:
+                extras = re.fullmatch(r"-e\s*\.?\[([\w,]+)\]|\.\[([\w,]+)\]", arg)
+                if extras:
+                    for extra in (extras[1] or extras[2]).split(","):
+                        if f"\n{extra} = [" not in pyproject:
+                            wrong.append(f"{where}: no extra {extra}")
+        checked += 1
+    assert checked >= 20
+    assert not wrong
+
+
+def test_every_option_help_shows_is_documented() -> None:
+    """Each command's own options have a line on the command-line page; every setting's
+    flag a row in the configuration table."""
+    cli = (ROOT / "docs" / "command-line.md").read_text()
+    config = (ROOT / "docs" / "configuration.md").read_text()
+    missing = []
+    for name, sub in _subcommands().items():
+        section = cli[cli.index(f"## kvrt {name}") :].split("\n## ")[0]
+        for group in sub._action_groups:
+            for action in group._group_actions:
+                for option in action.option_strings:
+                    if option in ("-h", "--help"):
+                        continue
+                    if group.title and group.title.startswith("settings"):
+                        if f"`{option}`" not in config:
+                            missing.append(f"configuration.md: {option}")
+                    elif f"`{option}" not in section:
+                        missing.append(f"command-line.md, kvrt {name}: {option}")
+    assert not sorted(set(missing))
+
+
+@pytest.mark.parametrize("where_text", blocks("toml"), ids=lambda wt: wt[0])
+def test_every_toml_block_is_a_configuration(where_text: tuple[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "kvrt.toml"
+    path.write_text(where_text[1])
+    assert isinstance(kvrt.load_config(path, env={}), kvrt.Config)
