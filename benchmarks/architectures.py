@@ -16,7 +16,7 @@ in this run against contexts that never evicted:
   alone, in a child process (it may kill it), against the same computed afresh.
 
 Run: ``python -m benchmarks.architectures [--kv-type f16] [--markdown]``. Figures to read,
-not assertions; the suite checks the claims (``tests/test_architectures.py``).
+not assertions; the suite checks the claims (``tests/engine/test_architectures.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@
 Run: ``python -m benchmarks.hybrid [--variants granitehybrid,lfm2,mamba2] [--turns 10]
 [--json]``. Figures to read, not assertions: random weights compute at the speed of the
 fixtures' size, not of a real model's; the ratios are what carry over. The suite checks
-the claims (``tests/test_hybrid_sessions.py``).
+the claims (``tests/session/test_hybrid_sessions.py``).
 """
 
 from __future__ import annotations

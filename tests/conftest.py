@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvrt import AdmitMode, EngineConfig, EvictMode
+from kvrt import EngineConfig
 from kvrt.adapters.llama import LlamaEngine
-
-from ._agent import close_loaded
-from .redis_server import RedisServer, start_redis
-
-STORY = (
-    "The lighthouse keeper of Arden Point kept a logbook. Every evening she wrote down the "
-    "colour of the sky, the height of the waves and the names of the ships that passed. "
-    "In the winter of the great storm, the lamp failed twice, and twice she climbed the "
-    "tower with a lantern in her hand. "
-)
+from tests.support.models import close_loaded
+from tests.support.redis import RedisServer, start_redis
 
 
 @pytest.fixture
@@ -65,38 +58,6 @@ def engine_q4() -> Iterator[LlamaEngine]:
     eng.close()
 
 
-def words(engine: LlamaEngine, text: str) -> list[int]:
-    """Tokens of ``text`` without BOS, for splicing into a longer sequence."""
-    return engine.tokenize(text, add_special=False)
-
-
-MIDDLE = " The keeper's daughter painted the door of the tower bright red that spring."
-TAIL = " Ships from the north saw the red door before they saw the lamp."
-
-
-def slide_then_tail_admit(
-    engine: LlamaEngine, head: list[int], probe: str, n_ctx: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Prefill ``head`` + a middle sentence + a tail sentence, slide-evict the middle, admit it
-    at the tail (keys re-rotated) and return the probe's logits next to those of computing
-    ``head + tail + middle`` afresh."""
-    middle, tail, probe_tokens = words(engine, MIDDLE), words(engine, TAIL), words(engine, probe)
-    ctx = engine.open_context(n_ctx)
-    ctx.prefill(head + middle + tail)
-    a, b = len(head), len(head) + len(middle)
-    block = ctx.export(a, b)
-    ctx.evict(a, b, EvictMode.SLIDE)
-    assert list(ctx.positions) == list(range(len(head) + len(tail)))
-    assert ctx.admit(block, AdmitMode.TAIL) == len(head) + len(tail)
-    assert list(ctx.tokens) == head + tail + middle
-    got = ctx.prefill(probe_tokens)
-    ctx.close()
-    fresh_ctx = engine.open_context(n_ctx)
-    fresh = fresh_ctx.prefill(head + tail + middle + probe_tokens)
-    fresh_ctx.close()
-    return got, fresh
-
-
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every anyio test runs on asyncio and on trio."""
@@ -123,6 +84,22 @@ def cache_dir(
     return str(folder)
 
 
+REAL_MODEL_FIXTURES = {"engine", "engine_q8", "engine_q4", "gemma_path"}
+"""Fixtures that load a real model (SmolLM2 or Gemma 3)."""
+
+_REAL_MODEL_CALLS = re.compile(
+    r"\bloaded\(|open_runtime\(\)|open_runtime\(\"llama\"\)|open_runtime\(backend\)"
+    r"|LlamaEngine\.open\(|load_engine\(\)|load_engine\(\"llama\"|load_engine, \"llama\""
+    r"|getfixturevalue\(|gemma3-270m|\"-m\", \"kvrt\"|examples/|tests\.support\.server import"
+)
+
+
+@functools.cache
+def _uses_a_real_model(path: Path) -> bool:
+    """Whether a test module loads a real model itself (the rest run the zoo's tiny ones)."""
+    return bool(_REAL_MODEL_CALLS.search(path.read_text()))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Engine-neutral tests run llama.cpp on both event loops and OpenVINO on trio alone
     (as do the OpenVINO module's own tests).
@@ -140,8 +117,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep.append(item)
         if openvino:
             item.add_marker(pytest.mark.openvino)
-        if "redis_server" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "redis_server" in fixtures:
             item.add_marker(pytest.mark.redis)
+        if fixtures & REAL_MODEL_FIXTURES or _uses_a_real_model(item.path):
+            item.add_marker(pytest.mark.model)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -7,7 +7,7 @@ is in place. The executor (:mod:`.placement`) runs the step against the engine c
 and the cold store, then hands its outcome to :func:`advance` and asks again on a fresh
 snapshot: whatever an await changed meanwhile (a block the store let go, a block another
 session finished computing, room taken by a computation) is seen by the next plan, never
-assumed. Tested without a model (``tests/test_planner.py``).
+assumed. Tested without a model (``tests/unit/test_planner.py``).
 
 The rules, in order of the layout:
 

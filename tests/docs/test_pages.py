@@ -191,3 +191,16 @@ def test_every_toml_block_is_a_configuration(where_text: tuple[str, str], tmp_pa
     path = tmp_path / "kvrt.toml"
     path.write_text(where_text[1])
     assert isinstance(kvrt.load_config(path, env={}), kvrt.Config)
+
+
+def test_every_file_the_pages_name_exists() -> None:
+    """Paths of tests, examples and benchmarks the pages cite are where they say."""
+    cited = {
+        (page.name, path)
+        for page in PAGES
+        for path in re.findall(
+            r"\b((?:tests|examples|benchmarks)/[\w/.-]+\.py)\b", page.read_text()
+        )
+    }
+    assert len(cited) >= 10
+    assert not {c for c in cited if "NAME" not in c[1] and not (ROOT / c[1]).is_file()}

@@ -1,0 +1,157 @@
+"""Evict, export and admit on real llama.cpp with the embedded model: exact where promised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt import AdmitMode, EvictMode
+from kvrt.adapters.llama import LlamaEngine
+from tests.support.text import STORY, slide_then_tail_admit, words
+
+
+def _prompt(engine: LlamaEngine) -> list[int]:
+    return engine.tokenize(STORY * 2)
+
+
+@pytest.mark.parametrize("engine_name", ["engine", "engine_q8", "engine_q4"])
+def test_gap_evict_then_in_place_admit_is_bit_exact(
+    engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    engine: LlamaEngine = request.getfixturevalue(engine_name)
+    tokens = _prompt(engine)
+    probe = words(engine, " She")
+    n = len(tokens)
+    a, b = 30, 70
+
+    ref = engine.open_context(512)
+    ref.prefill(tokens)
+    expected = ref.prefill(probe)
+    ref.close()
+
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    block = ctx.export(a, b)
+    assert block.meta.tokens == tuple(tokens[a:b]) and block.meta.start == a
+    assert ctx.evict(a, b, EvictMode.GAP) == b - a
+    assert list(ctx.positions) == [*range(a), *range(b, n)]
+
+    while_evicted = ctx.prefill(probe)
+    ctx.evict(n, n + 1)  # take the probe back out
+    assert ctx.admit(block, AdmitMode.IN_PLACE) == a
+    assert list(ctx.positions) == list(range(n)) and list(ctx.tokens) == tokens
+    restored = ctx.prefill(probe)
+    ctx.close()
+
+    assert not np.array_equal(while_evicted, expected), "evicting must change the logits"
+    assert np.array_equal(restored, expected), f"max |Δ| {np.abs(restored - expected).max()}"
+
+
+def test_tail_evict_then_admit_keeps_greedy_continuation(engine: LlamaEngine) -> None:
+    """A tail evicted and admitted back holds the same KV, so computing its last token again
+    gives the logits, and the continuation, of a context that never evicted and computed
+    that token the same way: alone, after the rest. (Against one prefill of all the
+    tokens it is not bit-identical on every CPU: without AVX-512, llama.cpp runs one-token
+    batches through other kernels than longer ones. Sessions therefore keep the logits
+    with the block, or compute such a token with the one before it.)"""
+    tokens = _prompt(engine)
+    n = len(tokens)
+    ref = engine.open_context(512)
+    ref.prefill(tokens[:-1])
+    expected_logits = ref.prefill(tokens[-1:])
+    expected = ref.generate(24, stop_at_end=False)
+    ref.close()
+
+    ctx = engine.open_context(512)
+    ctx.prefill(tokens)
+    block = ctx.export(n - 40, n)
+    ctx.evict(n - 40, n)
+    assert ctx.next_position == n - 40
+    ctx.admit(block, AdmitMode.IN_PLACE)
+    # Restoring computes nothing, so no logits follow the restored last token: compute that
+    # one token again, as the reference did.
+    ctx.evict(n - 1, n)
+    logits = ctx.prefill(tokens[-1:])
+    assert np.array_equal(logits, expected_logits)
+    assert ctx.generate(24, stop_at_end=False) == expected
+    # Two tokens or more at once agree with one prefill of everything, on every CPU.
+    ctx.evict(n - 2, ctx.next_position)
+    assert np.array_equal(ctx.prefill(tokens[-2:]), ref_logits(engine, tokens))
+    ctx.close()
+
+
+def ref_logits(engine: LlamaEngine, tokens: list[int]) -> np.ndarray:
+    ctx = engine.open_context(512)
+    try:
+        return ctx.prefill(tokens)
+    finally:
+        ctx.close()
+
+
+def test_slide_evict_then_tail_admit_matches_fresh_prefill_argmax(engine: LlamaEngine) -> None:
+    got, fresh = slide_then_tail_admit(engine, _prompt(engine), " The", 512)
+    delta = float(np.abs(got - fresh).max())
+    print(f"\nslide evict + tail admit vs fresh prefill: max |Δlogit| = {delta:.4f}")
+    assert int(got.argmax()) == int(fresh.argmax())
+    ctx = engine.open_context(64)
+    assert ctx.capabilities.exact_tail is False  # reported honestly: not bit-exact
+    ctx.close()
+
+
+@pytest.mark.parametrize("engine_name", ["engine", "engine_q8", "engine_q4"])
+def test_export_leaves_window_unchanged_and_counts(
+    engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Cold bytes are the cache's own rows (quantized ones stay quantized): about the
+    model's KV bytes per token at the cache's type, which the planner counts."""
+    engine: LlamaEngine = request.getfixturevalue(engine_name)
+    assert (
+        engine.facts.kv_bytes_per_token
+        == {"f16": 23040, "q8_0": 12240, "q4_0": 6480}[engine.facts.kv_type]
+    )
+    tokens = _prompt(engine)
+    ctx = engine.open_context(512)
+    before = ctx.prefill(tokens)
+    block = ctx.export(10, 50)
+    assert list(ctx.positions) == list(range(len(tokens)))
+    assert np.array_equal(ctx.logits(), before)
+    assert not block.data.flags.writeable
+    assert block.meta.n_bytes == block.data.size
+    # One KV row per token per layer plus a small header: close to the model's figure.
+    per_token = block.meta.n_bytes / 40
+    assert engine.facts.kv_bytes_per_token <= per_token < engine.facts.kv_bytes_per_token * 1.05
+    c = ctx.counters
+    assert (c.prefill_tokens, c.exported_tokens, c.exported_bytes) == (
+        len(tokens),
+        40,
+        block.meta.n_bytes,
+    )
+    ctx.evict(10, 50)
+    ctx.admit(block)
+    assert (ctx.counters.evicted_tokens, ctx.counters.admitted_tokens) == (40, 40)
+    assert ctx.counters.prefill_tokens == len(tokens)  # restoring computed nothing
+    ctx.close()
+
+
+def test_block_serves_another_context_on_the_same_model(engine: LlamaEngine) -> None:
+    tokens = _prompt(engine)
+    probe = words(engine, " She")
+    one = engine.open_context(512)
+    one.prefill(tokens)
+    block = one.export(0, len(tokens))
+    expected = one.prefill(probe)
+    one.close()
+
+    two = engine.open_context(512)
+    two.admit(block, AdmitMode.IN_PLACE)
+    assert np.array_equal(two.prefill(probe), expected)
+    assert two.counters.prefill_tokens == len(probe)
+    two.close()
+
+
+def test_capabilities(engine: LlamaEngine) -> None:
+    ctx = engine.open_context(64)
+    caps = ctx.capabilities
+    ctx.close()
+    assert caps.remove_middle and caps.position_shift and caps.exact_in_place
+    assert caps.kv_type == "f16" and caps.sliding_window is None

@@ -1,0 +1,407 @@
+"""The rooms and the arrows between them, read from the imports of every module.
+
+- every room imports only rooms after it in :data:`ROOMS` (the import direction, written
+  once here and on the architecture page of the README);
+- ``policies/`` imports nothing of kvrt but the public ``kvrt.policy``;
+- ``adapters/`` imports only ``kvrt`` (public names), ``kvrt.backend`` and the bridge;
+- ``native_bridge/`` imports nothing of kvrt;
+- ``kvrt serve`` imports only kvrt's public names;
+- nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
+- inside ``kvrt/_session/``, ``kvrt/_paging/`` and ``kvrt/_cold/`` dependencies run one
+  way, in the order each package states;
+- the placement planner (``kvrt/_paging/planner.py``) is pure: it imports no I/O, no
+  engine and no other part of the session;
+- the session's parts are composed, never inherited.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERIC = {"adapters", "policies", "native_bridge"}
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def package_of(path: Path) -> str:
+    """The dotted package ``path`` belongs to, as installed (``adapters/x`` is in
+    ``kvrt.adapters``)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in GENERIC:
+        parts.insert(0, "kvrt")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts[:-1]) if path.name != "__init__.py" else ".".join(parts)
+
+
+def imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, absolute, including imports inside functions."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = package_of(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{alias.name}" for alias in node.names]
+            if not all(is_module(sub) for sub in subs):  # names of it, not only its modules
+                yield target
+            yield from subs
+
+
+def is_module(dotted: str) -> bool:
+    """Whether ``dotted`` names one of the repository's modules or packages."""
+    parts = dotted.split(".")
+    if parts[0] != "kvrt":
+        return False
+    if len(parts) > 1 and parts[1] in GENERIC:
+        parts = parts[1:]
+    else:
+        parts[0] = "kvrt"
+    where = ROOT.joinpath(*parts)
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
+def kvrt_imports(path: Path) -> set[str]:
+    return {m for m in imports(path) if m == "kvrt" or m.startswith("kvrt.")}
+
+
+ROOMS = [
+    {"kvrt.__main__"},  # python -m kvrt
+    {"kvrt.cli", "kvrt.bench"},  # the command line and kvrt bench
+    {"kvrt.serve"},  # the OpenAI-compatible server
+    {"kvrt.testing", "kvrt.adapters"},  # fixtures; the engines' adapters
+    {"kvrt.native_bridge"},  # the only code touching C APIs
+    {"kvrt", "kvrt.backend"},  # the public faces: import kvrt, the adapters' contract
+    {"kvrt._runtime", "kvrt._tiers", "kvrt._describe"},  # a runtime, assembled
+    {"kvrt._session"},  # the session as its caller sees it
+    {"kvrt._paging"},  # where blocks live and how they move
+    {"kvrt._reports"},  # what calls return
+    {"kvrt._chat"},  # conversations to tokens and back: no engine state, no await
+    {"kvrt._cold"},  # the cold store and its tiers
+    {"kvrt.models"},  # model names -> files
+    {"kvrt._engine"},  # talking to an engine
+    {"kvrt.policies"},  # the built-in policies
+    {"kvrt.policy"},  # the policy contract
+    # shared vocabulary
+    {"kvrt._config", "kvrt._units", "kvrt._checks", "kvrt._types", "kvrt._errors"},
+    {"kvrt._util", "kvrt._docs"},
+]
+"""Each room, from the top down: a module imports only its own room's and rooms below."""
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def rank_of(module: str) -> int | None:
+    room = room_of(module)
+    return next((i for i, rooms in enumerate(ROOMS) if room in rooms), None)
+
+
+def test_every_room_imports_only_rooms_below_it() -> None:
+    paths = modules("kvrt") + modules("adapters") + modules("native_bridge") + modules("policies")
+    unknown, wrong = set(), set()
+    for path in paths:
+        me = package_of(path) if path.name == "__init__.py" else f"{package_of(path)}.{path.stem}"
+        mine = rank_of(me)
+        if mine is None:
+            unknown.add(me)
+            continue
+        for m in kvrt_imports(path):
+            theirs = rank_of(m)
+            if theirs is not None and theirs < mine and room_of(m) != room_of(me):
+                wrong.add(f"{me} -> {m}")
+    assert not unknown  # every module is in a room
+    assert not wrong
+
+
+def test_the_server_uses_only_public_kvrt() -> None:
+    """``kvrt serve`` is built on what any user has: ``kvrt``'s public names."""
+    server = modules("kvrt/serve")
+    assert len(server) >= 3
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in server
+        for m in kvrt_imports(p)
+        if not (m.startswith("kvrt.serve") or (m.count(".") <= 1 and "._" not in m))
+    }
+    assert not wrong
+
+
+def _private_names(path: Path) -> set[str]:
+    """Each private module of kvrt ``path`` imports, and each private name it imports from
+    any module of kvrt."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvrt"):
+            if "._" in node.module:
+                found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kvrt") and "._" in a.name}
+    return found
+
+
+def test_the_research_benchmarks_use_only_public_kvrt() -> None:
+    """``benchmarks/`` (outside the package) imports kvrt's public names only, ``kvrt.bench``
+    included, where kvrt keeps what they time part by part; and reaches no private attribute
+    of kvrt's objects. ``kvrt/cli`` and ``kvrt/bench`` are rooms of kvrt, held by the order
+    of rooms like any other."""
+    paths = sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(paths) > 10
+    wrong = {f"{p.relative_to(ROOT)}: {name}" for p in paths for name in _private_names(p)}
+    assert not wrong
+    reach = {
+        f"{p.relative_to(ROOT)}: {m}"
+        for p in paths
+        for m in re.findall(r"\b\w+\._[a-z]\w*\b(?!\.py)", p.read_text())
+        if not m.startswith(("self.", "benchmarks.", "sys."))
+    }
+    assert not reach
+
+
+def test_policies_see_only_the_policy_contract() -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("policies")
+        for m in kvrt_imports(p)
+        if not (m.startswith("kvrt.policy") or m.startswith("kvrt.policies"))
+    }
+    assert not wrong
+
+
+def test_adapters_see_only_public_kvrt_and_the_bridge() -> None:
+    def allowed(m: str) -> bool:
+        top = m.split(".")
+        return (len(top) <= 2 and not top[-1].startswith("_")) or m.startswith(
+            ("kvrt.backend", "kvrt.native_bridge", "kvrt.adapters")
+        )
+
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("adapters")
+        for m in kvrt_imports(p)
+        if not allowed(m)
+    }
+    assert not wrong
+
+
+def test_the_bridge_imports_nothing_of_kvrt() -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules("native_bridge")
+        for m in kvrt_imports(p)
+        if not m.startswith("kvrt.native_bridge")
+    }
+    assert not wrong
+
+
+@pytest.mark.parametrize(
+    "folder", ["kvrt", "adapters", "policies", "native_bridge", "tests", "examples"]
+)
+def test_nothing_imports_generic_top_level_names(folder: str) -> None:
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in modules(folder)
+        for m in imports(p)
+        if m.split(".")[0] in GENERIC
+    }
+    assert not wrong
+
+
+SESSION_LAYERS = [
+    "handle",
+    "saving",
+    "chat",
+    "reply",
+    "mailbox",
+    "prefetch",
+    "actor",
+    "generation",
+    "arguments",
+]
+"""``kvrt/_session/``, the session as its caller sees it, from the top down."""
+
+
+def one_way(package: str, layers: list[str]) -> set[str]:
+    """The arrows inside ``kvrt/<package>/`` that run up ``layers``; checks that every
+    module is a layer."""
+    wrong = set()
+    for layer in layers:
+        rank = layers.index(layer)
+        for m in kvrt_imports(ROOT / "kvrt" / package / f"{layer}.py"):
+            parts = m.split(".")
+            inside = parts[:2] == ["kvrt", package] and len(parts) > 2
+            other = parts[2] if inside else layer
+            if other in layers and layers.index(other) < rank:
+                wrong.add(f"{layer} -> {other}")
+    assert sorted(p.stem for p in (ROOT / "kvrt" / package).glob("*.py")) == sorted(
+        [*layers, "__init__"]
+    )
+    return wrong
+
+
+def test_session_and_paging_layers_depend_one_way() -> None:
+    from kvrt._paging import LAYERS
+
+    assert not one_way("_session", SESSION_LAYERS)
+    assert not one_way("_paging", list(LAYERS))
+    core = [p for p in modules("kvrt") if p.parent == ROOT / "kvrt"]
+    packages = [
+        p
+        for package in ("_session", "_paging", "_cold", "_chat", "_engine")
+        for p in modules(f"kvrt/{package}")
+    ]
+    assert max(len(p.read_text().splitlines()) for p in core + packages) < 500
+
+
+def test_the_placement_planner_is_pure() -> None:
+    """The planner decides from a snapshot: nothing it imports can await, call an engine
+    or reach the session's state (its tests need no model)."""
+    planner = ROOT / "kvrt" / "_paging" / "planner.py"
+    allowed = {"__future__", "collections.abc", "dataclasses", "kvrt._types"}
+    wrong = {
+        m for m in imports(planner) if not any(m == a or m.startswith(f"{a}.") for a in allowed)
+    }
+    assert not wrong
+    tree = ast.parse(planner.read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.AsyncFunctionDef, ast.Await))]
+
+
+def test_the_session_parts_are_composed_not_inherited() -> None:
+    """The actor holds its gate, paging, scoring, placement and generation; none of them
+    is a base class of another (an inheritance tower hides who calls whom)."""
+    trees = {
+        p: ast.parse(p.read_text()) for p in modules("kvrt/_session") + modules("kvrt/_paging")
+    }
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    assert {"Actor", "EngineGate", "Paging", "Placement", "Generation"} <= classes
+    wrong = {
+        f"{p.stem}.{n.name}({ast.unparse(base)})"
+        for p, t in trees.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.ClassDef)
+        for base in n.bases
+        if ast.unparse(base).split(".")[-1] in classes
+    }
+    assert not wrong
+
+
+def test_tallies_are_returned_never_shared() -> None:
+    """What a command did is the sum of what its moves return: no part of a session holds
+    a tally for others to write into, and every move of the executor returns its own."""
+    trees = {
+        p: ast.parse(p.read_text()) for p in modules("kvrt/_session") + modules("kvrt/_paging")
+    }
+    shared = [
+        f"{p.stem}:{n.lineno}"
+        for p, t in trees.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.Attribute) and n.attr == "tally"
+    ]
+    assert not shared
+    paging = next(
+        n
+        for n in trees[ROOT / "kvrt" / "_paging" / "moves.py"].body
+        if isinstance(n, ast.ClassDef) and n.name == "Paging"
+    )
+    moves = {
+        n.name: ast.unparse(n.returns) if n.returns else ""
+        for n in paging.body
+        if isinstance(n, ast.AsyncFunctionDef)
+    }
+    assert len(moves) >= 8
+    copies = {name for name, returns in moves.items() if "Tally" not in returns}
+    assert copies == {"write_back", "share"}  # copies (tokens copied), not moves
+
+
+def test_the_cold_store_stands_below_the_sessions() -> None:
+    """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime;
+    inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and
+    ``entry``; the store knows the tiers below RAM only through the ``ColdTier`` protocol
+    (an ordered list), never by kind."""
+    order = ["store", "shared", "stats", "ram", "tier", "disk", "remote", "trust", "blockfile"]
+    order += ["entry"]
+    store = (ROOT / "kvrt" / "_cold" / "store.py").read_text()
+    assert not re.findall(r"\b(?:DiskTier|RemoteTier)\b|self\.(?:disk|remote)\b", store)
+    wrong = set()
+    for path in modules("kvrt/_cold"):
+        for m in kvrt_imports(path):
+            if m.startswith(
+                ("kvrt._session", "kvrt._paging", "kvrt._runtime", "kvrt.cli", "kvrt.serve")
+            ):
+                wrong.add(f"{path.name} -> {m}")
+            parts = m.split(".")
+            other = parts[2] if parts[:2] == ["kvrt", "_cold"] and len(parts) > 2 else None
+            rank = order.index(path.stem) if path.stem in order else -1
+            if other in order and order.index(other) < rank:
+                wrong.add(f"{path.stem} -> {other}")
+    assert not wrong
+    assert sorted(p.stem for p in (ROOT / "kvrt" / "_cold").glob("*.py")) == sorted(
+        [*order, "__init__"]
+    )
+
+
+def test_the_reader_sees_a_wrong_arrow() -> None:
+    """The checks can fail: the reader sees imports, relative ones resolved."""
+    source = ROOT / "adapters" / "_window.py"
+    assert any(m.startswith("kvrt.backend") for m in kvrt_imports(source))
+    handle = ROOT / "kvrt" / "_session" / "handle.py"
+    assert "kvrt._session.actor" in kvrt_imports(handle)
+    gate = ROOT / "kvrt" / "_paging" / "gate.py"
+    assert "kvrt._paging.window" in kvrt_imports(gate)
+
+
+def test_every_public_struct_documents_itself_and_its_fields() -> None:
+    """``help()`` on a public Struct shows its docstring and every field's."""
+    import pydoc
+
+    import msgspec
+
+    import kvrt
+
+    structs = [
+        getattr(kvrt, name)
+        for name in kvrt.__all__
+        if isinstance(getattr(kvrt, name), type) and issubclass(getattr(kvrt, name), msgspec.Struct)
+    ]
+    assert len(structs) > 20
+    for struct in structs:
+        shown = pydoc.render_doc(struct, renderer=pydoc.plaintext)
+        intro = (struct.__doc__ or "").split("Fields:")[0].strip()
+        assert intro, f"{struct.__name__} has no docstring"
+        fields = (struct.__doc__ or "").split("Fields:")[-1]
+        for field in struct.__struct_fields__:
+            entry = fields.split(f"\n{field} (", 1)
+            assert len(entry) == 2, f"{struct.__name__}.{field} is not listed"
+            described = entry[1].split("\n")[1] if "\n" in entry[1] else ""
+            assert described.startswith("    ") and described.strip(), (
+                f"{struct.__name__}.{field} has no description"
+            )
+        assert "Fields:" in shown
+
+
+def test_the_public_names_are_listed() -> None:
+    from types import ModuleType
+
+    import kvrt
+
+    names = {n for n in dir(kvrt) if not n.startswith("_")}
+    public = {n for n in names if not isinstance(getattr(kvrt, n), ModuleType)}
+    assert set(kvrt.__all__) == public | {"backend", "models", "policy"}
+    assert {"backend", "policy", "Session", "Segment", "open_runtime"} <= set(kvrt.__all__)
