@@ -45,10 +45,10 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     """``value`` as an int within ``[low, high]`` (``bool`` is not an integer here)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(
-            f"{name} must be an integer, got {type(value).__name__} {_shown(value)}"
+            f"{name} must be an integer, got {type(value).__name__} {_shown(value)}", param=name
         )
     if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidArgumentError(f"{name} must be {_bounds(low, high)}, got {value}")
+        raise InvalidArgumentError(f"{name} must be {_bounds(low, high)}, got {value}", param=name)
     return int(value)
 
 
@@ -63,20 +63,23 @@ def check_number(
     """``value`` as a finite float within ``[low, high]`` (``(low, high]`` if ``low_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(
-            f"{name} must be a number, got {type(value).__name__} {_shown(value)}"
+            f"{name} must be a number, got {type(value).__name__} {_shown(value)}", param=name
         )
     number = float(value)
     below = low is not None and (number <= low if low_open else number < low)
     if not math.isfinite(number) or below or (high is not None and number > high):
         bounds = _bounds(low, high, low_open=low_open)
-        raise InvalidArgumentError(f"{name} must be a finite number {bounds}, got {value!r}")
+        raise InvalidArgumentError(
+            f"{name} must be a finite number {bounds}, got {value!r}", param=name
+        )
     return number
 
 
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(
-            f"{name} must be True or False, got {type(value).__name__} {_shown(value)}"
+            f"{name} must be True or False, got {type(value).__name__} {_shown(value)}",
+            param=name,
         )
     return value
 
@@ -85,14 +88,16 @@ def check_text(name: str, value: Any, *, empty: bool = True) -> str:
     """``value`` as a str that encodes to UTF-8 (no lone surrogates); non-empty unless
     ``empty``."""
     if not isinstance(value, str):
-        raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {_shown(value)}")
+        raise ArgumentTypeError(
+            f"{name} must be a str, got {type(value).__name__} {_shown(value)}", param=name
+        )
     if not empty and not value:
-        raise InvalidArgumentError(f"{name} must not be empty")
+        raise InvalidArgumentError(f"{name} must not be empty", param=name)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidArgumentError(
-            f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}"
+            f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}", param=name
         ) from None
     return value
 
@@ -101,9 +106,13 @@ def check_salt(value: Any, name: str = "cache_salt") -> str:
     """A cache salt: 1 to :data:`MAX_SALT` printable characters."""
     check_text(name, value, empty=False)
     if len(value) > MAX_SALT:
-        raise InvalidArgumentError(f"{name} holds {len(value)} characters; at most {MAX_SALT}")
+        raise InvalidArgumentError(
+            f"{name} holds {len(value)} characters; at most {MAX_SALT}", param=name
+        )
     if not value.isprintable():
-        raise InvalidArgumentError(f"{name} must be printable text (no control characters)")
+        raise InvalidArgumentError(
+            f"{name} must be printable text (no control characters)", param=name
+        )
     return str(value)
 
 
@@ -114,7 +123,7 @@ def check_choice(name: str, value: Any, kind: type[E]) -> E:
     except (ValueError, TypeError):
         choices = ", ".join(repr(m.value) for m in kind)
         raise InvalidArgumentError(
-            f"{name} must be one of {choices}, got {_shown(value)}"
+            f"{name} must be one of {choices}, got {_shown(value)}", param=name
         ) from None
 
 
@@ -134,7 +143,7 @@ def check_struct(name: str, value: Any, kind: type[S]) -> S:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         where = str(exc).replace("`$.", f"`{name}.").replace("`$`", f"`{name}`")
-        raise InvalidArgumentError(f"invalid {name}: {where}") from None
+        raise InvalidArgumentError(f"invalid {name}: {where}", param=name) from None
 
 
 def _bounds(low: float | None, high: float | None, *, low_open: bool = False) -> str:

@@ -41,7 +41,15 @@ class ConfigError(KvrtError, ValueError):
 
 class InvalidArgumentError(KvrtError, ValueError):
     """An argument to a public call is out of range or malformed; the message names the
-    argument and what was expected. Nothing was sent to the session or the engine."""
+    argument and what was expected. Nothing was sent to the session or the engine.
+
+    ``param`` is the argument it is about, as a path into what was given
+    (``messages[2].content``, ``tools[0].function.parameters``), where kvrt knows it: a
+    server answering for kvrt names the parameter from it, never from the message."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):

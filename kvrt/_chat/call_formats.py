@@ -19,18 +19,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .envelope import EnvelopeStream, envelope_grammar, new_call_id, render_envelope
 from .grammar import JSON_SEPARATORS, Grammar
 from .schemas import bounded_numbers, embed_schema, with_defs
-from .tools import (
-    EnvelopeStream,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    ToolChoice,
-    envelope_grammar,
-    new_call_id,
-    render_envelope,
-)
+from .tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 __all__ = ["CallFormat", "CallStream", "Envelope", "JsonCall", "Tagged", "call_format"]
 
@@ -42,7 +34,7 @@ _GUIDANCE = {
 
 
 class CallStream(Protocol):
-    """A reply read as it is generated (see :class:`kvrt._chat.tools.EnvelopeStream`)."""
+    """A reply read as it is generated (see :class:`kvrt._chat.envelope.EnvelopeStream`)."""
 
     content: str
     calls: list[ToolCall]

@@ -318,13 +318,18 @@ class Constraint:
         return bool(self._matcher.is_accepting())
 
 
-def read_response_format(value: Any) -> tuple[Grammar | None, dict[str, Any] | None]:
+def read_response_format(
+    value: Any, *, param: str = "response_format"
+) -> tuple[Grammar | None, dict[str, Any] | None]:
     """An OpenAI-style ``response_format`` (or a :class:`Grammar`): the grammar it asks
     for, and its JSON Schema when it is one (``None`` for plain text).
 
     ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema",
-    "json_schema": {"schema": {...}, ...}}``; kvrt's extensions ``{"type": "regex",
-    "regex": ...}`` and ``{"type": "grammar", "grammar": ..., "syntax": "lark" | "gbnf"}``.
+    "json_schema": {"schema": {...}, ...}}`` (or, as the Responses API's ``text.format``
+    writes it, ``{"type": "json_schema", "schema": {...}, ...}``); kvrt's extensions
+    ``{"type": "regex", "regex": ...}`` and ``{"type": "grammar", "grammar": ...,
+    "syntax": "lark" | "gbnf"}``. Errors name what is wrong under ``param``, as the caller
+    calls it (``text.format.schema``), in the message and in their ``param``.
     """
     if value is None:
         return None, None
@@ -333,7 +338,8 @@ def read_response_format(value: Any) -> tuple[Grammar | None, dict[str, Any] | N
         return value, schema
     if not isinstance(value, dict):
         raise ArgumentTypeError(
-            f"response_format must be a mapping or a kvrt.Grammar, got {type(value).__name__}"
+            f"{param} must be a mapping or a kvrt.Grammar, got {type(value).__name__}",
+            param=param,
         )
     kind = value.get("type")
     if kind == "text":
@@ -341,26 +347,31 @@ def read_response_format(value: Any) -> tuple[Grammar | None, dict[str, Any] | N
     if kind == "json_object":
         return Grammar.json_object(), {"type": "object"}
     if kind == "json_schema":
-        spec = value.get("json_schema")
+        flat = "json_schema" not in value and "schema" in value
+        spec = value if flat else value.get("json_schema")
+        at = f"{param}.schema" if flat else f"{param}.json_schema.schema"
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise InvalidArgumentError(
-                "response_format.json_schema.schema must be a JSON Schema object"
-            )
-        return Grammar.json_schema(schema), schema
+            raise InvalidArgumentError(f"{at} must be a JSON Schema object", param=at)
+        try:
+            return Grammar.json_schema(schema), schema
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{at}: {exc}", param=at) from None
     if kind == "regex":
         pattern = value.get("regex")
         if not isinstance(pattern, str):
-            raise InvalidArgumentError("response_format.regex must be a string")
+            raise InvalidArgumentError(f"{param}.regex must be a string", param=f"{param}.regex")
         return Grammar.regex(pattern), None
     if kind == "grammar":
         text, syntax = value.get("grammar"), value.get("syntax", "lark")
         if not isinstance(text, str) or syntax not in ("lark", "gbnf"):
             raise InvalidArgumentError(
-                "response_format.grammar must be a string and syntax 'lark' or 'gbnf'"
+                f"{param}.grammar must be a string and syntax 'lark' or 'gbnf'",
+                param=f"{param}.grammar",
             )
         return (Grammar.lark(text) if syntax == "lark" else Grammar.gbnf(text)), None
     raise InvalidArgumentError(
-        "response_format.type must be 'text', 'json_object', 'json_schema', 'regex' or "
-        f"'grammar', got {kind!r}"[:200]
+        f"{param}.type must be 'text', 'json_object', 'json_schema', 'regex' or "
+        f"'grammar', got {kind!r}"[:200],
+        param=f"{param}.type",
     )

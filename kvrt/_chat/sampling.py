@@ -32,7 +32,8 @@ class Sampler:
         if n_vocab is not None and bias and max(bias) >= n_vocab:
             raise InvalidArgumentError(
                 f"logit_bias names token {max(bias)}, past this model's vocabulary "
-                f"({n_vocab:,} tokens)"
+                f"({n_vocab:,} tokens)",
+                param="sampling.logit_bias",
             )
         self._biased = np.fromiter(bias, dtype=np.int64, count=len(bias))
         self._bias = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))

@@ -239,7 +239,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise InvalidArgumentError(
                     f"sampling.logit_bias holds at most {MAX_LOGIT_BIAS:,} tokens, "
-                    f"got {len(self.logit_bias):,}"
+                    f"got {len(self.logit_bias):,}",
+                    param="sampling.logit_bias",
                 )
             for token, bias in self.logit_bias.items():
                 check_int("a sampling.logit_bias token id", token, low=0, high=2**31 - 1)

@@ -64,20 +64,21 @@ class Conversation(msgspec.Struct, frozen=True, kw_only=True):
     """The name of the reply's segment (the last one)."""
 
 
-def messages_of(messages: Any) -> list[Message]:
+def messages_of(messages: Any, *, param: str = "messages") -> list[Message]:
     """OpenAI-style messages (mappings, or objects with ``role`` and ``content``) checked
     and read as :class:`Message` (what ``Session.chat`` does with them first): content may
     be a string, ``None`` or a list of text parts; the extension keys ``segment`` and
     ``cache_class`` name and class a message's segment. Raises
     :class:`kvrt.InvalidArgumentError` (or :class:`kvrt.ArgumentTypeError`) naming the
-    first thing wrong."""
+    first thing wrong, in its message and its ``param`` (``messages[2].content``;
+    ``param`` names the list itself, as an API calls it: ``input``)."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise ArgumentTypeError(
-            f"messages must be a list of chat messages, got {type(messages).__name__}"
+            f"{param} must be a list of chat messages, got {type(messages).__name__}", param=param
         )
-    out = [_message(i, m) for i, m in enumerate(messages)]
+    out = [_message(f"{param}[{i}]", m) for i, m in enumerate(messages)]
     if not out:
-        raise InvalidArgumentError("messages is empty: give at least one message")
+        raise InvalidArgumentError(f"{param} is empty: give at least one message", param=param)
     return out
 
 
@@ -87,19 +88,20 @@ def _field(message: Any, key: str) -> Any:
     return getattr(message, key, None)
 
 
-def _message(i: int, message: Any) -> Message:
-    where = f"messages[{i}]"
+def _message(where: str, message: Any) -> Message:
     if isinstance(message, Message):
         return message
     if not isinstance(message, Mapping) and not hasattr(message, "role"):
         raise ArgumentTypeError(
             f"{where} must be a chat message (a mapping with 'role' and 'content'), got "
-            f"{type(message).__name__}"
+            f"{type(message).__name__}",
+            param=f"{where}",
         )
     role = _field(message, "role")
     if not isinstance(role, str) or role not in ROLES:
         raise InvalidArgumentError(
-            f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300]
+            f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300],
+            param=f"{where}.role",
         )
     content = _content(where, _field(message, "content"))
     calls = (
@@ -137,19 +139,23 @@ def _content(where: str, content: Any) -> str:
             if kind not in ("text", "input_text", "output_text") or not isinstance(text, str):
                 raise InvalidArgumentError(
                     f"{where}.content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
-                    f"this model reads text only, got type {kind!r}"[:300]
+                    f"this model reads text only, got type {kind!r}"[:300],
+                    param=f"{where}.content[{j}]",
                 )
             texts.append(check_text(f"{where}.content[{j}].text", text))
         return "".join(texts)
     raise ArgumentTypeError(
         f"{where}.content must be a string, a list of text parts or None, got "
-        f"{type(content).__name__}"
+        f"{type(content).__name__}",
+        param=f"{where}.content",
     )
 
 
 def _tool_calls(where: str, calls: Any) -> tuple[tuple[str, str, str], ...]:
     if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
-        raise ArgumentTypeError(f"{where}.tool_calls must be a list of tool calls")
+        raise ArgumentTypeError(
+            f"{where}.tool_calls must be a list of tool calls", param=f"{where}.tool_calls"
+        )
     out = []
     for j, call in enumerate(calls):
         function = _field(call, "function")
@@ -157,7 +163,8 @@ def _tool_calls(where: str, calls: Any) -> tuple[tuple[str, str, str], ...]:
         arguments = _field(function, "arguments") if function is not None else None
         if not isinstance(name, str) or not isinstance(arguments, (str, type(None))):
             raise InvalidArgumentError(
-                f"{where}.tool_calls[{j}] must have a function with a name and arguments"
+                f"{where}.tool_calls[{j}] must have a function with a name and arguments",
+                param=f"{where}.tool_calls[{j}]",
             )
         call_id = _field(call, "id")
         arguments = canonical_arguments(arguments or "")

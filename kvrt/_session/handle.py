@@ -234,7 +234,8 @@ class Session(metaclass=NoPublicConstructor):
         if tool_list and not self._chat.has_template:
             raise InvalidArgumentError(
                 "this model has no chat template (a base model), so it cannot be given tools: "
-                "use a chat model"
+                "use a chat model",
+                param="tools",
             )
         active = bool(tool_list) and choice != "none"
         if active:  # tool_choice none compiles no tool's grammar
@@ -243,7 +244,8 @@ class Session(metaclass=NoPublicConstructor):
         if active and own:
             raise InvalidArgumentError(
                 "response_format with tools must be json_object or json_schema (a regex or "
-                "grammar cannot be combined with tool calls)"
+                "grammar cannot be combined with tool calls)",
+                param="response_format",
             )
         template = None
         if tool_list or any(m.role == "tool" or m.tool_calls for m in read):

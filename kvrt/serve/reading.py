@@ -9,7 +9,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
-from .openai import MAX_BODY, RequestError
+from .protocol.errors import MAX_BODY, RequestError
 
 __all__ = ["listing", "read_body", "read_json", "tenant_of"]
 

@@ -539,7 +539,7 @@ def test_a_reply_ends_at_its_first_repeated_call() -> None:
     (generation stops on ``repeated``): a model repeating one call went on to its token
     limit, reported as one call with every token spent."""
     from kvrt._chat.call_formats import Tagged
-    from kvrt._chat.tools import EnvelopeStream
+    from kvrt._chat.envelope import EnvelopeStream
 
     call = '{"name": "f", "arguments": {"a": 1}}'
     other = '{"name": "f", "arguments": {"a": 2}}'

@@ -468,7 +468,7 @@ def test_grammars_are_checked_before_any_decoding(server: Server) -> None:
     status, raw = request(server, "POST", "/v1/chat/completions", body)
     error = json.loads(raw)["error"]
     assert status == 400 and "'minimum'" in error["message"], raw[:300]
-    assert error["param"] == "tools", raw[:300]
+    assert error["param"] == "tools[0].function.parameters", raw[:300]  # to the field
     item = {
         "type": "json_schema",
         "name": "x",
@@ -477,7 +477,7 @@ def test_grammars_are_checked_before_any_decoding(server: Server) -> None:
     body = json.dumps({"model": model, "input": "Hi", "text": {"format": item}}).encode()
     status, raw = request(server, "POST", "/v1/responses", body)
     error = json.loads(raw)["error"]
-    assert status == 400 and error["param"] == "text.format", raw[:300]
+    assert status == 400 and error["param"] == "text.format.schema", raw[:300]  # the field
     assert "response_format" not in error["message"]
 
 

@@ -111,7 +111,7 @@ async def test_bad_requests_get_openai_style_400s(anyio_backend: str) -> None:
             (json.dumps({**good, "messages": []}).encode(), "messages"),
             (
                 json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
-                "messages",
+                "messages[0].role",  # the parameter kvrt's error carries, to the field
             ),
             (json.dumps({**good, "n": 2}).encode(), "n"),
             (json.dumps({**good, "temperature": -1}).encode(), "temperature"),

@@ -405,3 +405,30 @@ def test_the_public_names_are_listed() -> None:
     public = {n for n in names if not isinstance(getattr(kvrt, n), ModuleType)}
     assert set(kvrt.__all__) == public | {"backend", "models", "policy"}
     assert {"backend", "policy", "Session", "Segment", "open_runtime"} <= set(kvrt.__all__)
+
+
+def test_the_api_translators_are_pure() -> None:
+    """``kvrt/serve/protocol`` turns bodies into calls and results into bodies: no web
+    framework, no event loop, no threads or locks, nothing of the server around it; the
+    state store reads it, never the reverse."""
+    impure = {"starlette", "anyio", "asyncio", "trio", "threading", "hypercorn", "httpx"}
+    paths = modules("kvrt/serve/protocol")
+    assert len(paths) >= 5
+    wrong = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in paths
+        for m in imports(p)
+        if m.split(".")[0] in impure
+        or (m.startswith("kvrt.serve") and not m.startswith("kvrt.serve.protocol"))
+    }
+    assert not wrong
+    assert not [p for p in paths if "Lock(" in p.read_text()]
+    state = modules("kvrt/serve/state")
+    reach = {
+        f"{p.relative_to(ROOT)} -> {m}"
+        for p in state
+        for m in kvrt_imports(p)
+        if m.startswith("kvrt.serve")
+        and not m.startswith(("kvrt.serve.state", "kvrt.serve.protocol"))
+    }
+    assert not reach

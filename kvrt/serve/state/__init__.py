@@ -17,7 +17,7 @@ from typing import Protocol
 
 import kvrt
 
-from ..openai import RequestError
+from ..protocol.errors import RequestError
 from .records import Bounds, ConversationHead, Item, KeptResponse, StateError, StateStats
 from .shared import SharedState
 from .sqlite import SqliteState

@@ -1,4 +1,6 @@
-"""The OpenAI wire format: requests read and checked, responses and stream chunks built.
+"""Chat Completions and Completions: a request body read into one typed kvrt call
+(:func:`read_chat`, :func:`read_completion`), and the call's result written as the API's
+response or stream chunks. Pure: no server, no event loop.
 
 Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``), structured output
 (``response_format``) and ``logprobs``/``top_logprobs`` are served as OpenAI documents
@@ -19,44 +21,25 @@ import msgspec
 
 import kvrt
 
+from .call import Call, Limits, sampling_options, tool_options
+from .errors import MAX_BODY, RequestError
+from .errors import refusal as refused
+
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
-    "RequestError",
     "chat_response",
     "check_salt",
     "check_schema_bytes",
     "check_tool_turns",
     "chunk",
     "completion_response",
-    "error_body",
     "legacy_functions",
     "legacy_messages",
+    "read_chat",
+    "read_completion",
     "usage",
 ]
-
-
-class RequestError(Exception):
-    """A request kvrt refuses: the status and OpenAI-style error fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-        self.kind = kind
-
-
-def error_body(message: str, *, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -103,10 +86,6 @@ class ChatRequest(_Common, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[str]
     echo: bool | None = None
-
-
-MAX_BODY = 64 * 1024 * 1024
-"""The largest request body read (64 MiB: far more than any context fits)."""
 
 
 class _Schemas(msgspec.Struct):
@@ -235,29 +214,6 @@ def check_tool_turns(messages: Sequence[kvrt.Message], *, param: str = "messages
                 ],
                 param=param,
             )
-
-
-def logprobs(request: Any) -> int | None:
-    """How many alternatives per token the request asks for, or None (no logprobs):
-    chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions' integer
-    ``logprobs``."""
-    if hasattr(request, "top_logprobs"):  # chat, or a Responses request read as chat
-        top = request.top_logprobs
-        if top is not None and not 0 <= top <= 20:
-            raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
-        if request.logprobs is None or request.logprobs is False:
-            if top:
-                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-            return None
-        if request.logprobs is not True:
-            raise RequestError("logprobs must be true or false", param="logprobs")
-        return top or 0
-    value = request.logprobs
-    if value is None or value is False:
-        return None
-    if isinstance(value, bool) or not 0 <= value <= 5:
-        raise RequestError("logprobs must be an integer from 0 to 5", param="logprobs")
-    return int(value)
 
 
 def logprobs_body(done: kvrt.Completion, *, chat: bool) -> dict[str, Any] | None:
@@ -409,37 +365,6 @@ def as_legacy(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def logit_bias(request: Any) -> dict[int, float] | None:
-    """``logit_bias`` (token ids as strings, as JSON has them) with int keys, or None."""
-    given = getattr(request, "logit_bias", None)
-    if not given:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in given.items():
-        if not key.isdigit() or len(key) > 10:
-            raise RequestError(
-                f"logit_bias keys are token ids (decimal integers), got {key[:40]!r}",
-                param="logit_bias",
-            )
-        bias[int(key)] = value
-    return bias
-
-
-def max_tokens(request: Any, *, default: int, limit: int) -> int:
-    given = getattr(request, "max_completion_tokens", None)
-    name = "max_completion_tokens"
-    if given is None:
-        given, name = request.max_tokens, "max_tokens"
-    if given is None:
-        return min(default, limit)
-    if not 1 <= given <= limit:
-        raise RequestError(
-            f"{name} must be between 1 and {limit} (the session's planner context), got {given}",
-            param=name,
-        )
-    return int(given)
-
-
 def usage(done: kvrt.Completion) -> dict[str, Any]:
     """OpenAI's usage object, with kvrt's breakdown under ``kvrt``: where each prompt
     token's KV came from (``reused``, ``restored``, ``prefilled``, ``approximate`` and
@@ -580,3 +505,54 @@ def chunk(
     if legacy:
         as_legacy(body)
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def read_chat(body: bytes, limits: Limits) -> Call:
+    """``POST /v1/chat/completions``'s body as the ``session.chat`` call it asks for, every
+    part checked (its grammars compiled), or a :class:`RequestError` naming what is
+    wrong."""
+    check_schema_bytes(body, limits.max_grammar_bytes)
+    req = read(body, ChatRequest)
+    limits.check_model(req.model)
+    legacy = legacy_functions(req)
+    try:
+        messages = tuple(kvrt.read_messages(legacy_messages(req.messages)))
+    except kvrt.KvrtError as exc:
+        raise refused(exc, default="messages") from None
+    check_tool_turns(messages)
+    options = sampling_options(req, limits)
+    options.update(
+        tool_options(
+            req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format, limits
+        )
+    )
+    return Call(
+        method="chat",
+        messages=messages,
+        options=options,
+        stream=req.stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        cache_salt=req.cache_salt,
+        legacy_functions=legacy,
+    )
+
+
+def read_completion(body: bytes, limits: Limits) -> Call:
+    """``POST /v1/completions``'s body as the ``session.complete`` call it asks for."""
+    req = read(body, CompletionRequest)
+    limits.check_model(req.model)
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise RequestError("prompt must be one string", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise RequestError("prompt is empty", param="prompt")
+    return Call(
+        method="complete",
+        prompt=prompt,
+        options=sampling_options(req, limits, default=16),
+        stream=req.stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        cache_salt=req.cache_salt,
+    )

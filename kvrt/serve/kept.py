@@ -1,20 +1,9 @@
-"""The Conversations API (``/v1/conversations`` and its items) and the Responses API's
-``conversation`` field: a conversation is a list of items the server keeps for its tenant,
-and a response created in one reads them before its own input, then adds its input and
-output to them. The KV of what a conversation holds is where every prompt's KV is: in a
-session of the pool, else in the cold tiers (RAM, disk, Redis), so a conversation picked
-up again computes only what is new to it.
-
-Items are kept typed and in one canonical form (messages with text parts,
-``function_call``, ``function_call_output``), each with an id; metadata as OpenAI bounds
-it (16 keys of at most 64 characters, values of at most 512). They live in the server's
-state store (:mod:`kvrt.serve.state`: SQLite, or the replicas' shared server), bounded
-per tenant, read and written off the event loop.
-"""
+"""The routes over the server's state store: kept responses read back, listed and
+deleted, and the Conversations API; and the lookups a response makes of what it
+continues. The translation is :mod:`kvrt.serve.protocol`; the store :mod:`kvrt.serve.state`."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,129 +13,100 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import kvrt
-
-from .openai import RequestError
+from .protocol import RequestError
+from .protocol.conversations import ID, body, canonical_items, metadata, not_kept
+from .protocol.responses import input_items, new_id, page
 from .reading import listing, read_json, tenant_of
-from .responses import message_items, new_id, page, to_messages
-from .state import ConversationHead, StateError, StateStore, refusal
-
-ID = re.compile(r"conv_[0-9a-f]{32}")
-"""What a conversation id looks like (anything else is a 404 before any file is
-touched)."""
+from .state import ConversationHead, KeptResponse, StateError, StateStore, refusal
 
 __all__ = [
-    "Routes",
+    "ConversationRoutes",
+    "ResponseRoutes",
     "add",
-    "body",
-    "canonical_items",
-    "conversation_id",
-    "head_of",
     "items_in",
-    "items_of",
-    "messages",
-    "metadata",
-    "not_kept",
-    "output_items",
+    "kept_response",
+    "response_not_kept",
 ]
 
 
-def metadata(value: Any, where: str = "metadata") -> dict[str, str]:
-    """Metadata as OpenAI bounds it, or a 400 naming what is wrong."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > 16:
-        raise RequestError(f"{where} must be an object of at most 16 keys", param=where)
-    for key, text in value.items():
-        if not isinstance(text, str) or len(key) > 64 or len(text) > 512:
-            raise RequestError(
-                f"{where} keys are at most 64 characters and values strings of at most 512",
-                param=where,
-            )
-    return dict(value)
+class ResponseRoutes:
+    """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
+    (the server's, which counts it)."""
 
+    def __init__(
+        self,
+        store: Callable[[], Awaitable[StateStore]],
+        error: Callable[[RequestError], Response],
+    ) -> None:
+        self.state, self.error = store, error
 
-def canonical_items(items: Any, where: str = "items") -> list[dict[str, Any]]:
-    """Input items (as the Responses API takes them) checked and written in the one form
-    a conversation keeps, each with a fresh id."""
-    if not isinstance(items, list):
-        raise RequestError(f"{where} must be a list of items", param=where)
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        at = f"{where}[{i}]"
+    async def one(self, request: Request) -> Response:
+        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
+        rid, tenant = request.path_params["rid"], tenant_of(request)
         try:
-            read = to_messages([item])
+            store = await self.state()
+            if request.method == "DELETE":
+                if not await store.forget_response(tenant, rid):
+                    raise response_not_kept(rid)
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+            found = await kept_response(store, tenant, rid)
         except RequestError as exc:
-            raise RequestError(
-                str(exc).replace("input[0]", at), param=(exc.param or "").replace("input[0]", at)
-            ) from None
-        for message in read:
-            out.extend(items_of(message))
-    return out
+            return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))
+        return Response(found.body, media_type="application/json")
 
-
-def items_of(message: kvrt.Message) -> list[dict[str, Any]]:
-    """A kept message as conversation items, with fresh ids."""
-    return message_items(message, new_id)
-
-
-def output_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as a conversation keeps them (their ids kept)."""
-    found: list[dict[str, Any]] = []
-    for item in output:
-        if item["type"] == "message":
-            text = "".join(p.get("text", "") for p in item.get("content", ()))
-            found.append(
-                {
-                    "type": "message",
-                    "id": item["id"],
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": text}],
-                    "status": "completed",
-                }
+    async def inputs(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
+        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
+        ``after`` an item id)."""
+        rid, query = request.path_params["rid"], request.query_params
+        try:
+            store = await self.state()
+            limit, order = listing(request, default_order="desc")
+            found = await kept_response(store, tenant_of(request), rid)
+            start, end = found.inputs
+            listed = page(
+                input_items(rid, found.messages[start:end]),
+                limit=limit,
+                order=order,
+                after=query.get("after"),
             )
-        elif item["type"] == "function_call":
-            keys = ("type", "id", "call_id", "name", "arguments", "status")
-            found.append({k: item[k] for k in keys})
-    return found
+        except RequestError as exc:
+            return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))
+        return JSONResponse(listed)
 
 
-def as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """A kept item as a request's input item (what ``to_messages`` reads)."""
-    return {k: v for k, v in item.items() if k not in ("id", "status")}
-
-
-def conversation_id(value: Any) -> str | None:
-    """The Responses API's ``conversation``: an id, or ``{"id": ...}``."""
-    if value is None:
-        return None
-    if isinstance(value, dict) and set(value) == {"id"}:
-        value = value["id"]
-    if not isinstance(value, str) or not value:
-        raise RequestError(
-            'conversation must be a conversation id or {"id": ...}', param="conversation"
+def response_not_kept(rid: str, param: str | None = None) -> RequestError:
+    """The 404 of a response that is not kept (unknown, expired, deleted, another
+    tenant's, or stored with ``store: false``)."""
+    if param == "previous_response_id":
+        return RequestError(
+            f"previous response {rid!r} is not kept (unknown, expired, or stored with "
+            "store: false)",
+            status=404,
+            param=param,
+            code="previous_response_not_found",
         )
-    return value
-
-
-def body(cid: str, head: ConversationHead) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "conversation",
-        "created_at": head.created_at,
-        "metadata": head.metadata,
-    }
-
-
-def not_kept(cid: str, param: str | None = None) -> RequestError:
-    """The 404 of a conversation that is not kept (unknown, deleted, expired, another
-    tenant's)."""
     return RequestError(
-        f"conversation {cid!r} is not kept (unknown, deleted, or expired)",
+        f"response {rid!r} is not kept (unknown, expired, deleted, or stored with store: false)",
         status=404,
         param=param,
-        code="conversation_not_found",
+        code="response_not_found",
     )
+
+
+async def kept_response(
+    store: StateStore, tenant: str | None, rid: str, param: str | None = None
+) -> KeptResponse:
+    """The kept response ``rid``, or the 404 :func:`response_not_kept` says (a damaged one is a
+    :class:`StateError`)."""
+    found = await store.response(tenant, rid)
+    if found is None:
+        raise response_not_kept(rid, param)
+    return found
 
 
 async def head_of(
@@ -175,19 +135,13 @@ async def add(store: StateStore, tenant: str | None, cid: str, items: list[dict[
         raise not_kept(cid, "conversation")
 
 
-def messages(items: list[dict[str, Any]]) -> list[kvrt.Message]:
-    """What a conversation holds, as the messages a response's context begins with (in
-    a worker thread: a conversation may be large)."""
-    return to_messages([as_input(item) for item in items]) if items else []
-
-
 async def json_response(content: Any) -> Response:
     """``content`` as a JSON response, encoded in a worker thread (items may be large)."""
     encoded = await anyio.to_thread.run_sync(msgspec.json.encode, content)
     return Response(encoded, media_type="application/json")
 
 
-class Routes:
+class ConversationRoutes:
     """The Conversations API's routes over a state store; ``error`` makes a refusal's
     response (the server's, which counts it)."""
 
@@ -219,7 +173,7 @@ class Routes:
             head = ConversationHead(int(time.time()), metadata(sent.get("metadata")))
             cid = new_id("conv")
             await store.create_conversation(tenant_of(request), cid, head, items)
-            return JSONResponse(body(cid, head))
+            return JSONResponse(body(cid, head.created_at, head.metadata))
 
         return await self._answer(work)
 
@@ -238,7 +192,8 @@ class Routes:
                 meta = metadata(sent.get("metadata"))
                 if not ID.fullmatch(cid) or not await store.set_metadata(tenant, cid, meta):
                     raise not_kept(cid)
-            return JSONResponse(body(cid, await head_of(store, tenant, cid)))
+            head = await head_of(store, tenant, cid)
+            return JSONResponse(body(cid, head.created_at, head.metadata))
 
         return await self._answer(work)
 
@@ -299,7 +254,8 @@ class Routes:
                     raise not_kept(cid)
                 if not removed:
                     raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
-                return JSONResponse(body(cid, await head_of(store, tenant, cid)))
+                head = await head_of(store, tenant, cid)
+                return JSONResponse(body(cid, head.created_at, head.metadata))
             kept = await items_in(store, tenant, cid)
             found = next((i for i in kept if i["id"] == iid), None)
             if found is None:

@@ -1,12 +1,14 @@
-"""The Responses API (``POST /v1/responses``): requests read into chat messages, answers
-built as response objects and as the event stream the OpenAI Agents SDK consumes.
+"""The Responses API (``POST /v1/responses``): a request read into one typed kvrt call
+(:func:`read`, then :func:`responses_call` with what it continues), answers built as
+response objects and as the event stream the OpenAI Agents SDK consumes
+(:class:`ResponseEvents`, fed the reply's pieces). Pure: no server, no event loop.
 
 Input is a string or items: messages (``input_text``/``output_text`` parts),
 ``function_call`` and ``function_call_output``. ``instructions`` come first as a system
 message; ``previous_response_id`` continues a kept response's conversation (the server keeps them
 in its state store, :mod:`kvrt.serve.state`, bounded per tenant; ``store: false`` keeps
 none), and the pool finds the session that holds its KV; ``conversation`` continues a kept conversation
-(:mod:`kvrt.serve.conversations`). Function ``tools``, ``tool_choice``,
+(:mod:`kvrt.serve.protocol.conversations`). Function ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``top_logprobs`` are served; any other
 field that asks for something kvrt does not do is a 400 naming it.
@@ -16,31 +18,28 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 import kvrt
 
-from .openai import MAX_BODY, RequestError, chat_logprob, check_salt, usage
-from .reading import listing, tenant_of
-from .state import KeptResponse, StateError, StateStore, refusal
+from .call import Call, Limits, sampling_options, tool_options
+from .chat import chat_logprob, check_salt, check_schema_bytes, check_tool_turns, usage
+from .errors import MAX_BODY, RequestError, refusal
 
 __all__ = [
-    "KeptRoutes",
+    "ResponseEvents",
     "ResponsesRequest",
-    "events",
     "input_items",
-    "kept_response",
     "message_items",
     "new_id",
-    "not_kept",
+    "output_messages",
     "page",
     "read",
     "response_body",
+    "responses_call",
     "to_messages",
 ]
 
@@ -120,8 +119,9 @@ def read(body: bytes) -> ResponsesRequest:
     return req
 
 
-def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
-    """``text.format`` as a chat ``response_format``."""
+def text_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """``text.format``, in the Responses API's own shape (kvrt reads it as a response
+    format and names its errors ``text.format...``)."""
     if req.text is None:
         return None
     fmt = req.text.get("format")
@@ -130,41 +130,89 @@ def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise RequestError("text.format must be an object", param="text.format")
     kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    if kind == "json_schema":
-        return {
-            "type": "json_schema",
-            "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},
-        }
-    raise RequestError(f"text.format type {kind!r} is not supported", param="text.format")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"text.format type {kind!r} is not supported", param="text.format")
+    return fmt
 
 
-def tools_of(req: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """Function tools in the chat shape; any other kind of tool is refused."""
-    if req.tools is None:
-        return None
-    out = []
-    for i, tool in enumerate(req.tools):
+def function_tools(req: ResponsesRequest) -> list[Any] | None:
+    """The request's tools, each a function tool (any other kind is refused)."""
+    for i, tool in enumerate(req.tools or ()):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise RequestError(
                 f"tools[{i}] of type {kind!r} is not supported: only function tools", param="tools"
             )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        out.append({"type": "function", "function": function})
-    return out
+    return req.tools
 
 
-def tool_choice_of(req: ResponsesRequest) -> Any:
+def _tool_choice(req: ResponsesRequest) -> Any:
     choice = req.tool_choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get("type") != "function":
         raise RequestError(
             f"tool_choice of type {choice.get('type')!r} is not supported", param="tool_choice"
         )
     return choice
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """A Responses request's sampling fields under chat's names."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    logprobs: bool
+    top_logprobs: int | None
+    max_completion_tokens: None = None
+    top_k: None = None
+    seed: None = None
+    stop: None = None
+
+
+def responses_call(
+    req: ResponsesRequest, before: Sequence[kvrt.Message], limits: Limits
+) -> tuple[Call, list[kvrt.Message]]:
+    """The ``session.chat`` call a request asks for, continuing ``before`` (a kept
+    response's or a conversation's messages); with the messages the request itself adds
+    (its input), which a kept response and a conversation keep."""
+    given = to_messages(req.input)
+    head = [kvrt.Message(role="system", content=req.instructions)] if req.instructions else []
+    kept = [*before, *given]
+    messages = tuple(head + kept)
+    if not messages:
+        raise RequestError("input is empty: give at least one item", param="input")
+    check_tool_turns(kept, param="input")
+    wanted = "message.output_text.logprobs" in (req.include or ())
+    sampling = _Sampling(
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        logprobs=req.top_logprobs is not None or wanted,
+        top_logprobs=req.top_logprobs,
+    )
+    options = sampling_options(sampling, limits)
+    options.update(
+        tool_options(
+            function_tools(req),
+            _tool_choice(req),
+            req.parallel_tool_calls,
+            text_format(req),
+            limits,
+            format_param="text.format",
+        )
+    )
+    call = Call(method="chat", messages=messages, options=options, stream=req.stream)
+    call.cache_salt = req.cache_salt
+    return call, given
+
+
+def read_request(body: bytes, limits: Limits) -> ResponsesRequest:
+    """The request, checked as far as it can be before what it continues is read: its
+    schemas' sizes, its fields, its model."""
+    check_schema_bytes(body, limits.max_grammar_bytes, responses_api=True)
+    req = read(body)
+    limits.check_model(req.model)
+    return req
 
 
 _ITEM_KEYS = {
@@ -217,7 +265,7 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def to_messages(items: str | list[Any]) -> list[kvrt.Message]:
+def to_messages(items: str | list[Any], where: str = "input") -> list[kvrt.Message]:
     """Input items as the chat messages kvrt keeps of them, typed: consecutive function
     calls make one assistant message, a function call's output a tool message. An unknown
     key, a non-text part or a wrong type is a 400 naming where (``input[0].output``): what
@@ -225,8 +273,9 @@ def to_messages(items: str | list[Any]) -> list[kvrt.Message]:
     if isinstance(items, str):
         return [kvrt.Message(role="user", content=items)]
     out: list[dict[str, Any]] = []
+    root = where
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{root}[{i}]"
         if not isinstance(item, dict):
             raise RequestError(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
@@ -267,9 +316,9 @@ def to_messages(items: str | list[Any]) -> list[kvrt.Message]:
     if not out:
         return []
     try:
-        return kvrt.read_messages(out)
+        return kvrt.read_messages(out, param=root)
     except kvrt.KvrtError as exc:
-        raise RequestError(str(exc).replace("messages[", "input["), param="input") from None
+        raise refusal(exc, default=root) from None
 
 
 def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
@@ -278,9 +327,6 @@ def output_messages(done: kvrt.Completion) -> list[kvrt.Message]:
         calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
         return [kvrt.Message(role="assistant", content="", tool_calls=calls)]
     return [kvrt.Message(role="assistant", content=done.text)]
-
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def message_items(message: kvrt.Message, id_of: Callable[[str], str]) -> list[dict[str, Any]]:
@@ -323,16 +369,15 @@ def message_items(message: kvrt.Message, id_of: Callable[[str], str]) -> list[di
     return found
 
 
-def input_items(rid: str, stored: KeptResponse) -> list[dict[str, Any]]:
-    """The items its request's ``input`` gave, as the API lists them (ids derived from the
-    response's: ``{rid}_in_{n}``)."""
-    start, end = stored.inputs
+def input_items(rid: str, inputs: Sequence[kvrt.Message]) -> list[dict[str, Any]]:
+    """The items a kept response's request gave as ``inputs``, as the API lists them (ids
+    derived from the response's: ``{rid}_in_{n}``)."""
     n = itertools.count()
 
     def id_of(_: str) -> str:
         return f"{rid}_in_{next(n)}"
 
-    return [item for m in stored.messages[start:end] for item in message_items(m, id_of)]
+    return [item for m in inputs for item in message_items(m, id_of)]
 
 
 def page(
@@ -447,69 +492,77 @@ def response_body(
     return body
 
 
-class Answer(Protocol):
-    """A reply as the streams read it: its pieces, then (awaited) its completion."""
+class ResponseEvents:
+    """The event stream of one response, as the Agents SDK reads it, built from what the
+    server feeds it (the shape of h11: no I/O here): :meth:`start` (created, in
+    progress), :meth:`piece` for each piece of the reply (output items added, deltas),
+    :meth:`finish` with the completion (each item done; the response object), then
+    :meth:`completed` once what the response adds is kept, or :meth:`failed` when it
+    could not be."""
 
-    def __aiter__(self) -> AsyncIterator[kvrt.Piece]: ...
-    def __await__(self) -> Generator[Any, None, kvrt.Completion]: ...
+    def __init__(self, rid: str, model: str, req: ResponsesRequest, created: float) -> None:
+        self.rid, self.model, self.req, self.created = rid, model, req, created
+        self._seq = 0
+        self._ids: dict[str, str] = {}
+        self._index: dict[str, int] = {}
+        self._chosen: list[kvrt.TokenLogprob] = []
 
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **fields}
 
-async def events(
-    reply: Answer,
-    rid: str,
-    model: str,
-    req: ResponsesRequest,
-    created: float,
-    finished: Callable[[kvrt.Completion], None],
-    answered: Callable[[kvrt.Completion, dict[str, Any]], Awaitable[None]] | None = None,
-) -> AsyncIterator[dict[str, Any]]:
-    """The event stream of one response, as the Agents SDK reads it: created, in
-    progress, then per output item added / deltas / done, then completed (``answered`` is
-    handed the completion and the final response object first, and keeps them: what it
-    could not keep ends the stream with ``response.failed`` instead)."""
-    seq = 0
+    def start(self) -> list[dict[str, Any]]:
+        head = response_body(
+            self.rid,
+            self.model,
+            self.req,
+            created=self.created,
+            status="in_progress",
+            output=[],
+            done=None,
+        )
+        return [
+            self._event("response.created", response=head),
+            self._event("response.in_progress", response=head),
+        ]
 
-    def event(kind: str, **fields: Any) -> dict[str, Any]:
-        nonlocal seq
-        seq += 1
-        return {"type": kind, "sequence_number": seq - 1, **fields}
+    def _open_message(self, mid: str) -> list[dict[str, Any]]:
+        self._ids["message"] = mid
+        self._index["message"] = at = len(self._index)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=at,
+                item=_message_item(mid, "", "in_progress", None),
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=mid,
+                output_index=at,
+                content_index=0,
+                part=part,
+            ),
+        ]
 
-    head = response_body(
-        rid, model, req, created=created, status="in_progress", output=[], done=None
-    )
-    yield event("response.created", response=head)
-    yield event("response.in_progress", response=head)
-    ids: dict[str, str] = {}
-    index: dict[str, int] = {}
-    text = ""
-    arguments: dict[str, str] = {}
-    chosen: list[kvrt.TokenLogprob] = []
-    async for piece in reply:
+    def piece(self, piece: kvrt.Piece) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        ids, index = self._ids, self._index
         if piece.text:
             if "message" not in ids:
-                ids["message"] = new_id("msg")
-                index["message"] = len(index)
-                item = _message_item(ids["message"], "", "in_progress", None)
-                yield event("response.output_item.added", output_index=index["message"], item=item)
-                part = {"type": "output_text", "text": "", "annotations": []}
-                yield event(
-                    "response.content_part.added",
+                out += self._open_message(new_id("msg"))
+            logprobs = [chat_logprob(piece.logprob)] if piece.logprob is not None else []
+            if piece.logprob is not None:
+                self._chosen.append(piece.logprob)
+            out.append(
+                self._event(
+                    "response.output_text.delta",
                     item_id=ids["message"],
                     output_index=index["message"],
                     content_index=0,
-                    part=part,
+                    delta=piece.text,
+                    logprobs=logprobs,
                 )
-            text += piece.text
-            logprobs = [chat_logprob(piece.logprob)] if piece.logprob is not None else []
-            if piece.logprob is not None:
-                chosen.append(piece.logprob)
-            yield event(
-                "response.output_text.delta",
-                item_id=ids["message"],
-                output_index=index["message"],
-                content_index=0,
-                delta=piece.text,
-                logprobs=logprobs,
             )
         for delta in piece.tool_calls:
             key = f"call:{delta.index}"
@@ -517,7 +570,6 @@ async def events(
                 ids[key] = new_id("fc")
                 ids[delta.id] = ids[key]
                 index[key] = len(index)
-                arguments[key] = ""
                 item = {
                     "type": "function_call",
                     "id": ids[key],
@@ -526,152 +578,79 @@ async def events(
                     "arguments": "",
                     "status": "in_progress",
                 }
-                yield event("response.output_item.added", output_index=index[key], item=item)
+                out.append(
+                    self._event("response.output_item.added", output_index=index[key], item=item)
+                )
             if delta.arguments:
-                arguments[key] += delta.arguments
-                yield event(
-                    "response.function_call_arguments.delta",
-                    item_id=ids[key],
-                    output_index=index[key],
-                    delta=delta.arguments,
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=ids[key],
+                        output_index=index[key],
+                        delta=delta.arguments,
+                    )
                 )
-    done = await reply
-    finished(done)
-    output = output_items(done, ids)
-    for item in output:
-        if item["type"] == "message":
-            if "message" not in ids:  # no text at all: announce the empty message now
-                index["message"] = len(index)
-                yield event(
-                    "response.output_item.added",
-                    output_index=index["message"],
-                    item=_message_item(item["id"], "", "in_progress", None),
+        return out
+
+    def finish(self, done: kvrt.Completion) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Each output item done, and the response object (to keep, then to announce)."""
+        out: list[dict[str, Any]] = []
+        ids, index = self._ids, self._index
+        output = output_items(done, ids)
+        for item in output:
+            if item["type"] == "message":
+                if "message" not in ids:  # no text at all: announce the empty message now
+                    out += self._open_message(item["id"])
+                at = index["message"]
+                part = item["content"][0]
+                out.append(
+                    self._event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=at,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=_logprobs(done, self._chosen),
+                    )
                 )
-                yield event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index["message"],
-                    content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []},
+                out.append(
+                    self._event(
+                        "response.content_part.done",
+                        item_id=item["id"],
+                        output_index=at,
+                        content_index=0,
+                        part=part,
+                    )
                 )
-            at = index["message"]
-            part = item["content"][0]
-            yield event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=at,
-                content_index=0,
-                text=part["text"],
-                logprobs=_logprobs(done, chosen),
-            )
-            yield event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=at,
-                content_index=0,
-                part=part,
-            )
-            yield event("response.output_item.done", output_index=at, item=item)
-        else:
-            found = [k for k, v in ids.items() if v == item["id"] and k.startswith("call:")]
-            at = index[found[0]] if found else len(index)
-            yield event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=at,
-                arguments=item["arguments"],
-            )
-            yield event("response.output_item.done", output_index=at, item=item)
-    body = response_body(
-        rid, model, req, created=created, status="completed", output=output, done=done
-    )
-    if answered is not None:
-        try:
-            await answered(done, body)
-        except StateError as exc:
-            error = {"code": f"state_{exc.kind}", "message": str(exc)}
-            yield event("response.failed", response={**body, "status": "failed", "error": error})
-            return
-    yield event(
-        "response.completed" if body["status"] == "completed" else "response.incomplete",
-        response=body,
-    )
-
-
-class KeptRoutes:
-    """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
-    (the server's, which counts it)."""
-
-    def __init__(
-        self,
-        store: Callable[[], Awaitable[StateStore]],
-        error: Callable[[RequestError], Response],
-    ) -> None:
-        self.state, self.error = store, error
-
-    async def one(self, request: Request) -> Response:
-        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
-        rid, tenant = request.path_params["rid"], tenant_of(request)
-        try:
-            store = await self.state()
-            if request.method == "DELETE":
-                if not await store.forget_response(tenant, rid):
-                    raise not_kept(rid)
-                return JSONResponse({"id": rid, "object": "response", "deleted": True})
-            found = await kept_response(store, tenant, rid)
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return Response(found.body, media_type="application/json")
-
-    async def inputs(self, request: Request) -> Response:
-        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
-        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
-        ``after`` an item id)."""
-        rid, query = request.path_params["rid"], request.query_params
-        try:
-            store = await self.state()
-            limit, order = listing(request, default_order="desc")
-            found = await kept_response(store, tenant_of(request), rid)
-            listed = page(
-                input_items(rid, found),
-                limit=limit,
-                order=order,
-                after=query.get("after"),
-            )
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return JSONResponse(listed)
-
-
-def not_kept(rid: str, param: str | None = None) -> RequestError:
-    """The 404 of a response that is not kept (unknown, expired, deleted, another
-    tenant's, or stored with ``store: false``)."""
-    if param == "previous_response_id":
-        return RequestError(
-            f"previous response {rid!r} is not kept (unknown, expired, or stored with "
-            "store: false)",
-            status=404,
-            param=param,
-            code="previous_response_not_found",
+                out.append(self._event("response.output_item.done", output_index=at, item=item))
+            else:
+                found = [k for k, v in ids.items() if v == item["id"] and k.startswith("call:")]
+                at = index[found[0]] if found else len(index)
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=at,
+                        arguments=item["arguments"],
+                    )
+                )
+                out.append(self._event("response.output_item.done", output_index=at, item=item))
+        body = response_body(
+            self.rid,
+            self.model,
+            self.req,
+            created=self.created,
+            status="completed",
+            output=output,
+            done=done,
         )
-    return RequestError(
-        f"response {rid!r} is not kept (unknown, expired, deleted, or stored with store: false)",
-        status=404,
-        param=param,
-        code="response_not_found",
-    )
+        return out, body
 
+    def completed(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return self._event(kind, response=body)
 
-async def kept_response(
-    store: StateStore, tenant: str | None, rid: str, param: str | None = None
-) -> KeptResponse:
-    """The kept response ``rid``, or the 404 :func:`not_kept` says (a damaged one is a
-    :class:`StateError`)."""
-    found = await store.response(tenant, rid)
-    if found is None:
-        raise not_kept(rid, param)
-    return found
+    def failed(self, body: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+        """The stream's end when what the response adds could not be kept."""
+        error = {"code": code, "message": message}
+        return self._event("response.failed", response={**body, "status": "failed", "error": error})
