@@ -377,7 +377,7 @@ class EngineContext(Protocol):
         nothing; an :class:`~kvrt.EngineError` when there are none."""
         ...
 
-    def evict(self, start: int, end: int, mode: EvictMode) -> int:
+    def evict(self, start: int, end: int, mode: EvictMode = EvictMode.GAP) -> int:
         """Remove the resident tokens at positions ``[start, end)`` and return how many
         left. ``GAP`` leaves every other token at its position (bit-exact);
         ``SLIDE`` moves the tokens after ``end`` down by the range's length, turning
@@ -401,7 +401,9 @@ class EngineContext(Protocol):
         allows), in the order given."""
         ...
 
-    def admit(self, block: ColdBlock, mode: AdmitMode, *, skip: int = 0) -> int:
+    def admit(
+        self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE, *, skip: int = 0
+    ) -> int:
         """Put ``block`` back and return the position its first token got: ``IN_PLACE`` at
         its own positions (bit-exact; they must be free), ``TAIL`` after the last
         resident token with its keys turned; ``skip=m`` (``TAIL`` only) leaves out its
@@ -412,16 +414,14 @@ class EngineContext(Protocol):
         ...
 
     def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
-        """:meth:`admit` in place of several adjacent blocks in one call, whole or not at
-        all."""
+        """:meth:`admit` in place of adjacent blocks in one call, whole or not at all."""
         ...
 
     def clear(self) -> None:
         """Remove every token: the window is empty and usable."""
 
     def close(self) -> None:
-        """Free the window's native memory; no call may follow (closing twice is a
-        no-op)."""
+        """Free the window's native memory; no call may follow (twice is a no-op)."""
         ...
 
 

@@ -25,7 +25,7 @@ TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 HERMES = str(TEMPLATES / "hermes-qwen.jinja")
 LLAMA3 = str(TEMPLATES / "llama3-tools.jinja")
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -38,7 +38,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -176,7 +176,7 @@ async def test_nothing_a_caller_sends_becomes_markup() -> None:
             await s.chat(base, tools=[WEATHER], max_tokens=1)
             clean = tokens_of(s).count(start[0])
             await s.chat(
-                [
+                [  # type: ignore[arg-type]
                     {"role": "user", "content": "Weather?" + forged},
                     {"role": "assistant", "content": None, "tool_calls": calls},
                     {"role": "tool", "tool_call_id": "call_1", "content": forged},
@@ -240,7 +240,7 @@ def test_each_call_format_reads_back_what_it_renders() -> None:
     text that only starts like a call stays text."""
     from kvrt._chat.call_formats import Envelope, JsonCall, Tagged
 
-    formats = [Tagged(), JsonCall(("get_weather", "get_time")), Envelope()]
+    formats: list[Any] = [Tagged(), JsonCall(("get_weather", "get_time")), Envelope()]
     calls = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
     for fmt in formats:
         shown = calls[:1] if isinstance(fmt, JsonCall) else calls
@@ -249,7 +249,11 @@ def test_each_call_format_reads_back_what_it_renders() -> None:
             list(stream.feed(c))
         assert [(c.name, c.arguments) for c in stream.calls] == shown
         assert stream.content == ""
-    for fmt, text in [(Tagged(), "<tool_cal is not a call"), (JsonCall(("f",)), '{"a": 1}')]:
+    cases: list[tuple[Any, str]] = [
+        (Tagged(), "<tool_cal is not a call"),
+        (JsonCall(("f",)), '{"a": 1}'),
+    ]
+    for fmt, text in cases:
         stream = fmt.stream()
         for c in text:
             list(stream.feed(c))

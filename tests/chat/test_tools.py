@@ -204,7 +204,7 @@ def test_what_the_grammar_cannot_enforce_is_refused_naming_it() -> None:
         kvrt.read_response_format({"type": "xml"})
 
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -217,7 +217,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -499,7 +499,7 @@ async def test_nested_schemas_work_as_tool_parameters(anyio_backend: str) -> Non
         else:
             jsonschema.validate(json.loads(done.text), order)
     # The templates' own call formats compile them too.
-    read = kvrt._chat.tools.read_tools(tools)
+    read = kvrt.read_tools(tools)
     for format_ in (Tagged(), JsonCall(names=("add_person", "place_order"))):
         grammar = format_.grammar(read, "auto", parallel=True, response_schema=order)
         assert grammar is not None
@@ -616,7 +616,7 @@ async def test_a_turn_without_tools_answers_in_text_after_calls(anyio_backend: s
         "type": "function",
         "function": {"name": "transfer_to_weather_agent", "arguments": "{}"},
     }
-    messages = [
+    messages: list[Any] = [
         {"role": "system", "content": "You are a helpful weather agent."},
         {"role": "user", "content": "What is the weather like in Paris today?"},
         {"role": "assistant", "content": None, "tool_calls": [call]},

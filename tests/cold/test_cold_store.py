@@ -120,7 +120,7 @@ def test_pinned_entries_are_never_dropped(budget: int, steps: list[tuple[int, bo
             held: list[ColdKey] = []
             for i, (size, pin) in enumerate(steps):
                 e = entry(i, size)
-                free = budget - sum(store.peek(k).n_bytes for k in held)  # type: ignore[union-attr]
+                free = budget - sum(_peeked(store, k).n_bytes for k in held)
                 try:
                     ok = await store.put(e, wait=0.0)
                 except ColdStoreFullError:
@@ -181,3 +181,9 @@ async def test_similar_finds_the_same_tokens_after_another_prefix() -> None:
         assert store.stats().approximate_hits == 1
 
     await with_store(100, body)
+
+
+def _peeked(store: ColdStore, key: ColdKey) -> ColdEntry:
+    found = store.peek(key)
+    assert found is not None
+    return found

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.native_bridge.llama import BridgeArgumentError, BridgeCallError, LlamaContext, LlamaModel
+from kvrt.native_bridge import BridgeArgumentError, BridgeCallError
+from kvrt.native_bridge.llama import LlamaContext, LlamaModel
 from tests.support.models import tiny, zoo_path
 
 HYBRIDS = ["granitehybrid", "lfm2", "mamba2"]

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -26,6 +27,7 @@ from kvrt import (
     embedded_model_path,
 )
 from kvrt.adapters.llama import LlamaEngine
+from kvrt.backend import EngineContext, EvictMode
 from tests.support.text import STORY
 
 
@@ -48,14 +50,14 @@ def ctx(engine: LlamaEngine) -> Iterator[object]:
         (True, 3, r"start must be an integer position, got True"),
     ],
 )
-def test_ranges_out_of_bounds(ctx, start: object, end: object, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_ranges_out_of_bounds(ctx: EngineContext, start: Any, end: Any, message: str) -> None:
     with pytest.raises(InvalidRangeError, match=message):
-        ctx.evict(start, end)
+        ctx.evict(start, end, EvictMode.GAP)
     with pytest.raises(InvalidRangeError, match=message):
         ctx.export(start, end)
 
 
-def test_range_over_a_gap(ctx) -> None:  # type: ignore[no-untyped-def]
+def test_range_over_a_gap(ctx: EngineContext) -> None:
     ctx.evict(10, 20)
     with pytest.raises(InvalidRangeError, match=r"range \[10, 20\) holds no resident tokens"):
         ctx.evict(10, 20)
@@ -63,13 +65,13 @@ def test_range_over_a_gap(ctx) -> None:  # type: ignore[no-untyped-def]
         ctx.export(5, 25)
 
 
-def test_admit_in_place_over_resident_tokens(ctx) -> None:  # type: ignore[no-untyped-def]
+def test_admit_in_place_over_resident_tokens(ctx: EngineContext) -> None:
     block = ctx.export(10, 20)
     with pytest.raises(InvalidRangeError, match=r"positions \[10, 20\) are partly resident"):
         ctx.admit(block, AdmitMode.IN_PLACE)
 
 
-def test_token_ids_outside_vocabulary(engine: LlamaEngine, ctx) -> None:  # type: ignore[no-untyped-def]
+def test_token_ids_outside_vocabulary(engine: LlamaEngine, ctx: EngineContext) -> None:
     n_vocab = engine.facts.n_vocab
     for bad in (n_vocab, -1, 10**9):
         with pytest.raises(
@@ -81,7 +83,7 @@ def test_token_ids_outside_vocabulary(engine: LlamaEngine, ctx) -> None:  # type
         with pytest.raises(InvalidTokenError):
             ctx.step(bad)
     with pytest.raises(InvalidTokenError, match="token ids must be integers"):
-        ctx.prefill(["hello"])
+        ctx.prefill(["hello"])  # type: ignore[list-item]
     with pytest.raises(InvalidTokenError, match="nothing to prefill"):
         ctx.prefill([])
 
@@ -128,7 +130,9 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaEngin
     eng.close()
 
 
-def test_cold_bytes_from_another_model(engine: LlamaEngine, other_model: LlamaEngine, ctx) -> None:  # type: ignore[no-untyped-def]
+def test_cold_bytes_from_another_model(
+    engine: LlamaEngine, other_model: LlamaEngine, ctx: EngineContext
+) -> None:
     assert other_model.facts.fingerprint != engine.facts.fingerprint
     foreign = other_model.open_context(256)
     foreign.prefill(engine.tokenize(STORY))
@@ -143,8 +147,8 @@ def test_cold_bytes_from_another_model(engine: LlamaEngine, other_model: LlamaEn
 
 
 def test_cold_bytes_from_another_kv_layout(
-    engine: LlamaEngine, engine_q8: LlamaEngine, ctx
-) -> None:  # type: ignore[no-untyped-def]
+    engine: LlamaEngine, engine_q8: LlamaEngine, ctx: EngineContext
+) -> None:
     q8 = engine_q8.open_context(256)
     q8.prefill(engine.tokenize(STORY))
     block = q8.export(0, 20)
@@ -168,7 +172,7 @@ def test_cold_bytes_from_another_kv_layout(
     ctx.admit(good)
 
 
-def test_cold_bytes_with_lying_metadata(engine: LlamaEngine, ctx) -> None:  # type: ignore[no-untyped-def]
+def test_cold_bytes_with_lying_metadata(engine: LlamaEngine, ctx: EngineContext) -> None:
     block = ctx.export(0, 20)
     ctx.evict(0, 20)
     moved = ColdBlock(meta=msgspec.structs.replace(block.meta, start=30), data=block.data)

@@ -125,14 +125,14 @@ def test_generate_any_argument(harness: Harness, field: str, value: object) -> N
     if field == "max_tokens":
         harness.call(lambda: s.generate(value))  # type: ignore[arg-type]
     else:
-        harness.call(lambda: s.generate(4, **{field: value}))
+        harness.call(lambda: s.generate(4, **{field: value}))  # type: ignore[arg-type]
 
 
 @fuzz
 @given(field=st.sampled_from(["temperature", "top_k", "top_p", "seed"]), value=junk)
 def test_sampling_any_field(harness: Harness, field: str, value: object) -> None:
     s = harness.session
-    harness.call(lambda: s.generate(3, sampling=kvrt.SamplingParams(**{field: value})))
+    harness.call(lambda: s.generate(3, sampling=kvrt.SamplingParams(**{field: value})))  # type: ignore[arg-type]
 
 
 @fuzz

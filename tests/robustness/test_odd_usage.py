@@ -118,7 +118,7 @@ async def test_a_bad_argument_never_reaches_other_sessions(backend: str) -> None
             {"seed": "x"},
         ):
             with pytest.raises(kvrt.InvalidArgumentError, match=f"sampling.{next(iter(bad))}"):
-                s.generate(4, sampling=bad)  # type: ignore[arg-type]
+                s.generate(4, sampling=bad)
         with pytest.raises(kvrt.ArgumentTypeError, match="max_tokens must be an integer"):
             s.generate("5")  # type: ignore[arg-type]
         with pytest.raises(kvrt.InvalidArgumentError, match=r"buffer must be in \[1, 4096\]"):

@@ -73,7 +73,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
-WEATHER = {
+WEATHER: Any = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -86,7 +86,7 @@ WEATHER = {
         },
     },
 }
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 class Person(BaseModel):
@@ -110,17 +110,18 @@ def test_a_key_is_required_on_every_route_but_health(served: Served) -> None:
 
 def test_the_openai_client_gets_tools_structured_output_and_logprobs(served: Served) -> None:
     c, model = served.client(), served.model
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    choices: list[Any] = ["required", {"type": "function", "function": {"name": "get_weather"}}]
+    for picked in choices:
         r = c.chat.completions.create(
             model=model,
             messages=ASK,
             tools=[WEATHER],
-            tool_choice=choice,
+            tool_choice=picked,
             max_tokens=64,
             temperature=0,
         )
         assert r.choices[0].finish_reason == "tool_calls"
-        calls = r.choices[0].message.tool_calls or []
+        calls: list[Any] = list(r.choices[0].message.tool_calls or [])
         assert calls and all(call.function.name == "get_weather" for call in calls)
         assert all(isinstance(json.loads(call.function.arguments)["city"], str) for call in calls)
     single = c.chat.completions.create(
@@ -143,7 +144,8 @@ def test_the_openai_client_gets_tools_structured_output_and_logprobs(served: Ser
         for d in choice.delta.tool_calls or []:
             entry = assembled.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
             if d.id:
-                entry["id"], entry["name"] = d.id, d.function.name if d.function else ""
+                entry["id"] = d.id
+                entry["name"] = (d.function.name if d.function else None) or ""
             if d.function and d.function.arguments:
                 entry["arguments"] += d.function.arguments
     assert finish == "tool_calls" and assembled
@@ -172,7 +174,7 @@ def test_the_openai_client_gets_tools_structured_output_and_logprobs(served: Ser
 
 def test_the_responses_api_streamed_and_not(served: Served) -> None:
     c, model = served.client(), served.model
-    tool = {"type": "function", **WEATHER["function"]}
+    tool: Any = {"type": "function", **WEATHER["function"]}
     first = c.responses.create(
         model=model,
         input="Say hello.",
@@ -387,7 +389,7 @@ def test_langchain_tools_structured_output_and_a_langgraph_agent(served: Served)
             base_url=f"{served.url}/v1",
             api_key=KEY,  # type: ignore[arg-type]
             model=served.model,
-            max_tokens=96,
+            max_tokens=96,  # type: ignore[call-arg]
             temperature=0,
         )
 

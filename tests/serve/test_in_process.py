@@ -56,11 +56,11 @@ async def test_streams_arrive_as_they_are_made_and_a_closed_one_frees_its_sessio
             )
         assert again.choices[0].message.content
         root = str(client.base_url).removesuffix("/").removesuffix("/v1")
-        metrics = await client.get(f"{root}/metrics", cast_to=str)  # type: ignore[arg-type]
+        metrics = await client.get(f"{root}/metrics", cast_to=str)
         assert 'kvrt_clients_gone_total{when="answer"} 1' in str(metrics)
         for bad in ((None,), (rt, "a config")):
             with pytest.raises(kvrt.ArgumentTypeError):
-                async with kvrt.serve.openai_client(*bad):  # type: ignore[arg-type]
+                async with kvrt.serve.openai_client(*bad):
                     pass
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -40,9 +40,9 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
                 include=["message.output_text.logprobs"],
             )
         )
-        part = first.output[0].content[0]
-        assert part.logprobs and len(part.logprobs) == first.usage.output_tokens
-        kvrt_usage = first.usage.model_extra["kvrt"]
+        part: Any = cast(Any, first.output[0]).content[0]
+        assert part.logprobs and len(part.logprobs) == cast(Any, first.usage).output_tokens
+        kvrt_usage = cast(Any, first.usage).model_extra["kvrt"]
         assert kvrt_usage["prefilled_tokens"] + kvrt_usage["reused_tokens"] > 0
         second = await in_thread(
             lambda: c.responses.create(
@@ -56,7 +56,9 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
         again = await in_thread(c.responses.retrieve, second.id)
         assert again.id == second.id and again.output_text == second.output_text
         items = await in_thread(lambda: c.responses.input_items.list(second.id, order="asc"))
-        assert [i.content[0].text for i in items.data] == ["And goodbye."]  # its own input
+        assert [cast(Any, i).content[0].text for i in items.data] == [
+            "And goodbye."
+        ]  # its own input
         listed = await in_thread(lambda: c.responses.input_items.list(first.id, limit=1))
         assert len(listed.data) == 1 and not listed.has_more
         await in_thread(c.responses.delete, first.id)
@@ -252,11 +254,11 @@ async def test_conversations_keep_items_and_responses_continue_them(anyio_backen
                 conv.id, items=[{"type": "message", "role": "user", "content": "Thanks."}]
             )
         )
-        (note,) = added.data
+        (note,) = cast(Any, added).data
         got = await in_thread(
             lambda: c.conversations.items.retrieve(note.id, conversation_id=conv.id)
         )
-        assert got.content[0].text == "Thanks."
+        assert cast(Any, got).content[0].text == "Thanks."
         await in_thread(lambda: c.conversations.items.delete(note.id, conversation_id=conv.id))
         assert len((await in_thread(lambda: c.conversations.items.list(conv.id))).data) == 5
         updated = await in_thread(lambda: c.conversations.update(conv.id, metadata={"a": "b"}))
@@ -275,7 +277,9 @@ async def test_conversations_keep_items_and_responses_continue_them(anyio_backen
             await in_thread(ask, "Still there?")
         with pytest.raises(openai.BadRequestError) as bad:
             await in_thread(
-                lambda: c.conversations.create(items=[{"type": "message", "role": "pirate"}])
+                lambda: c.conversations.create(
+                    items=[cast(Any, {"type": "message", "role": "pirate"})]
+                )
             )
         assert bad.value.body["param"].startswith("items[0]")  # type: ignore[index]
 
@@ -310,7 +314,7 @@ async def test_a_conversation_outlives_a_restart_with_its_kv(
                 model=model, input="Another one.", conversation=conv.id, max_output_tokens=4
             )
         )
-        kvrt_usage = again.usage.model_extra["kvrt"]
+        kvrt_usage = cast(Any, again.usage).model_extra["kvrt"]
         assert kvrt_usage["restored_tokens"] >= 128, kvrt_usage  # its blocks, from disk
         for bad in ("..%2F..%2Fetc%2Fpasswd", "conv_" + "0" * 32):
             with pytest.raises(openai.NotFoundError):

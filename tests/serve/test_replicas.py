@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -146,11 +146,11 @@ def chat_turns(urls: list[str]) -> list[tuple[str, list[Any], bool]]:
             base_url=f"{url}/v1", api_key="-", max_retries=0
         ).chat.completions.create(
             model="smollm2",
-            messages=messages,
+            messages=cast(Any, messages),
             max_tokens=8,
             temperature=0,
             logprobs=True,
-            top_logprobs=3,  # type: ignore[arg-type]
+            top_logprobs=3,
         )
         choice = done.choices[0]
         assert choice.logprobs is not None and choice.logprobs.content is not None
@@ -191,7 +191,7 @@ def response_turns(urls: list[str], how: str) -> list[tuple[str, list[Any], bool
             **extra,
         )
         previous = done.id
-        part = done.output[0].content[0]  # type: ignore[union-attr]
+        part = done.output[0].content[0]
         probs = [
             (t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in part.logprobs or []
         ]

@@ -54,7 +54,7 @@ async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
         conv = await in_thread(
             lambda: c.conversations.create(items=[{"role": "user", "content": "Hello."}])
         )
-        big = [{"role": "user", "content": "x" * 5000}]
+        big: Any = [{"role": "user", "content": "x" * 5000}]
         with pytest.raises(openai.APIStatusError) as full:
             await in_thread(lambda: c.conversations.items.create(conv.id, items=big))
         assert full.value.status_code == 507 and "4,000" in full.value.message
@@ -107,7 +107,7 @@ async def test_a_20_mb_conversation_read_leaves_health_fast(
     async with server(state_path=str(tmp_path / "state.sqlite3")) as (_, url):
         c = client(url)
         conv = await in_thread(lambda: c.conversations.create(items=[]))
-        part = [{"role": "user", "content": "y" * 1_000_000} for _ in range(5)]
+        part: Any = [{"role": "user", "content": "y" * 1_000_000} for _ in range(5)]
         for _ in range(4):  # 20 MB in four requests
             await in_thread(lambda: c.conversations.items.create(conv.id, items=part))
         stop, seen = threading.Event(), list[float]()

@@ -78,7 +78,7 @@ def _check(session: kvrt.Session) -> None:
 
 
 def _first_and_last(points: list[str]) -> list[int]:
-    picks = set()
+    picks: set[int] = set()
     for label in set(points):
         where = [i for i, p in enumerate(points) if p == label]
         picks.update((where[0], where[-1]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any, cast
 
 import anyio
 import msgspec
@@ -49,7 +50,7 @@ def fresh(
     ctx = engine.open_context(len(tokens) + n + 8)
     try:
         logits = ctx.prefill(tokens).copy()
-        return logits, ctx.generate(n, stop_at_end=False)
+        return logits, cast(Any, ctx).generate(n, stop_at_end=False)
     finally:
         ctx.close()
 

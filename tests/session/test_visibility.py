@@ -19,7 +19,11 @@ pytestmark = pytest.mark.anyio
 
 def context() -> list[Segment]:
     return [
-        Segment("system", "You answer questions about the notes.", cache_class="task_pinned"),
+        Segment(
+            "system",
+            "You answer questions about the notes.",
+            cache_class=kvrt.CacheClass.TASK_PINNED,
+        ),
         Segment("notes:a", "Note A. " + STORY * 4),
         Segment("notes:b", "Note B. " + STORY * 4),
         Segment("notes:c", "Note C. " + STORY * 4),
@@ -78,5 +82,5 @@ async def test_an_impossible_requirement_is_refused_before_anything_moves(
         with pytest.raises(kvrt.InvalidContextError, match="'notes:z', which is not a segment"):
             await s.ensure_context(context(), require_visible=["notes:z"])
         with pytest.raises(kvrt.ArgumentTypeError, match="list of segment names"):
-            await s.ensure_context(context(), require_visible="notes:a")  # type: ignore[arg-type]
+            await s.ensure_context(context(), require_visible="notes:a")
         assert s.explain().blocks == before.blocks

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvrt import AdmitMode, EvictMode
-from kvrt.adapters.llama import LlamaEngine
-from kvrt.backend import ColdBlock
+from kvrt.backend import ColdBlock, Engine
 
 BLOCK = 64
 
@@ -29,7 +29,7 @@ class Contexts:
     engine; every sequence starts from one prompt computed once (its KV loaded into the
     first two)."""
 
-    def __init__(self, engine: LlamaEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokens = engine.tokenize(TEXT)[:1600]
         self.ctx, self.mirror, self.prompt, self.fresh = (
@@ -142,7 +142,7 @@ class Churn:
 
 
 def churn(
-    engine: LlamaEngine, seeds: list[int], fresh_seeds: list[int] = (), *, steps: int = 24
+    engine: Engine, seeds: list[int], fresh_seeds: Sequence[int] = (), *, steps: int = 24
 ) -> None:
     """Run each seed's sequence against the never-evicting context; the ``fresh_seeds``
     ones without generation, and checked at the end against a fresh context computing all

@@ -46,7 +46,9 @@ anyio.run(main)
 """
 
 
-async def references(engine: LlamaEngine, context: list[Segment]) -> tuple[list[int], np.ndarray]:
+async def references(
+    engine: LlamaEngine, context: list[Segment]
+) -> tuple[tuple[int, ...], np.ndarray]:
     """With no tier below RAM: the greedy continuation of a session that never evicted,
     and the logits of one that restored the whole context from RAM (its last token then
     computed again, as after any restore that brings back the context's end without the

@@ -382,7 +382,7 @@ def test_every_public_struct_documents_itself_and_its_fields() -> None:
     ]
     assert len(structs) > 20
     for struct in structs:
-        shown = pydoc.render_doc(struct, renderer=pydoc.plaintext)
+        shown = pydoc.render_doc(struct, renderer=pydoc.plaintext)  # type: ignore[attr-defined]
         intro = (struct.__doc__ or "").split("Fields:")[0].strip()
         assert intro, f"{struct.__name__} has no docstring"
         fields = (struct.__doc__ or "").split("Fields:")[-1]
