@@ -5,15 +5,11 @@ as written, every command shown is one kvrt's command line takes, every option i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import pytest
 
 import kvrt
 from kvrt.cli import parser
+from tests.support.server import kvrt_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -55,31 +52,9 @@ def test_the_pages_hold_blocks_of_each_kind() -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``kvrt serve`` on a free port, for the blocks that talk to one over HTTP."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("docs-serve") / "serve.log"
-    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--state", "none"]
-    env = {**os.environ, "KVRT_DISK_BUDGET": "0"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    json.loads(r.read())
-                break
-            except OSError:
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+    with kvrt_serve(log, "--state", "none", env={"KVRT_DISK_BUDGET": "0"}) as url:
         yield f"{url}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 def _marks(text: str) -> list[pytest.MarkDecorator]:

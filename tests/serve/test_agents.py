@@ -10,11 +10,6 @@ the shape it expects.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +20,8 @@ from typing import Any
 import openai
 import pytest
 from pydantic import BaseModel
+
+from tests.support.server import kvrt_serve
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.frameworks]
 
@@ -46,31 +43,14 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("agents") / "serve.log"
     key_file = log.with_name("key")
     key_file.write_text(KEY + "\n")
-    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--api-key", f"@{key_file}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVRT_DISK_BUDGET": "0"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                model = json.loads(r.read())["model"]
-            break
-        except OSError:
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-    yield Served(url, model, log)
-    process.terminate()
-    process.wait(timeout=60)
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    env = {"PYTHONUNBUFFERED": "1", "KVRT_DISK_BUDGET": "0"}
+    with kvrt_serve(log, "--api-key", f"@{key_file}", env=env) as url:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            model = json.loads(r.read())["model"]
+        yield Served(url, model, log)
 
 
 WEATHER: Any = {

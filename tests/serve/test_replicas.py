@@ -5,12 +5,6 @@ in process and as ``kvrt serve`` processes behind the openai client."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +16,7 @@ import pytest
 import kvrt
 from kvrt.adapters.llama import LlamaEngine
 from tests.support.redis import RedisServer
+from tests.support.server import kvrt_serve
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one sentence."}
 QUESTIONS = [
@@ -99,40 +94,10 @@ def serving(
 ) -> Iterator[str]:
     """``kvrt serve`` on the embedded model as a process of its own: its base URL. Its log
     may hold no traceback."""
-    port = free_port()
-    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--max-sessions", "2"]
-    args += ["--model-name", "smollm2"]
-    log = tmp_path / f"{name}.log"
-    environment = {**os.environ, "KVRT_CACHE_DIR": str(tmp_path / name), **(env or {})}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*args, *flags], stdout=out, stderr=subprocess.STDOUT, env=environment
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+    environment = {"KVRT_CACHE_DIR": str(tmp_path / name), **(env or {})}
+    flags = ("--max-sessions", "2", "--model-name", "smollm2", *flags)
+    with kvrt_serve(tmp_path / f"{name}.log", *flags, env=environment) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        assert "Traceback" not in log.read_text(), log.read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat_turns(urls: list[str]) -> list[tuple[str, list[Any], bool]]:

@@ -11,12 +11,7 @@ recovers the code within a tenant (so the test can fail) and nothing across tena
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,17 +23,12 @@ import pytest
 
 from tests.support.models import zoo_path
 from tests.support.redis import RedisServer as Redis
+from tests.support.server import kvrt_serve
 from tests.support.tenants import PIN, PREFIX, SECRET
 
 pytestmark = pytest.mark.subprocess
 
 KEYS = "key-alice-1 alice\nkey-alice-2 alice\nkey-bob bob\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -48,33 +38,9 @@ def serving(tmp_path: Path, *flags: str) -> Iterator[str]:
     its base URL."""
     keys = tmp_path / "keys"
     keys.write_text(KEYS)
-    port = free_port()
-    args = [
-        sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--model", zoo_path("llama"),
-        "--api-key", f"@{keys}", "--max-sessions", "1", *flags,
-    ]  # fmt: skip
-    log = tmp_path / f"serve-{port}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+    flags = ("--model", zoo_path("llama"), "--api-key", f"@{keys}", "--max-sessions", "1", *flags)
+    with kvrt_serve(tmp_path / f"serve-{time.monotonic_ns()}.log", *flags) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def client(url: str, key: str) -> openai.OpenAI:

@@ -1,14 +1,20 @@
-"""``kvrt serve`` in process on a free port, and plain HTTP helpers."""
+"""``kvrt serve`` in process or as a process of its own on a free port, and plain HTTP
+helpers."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -57,3 +63,42 @@ def post(url: str, path: str, body: bytes) -> tuple[int, dict[str, Any], Any]:
 def get(url: str, path: str) -> str:
     with urllib.request.urlopen(url + path, timeout=30) as response:
         return str(response.read().decode())
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def kvrt_serve(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``kvrt serve`` as a process of its own on a free port, with ``flags``: its base URL
+    once ``/health`` answers. Stopped on exit, when its log (``log``) must hold no
+    traceback."""
+    port = free_port()
+    args = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), *flags]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]

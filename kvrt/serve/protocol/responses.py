@@ -201,8 +201,13 @@ def responses_call(
             format_param="text.format",
         )
     )
-    call = Call(method="chat", messages=messages, options=options, stream=req.stream)
-    call.cache_salt = req.cache_salt
+    call = Call(
+        method="chat",
+        messages=messages,
+        options=options,
+        stream=req.stream,
+        cache_salt=req.cache_salt,
+    )
     return call, given
 
 

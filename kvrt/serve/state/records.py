@@ -10,7 +10,14 @@ import msgspec
 
 import kvrt
 
-__all__ = ["Bounds", "ConversationHead", "KeptResponse", "StateError", "StateStats"]
+__all__ = [
+    "Bounds",
+    "ConversationHead",
+    "KeptResponse",
+    "StateError",
+    "StateStats",
+    "decode_item",
+]
 
 
 class Bounds(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,3 +92,22 @@ class StateError(kvrt.KvrtError):
 
 Item = dict[str, Any]
 """A conversation item in its canonical form (with its ``id``)."""
+
+
+_item = msgspec.json.Decoder(dict[str, Any])
+
+
+def decode_item(cid: str, n: int, stored: bytes) -> Item:
+    """Item ``n`` of conversation ``cid`` from its stored bytes, or a ``damaged``
+    :class:`StateError` naming it (every store keeps items as this JSON)."""
+    try:
+        item = _item.decode(stored)
+        if not isinstance(item.get("id"), str) or not isinstance(item.get("type"), str):
+            raise msgspec.DecodeError("no id or type")
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise StateError(
+            f"conversation {cid!r}: its item {n} is damaged ({exc}); delete the item or the "
+            "conversation",
+            kind="damaged",
+        ) from None
+    return item

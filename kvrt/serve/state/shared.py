@@ -21,7 +21,15 @@ import msgspec
 
 import kvrt
 
-from .records import Bounds, ConversationHead, Item, KeptResponse, StateError, StateStats
+from .records import (
+    Bounds,
+    ConversationHead,
+    Item,
+    KeptResponse,
+    StateError,
+    StateStats,
+    decode_item,
+)
 
 __all__ = ["SharedState"]
 
@@ -32,7 +40,6 @@ Client = Any
 _encode = msgspec.msgpack.Encoder()
 _response = msgspec.msgpack.Decoder(KeptResponse)
 _head = msgspec.msgpack.Decoder(tuple[int, dict[str, str]])
-_item = msgspec.json.Decoder(dict[str, Any])
 
 
 MAX_HEAD = 64 * 1024
@@ -323,17 +330,10 @@ class SharedState:
         for n, (seq, stored) in enumerate(sorted(raw)):
             value = self._open(f"{items_name}:{seq}", stored)
             try:
-                item = _item.decode(value)
-                if not isinstance(item.get("id"), str) or not isinstance(item.get("type"), str):
-                    raise msgspec.DecodeError("no id or type")
-            except (msgspec.DecodeError, TypeError) as exc:
+                out.append(decode_item(cid, n, value))
+            except StateError:
                 self.refused += 1
-                raise StateError(
-                    f"conversation {cid!r}: its item {n} is damaged ({exc}); delete the item "
-                    "or the conversation",
-                    kind="damaged",
-                ) from None
-            out.append(item)
+                raise
         return out
 
     async def item_page(
@@ -400,7 +400,11 @@ class SharedState:
                     value = self.shared.open(f"{items_name}:{int(field)}", bytes(stored))
                 except kvrt.SharedValueError:
                     continue
-                if _item.decode(value).get("id") == iid:
+                try:
+                    found = decode_item(cid, int(field), value)
+                except StateError:
+                    continue  # a damaged item is not the one asked for
+                if found.get("id") == iid:
                     pipe = client.pipeline(transaction=True)
                     pipe.hdel(items_name, field)
                     pipe.hincrby(sizes, cid, -len(value))

@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
-from .records import Bounds, ConversationHead, Item, KeptResponse, StateError, StateStats
+from .records import (
+    Bounds,
+    ConversationHead,
+    Item,
+    KeptResponse,
+    StateError,
+    StateStats,
+    decode_item,
+)
 
 __all__ = ["SqliteState"]
 
@@ -55,7 +63,6 @@ TOUCH_AFTER = 60.0
 _encode = msgspec.msgpack.Encoder()
 _response = msgspec.msgpack.Decoder(KeptResponse)
 _metadata = msgspec.json.Decoder(dict[str, str])
-_item = msgspec.json.Decoder(dict[str, Any])
 
 
 def _tenant(tenant: str | None) -> str:
@@ -412,17 +419,10 @@ class SqliteState:
 
     def _decoded(self, cid: str, n: int, blob: Any) -> Item:
         try:
-            item = _item.decode(blob)
-            if not isinstance(item.get("id"), str) or not isinstance(item.get("type"), str):
-                raise msgspec.DecodeError("no id or type")
-        except (msgspec.DecodeError, TypeError) as exc:
+            return decode_item(cid, n, blob)
+        except StateError:
             self.refused += 1
-            raise StateError(
-                f"conversation {cid!r}: its item {n} is damaged ({exc}); delete the item or "
-                "the conversation",
-                kind="damaged",
-            ) from None
-        return item
+            raise
 
     async def add_items(self, tenant: str | None, cid: str, items: list[Item]) -> bool:
         """Append ``items``; False when the conversation is unknown."""
