@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from .envelope import EnvelopeStream, envelope_grammar, new_call_id, render_envelope
 from .grammar import JSON_SEPARATORS, Grammar
-from .schemas import bounded_numbers, embed_schema, with_defs
+from .schemas import bounded_numbers, closed_objects, embed_schema, with_defs
 from .tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 __all__ = ["CallFormat", "CallStream", "Envelope", "JsonCall", "Tagged", "call_format"]
@@ -89,7 +89,9 @@ def _parsed(arguments: str) -> Any:
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**bounded_numbers(schema), "x-guidance": _GUIDANCE})
+    return "%json " + json.dumps(
+        {**closed_objects(bounded_numbers(schema)), "x-guidance": _GUIDANCE}
+    )
 
 
 def _call_schema(tool: Tool, key: str) -> dict[str, Any]:

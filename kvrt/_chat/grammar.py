@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from .._engine.contract import Engine
 from .._errors import ArgumentTypeError, InvalidArgumentError
-from .schemas import bounded_numbers, number
+from .schemas import bounded_numbers, closed_objects, number
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -74,7 +74,9 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
     def json_schema(cls, schema: Any) -> Grammar:
         """JSON matching ``schema`` (a mapping, or its JSON text): ``$defs``/``$ref``,
         ``anyOf``, ``enum``, ``const``, nested objects and arrays, ``required``,
-        ``additionalProperties`` and the rest llguidance implements."""
+        ``additionalProperties`` and the rest llguidance implements. An object that
+        declares ``properties`` and does not set ``additionalProperties`` holds only
+        those (:func:`closed_objects`)."""
         if isinstance(schema, (str, bytes)):
             try:
                 schema = json.loads(schema)
@@ -85,7 +87,7 @@ class Grammar(msgspec.Struct, frozen=True, kw_only=True):
                 f"a JSON schema must be a mapping (an object), got {type(schema).__name__}"
             )
         try:
-            text = json.dumps(bounded_numbers(schema))
+            text = json.dumps(closed_objects(bounded_numbers(schema)))
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"the JSON schema cannot be written as JSON: {exc}"

@@ -11,6 +11,7 @@ __all__ = [
     "DIGITS",
     "FRACTION_DIGITS",
     "bounded_numbers",
+    "closed_objects",
     "embed_schema",
     "number",
     "with_defs",
@@ -51,6 +52,56 @@ def bounded_numbers(schema: Any) -> Any:
             out["maximum"] = max(_LARGEST, low) if low is not None else _LARGEST
         if "number" in kinds and "multipleOf" not in schema:
             out["multipleOf"] = 10.0**-FRACTION_DIGITS
+    return out
+
+
+_SCHEMA_MAPS = frozenset(
+    {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
+)
+"""Keywords whose value maps names to schemas."""
+_SUBSCHEMAS = frozenset(
+    {
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "propertyNames",
+    }
+)
+"""Keywords whose value is a schema or a list of schemas."""
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with each object that declares ``properties`` and says nothing of other
+    keys closed to them (``additionalProperties: false``), as OpenAI's strict mode reads a
+    tool's parameters: a small model under a grammar otherwise adds keys the schema never
+    declared, and a Python tool called with them raises. An object that allows other keys
+    (``additionalProperties`` true or a schema, ``patternProperties``) keeps them; one that
+    declares no properties (``{"type": "object"}``) stays any object."""
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(v) for name, v in value.items()}
+        elif key in _SUBSCHEMAS:
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
     return out
 
 

@@ -10,7 +10,7 @@ message next turn is placed with them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -210,16 +210,26 @@ class Generation:
                 content = stream.undecided(tail.text)
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
-        # A reply cut at a repeated call is not remembered as generated: sent back, its
-        # turn is rendered whole (a closed envelope), not as the cut text.
+        called = [(call.id, call.name, call.arguments) for call in tool_calls]
         if stream is None or not stream.repeated:
             self.gate.replies.remember(
                 tail.text,
                 list(tokens),
                 tail.kept_text,
                 content=content if stream is not None and content != tail.text else None,
-                calls=[(call.id, call.name, call.arguments) for call in tool_calls],
+                calls=called,
             )
+        elif cmd.calls is not None and tool_calls:
+            # A reply cut at a repeated call is sent back as its distinct calls, rendered
+            # whole (a closed envelope), not as the cut text: the context keeps the tokens
+            # it shares with that rendering, and the next turn places them and the rest
+            # (the envelope's close), so the calls' KV is reused, not computed again.
+            rendered = cmd.calls.render("", [(name, args) for _, name, args in called])
+            shared, shared_text = _shared_prefix(self.engine.token_bytes, tokens, rendered)
+            if shared < len(tokens):
+                tally += await self._drop_from(start + shared)
+                tokens = tokens[:shared]
+            self.gate.replies.remember(rendered, list(tokens), shared_text, calls=called)
         if self.gate.share:  # another replica continues as this one would
             await self.gate.replies.publish(tail.text)
             await self.paging.share(self.window.blocks)
@@ -298,6 +308,25 @@ class Generation:
         self.window.truncate(position)
         tail = [p for p in self.ctx.positions if p >= position]
         return await self.gate.drop(tail[0], tail[-1] + 1) if tail else Tally()
+
+
+def _shared_prefix(
+    token_bytes: Callable[[int], bytes], tokens: Sequence[int], text: str
+) -> tuple[int, str]:
+    """How many of ``tokens`` spell a prefix of ``text``, and that prefix."""
+    want, have, kept = text.encode(), b"", 0
+    for token in tokens:
+        more = have + token_bytes(token)
+        if not want.startswith(more):
+            break
+        have, kept = more, kept + 1
+    while kept:  # a prefix that ends inside a character is cut before it
+        try:
+            return kept, have.decode()
+        except UnicodeDecodeError:
+            kept -= 1
+            have = have[: len(have) - len(token_bytes(tokens[kept]))]
+    return 0, ""
 
 
 def _split(stream: CallStream | None, released: str) -> tuple[str, tuple[ToolCallDelta, ...]]:

@@ -475,14 +475,10 @@ class Server:
                     yield chat.chunk(rid, self.model, chat=True, role=True, text="")
                 async for piece in answer:
                     if piece.text or piece.tool_calls or piece.logprob is not None:
-                        yield chat.chunk(
-                            rid,
-                            self.model,
-                            chat=is_chat,
-                            text=piece.text or None,
-                            piece=piece,
-                            legacy=legacy,
-                        )
+                        for event in chat.piece_chunks(
+                            rid, self.model, piece, chat=is_chat, legacy=legacy
+                        ):
+                            yield event
                 done = await answer
             except GeneratorExit:
                 closing = True

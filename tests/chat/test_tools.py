@@ -204,6 +204,44 @@ def test_what_the_grammar_cannot_enforce_is_refused_naming_it() -> None:
         kvrt.read_response_format({"type": "xml"})
 
 
+def _accepts(grammar: kvrt.Grammar, text: str) -> bool:
+    """Whether constrained decoding may write ``text`` whole, token by token."""
+    from kvrt._chat.grammar import Constraint
+
+    engine = loaded("llama")
+    constraint = Constraint(engine, grammar)
+    for token in engine.tokenize(text, add_special=False, parse_special=False):
+        if not constraint.allowed()[token]:
+            return False
+        constraint.consume(token)
+    return constraint.complete
+
+
+def test_arguments_and_answers_hold_only_the_keys_their_schema_declares() -> None:
+    """A schema without ``additionalProperties`` is closed, as OpenAI's strict mode reads
+    it (small models wrote ``"c.size"``, ``"street_address"``); one that allows other keys
+    keeps them."""
+    from kvrt._chat.call_formats import Tagged
+
+    address = {"type": "object", "properties": {"street": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "home": address}}
+    answer = kvrt.Grammar.json_schema(schema)
+    assert _accepts(answer, '{"a": 1, "home": {"street": "x"}}')
+    assert not _accepts(answer, '{"a": 1, "b": 2}')
+    assert not _accepts(answer, '{"home": {"street": "x", "street_address": "y"}}')
+    opened = kvrt.Grammar.json_schema({**schema, "additionalProperties": {"type": "integer"}})
+    assert _accepts(opened, '{"a": 1, "b": 2}')
+    tools = kvrt.read_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    calls = Tagged().grammar(tools, "required", parallel=False, response_schema=None)
+    assert calls is not None
+
+    def call(arguments: str) -> str:
+        return '<tool_call>\n{"name": "f", "arguments": ' + arguments + "}\n</tool_call>"
+
+    assert _accepts(calls, call('{"a": 3}'))
+    assert not _accepts(calls, call('{"a": 3, "c": 4}'))
+
+
 WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -553,6 +591,56 @@ def test_a_reply_ends_at_its_first_repeated_call() -> None:
     assert not tagged.repeated
     list(tagged.feed(f"<tool_call>\n{call}\n</tool_call>"))
     assert tagged.repeated and len(tagged.calls) == 1
+
+
+ADD: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "add(a: 'int', b: 'int') -> 'int'\nAdd two integers.",
+        "parameters": {
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "type": "object",
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_reply_cut_at_a_repeated_call_is_reused_when_sent_back(
+    anyio_backend: str,
+) -> None:
+    """SmolLM2 under parallel calls writes its call, then begins the same call again (as
+    LlamaIndex's agent asks, ``parallel_tool_calls`` on): the reply ends there and is sent
+    back as one call, a closed envelope. Its KV is reused up to where the two texts part,
+    so the next step computes the envelope's close and the tool's turn only (it computed
+    the whole call again: 45 tokens a step instead of 19)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Use the add tool for sums."},
+        {"role": "user", "content": "What is 3 + 4?"},
+    ]
+    options: dict[str, Any] = {"tools": [ADD], "parallel_tool_calls": True, "temperature": 0}
+    async with (
+        kvrt.open_runtime(engine=loaded("llama"), config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=4096) as s,
+    ):
+        first = await s.chat(messages, max_tokens=64, **options)
+        (call,) = first.tool_calls
+        assert json.loads(call.arguments) == {"a": 3, "b": 4}
+        # the path under test: the model began the call a second time
+        assert first.raw_text.count('"name": "add"') == 2, first.raw_text
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": "add", "arguments": call.arguments}},
+            ]},
+            {"role": "tool", "tool_call_id": call.id, "content": "7"},
+        ]  # fmt: skip
+        second = await s.chat(messages, max_tokens=8, **options)
+        prompt = second.usage.prompt
+        assert prompt.reused >= first.usage.prompt_tokens + 20, prompt
+        assert prompt.prefilled < 24, prompt
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])

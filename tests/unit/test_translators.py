@@ -195,3 +195,64 @@ def test_the_responses_events_follow_the_reply() -> None:
     assert final["usage"]["input_tokens"] == 3
     failed = events.failed(final, "state_full", "no room")
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+
+
+def _stream_calls(events: list[bytes]) -> list[list[Any]]:
+    """Each event's ``tool_calls`` entries, as the client reads them."""
+    entries: list[list[Any]] = []
+    for e in events:
+        assert e.startswith(b"data: ") and e.endswith(b"\n\n")
+        delta = json.loads(e[6:])["choices"][0]["delta"]
+        entries.append(delta.get("tool_calls", [None]))
+    return entries
+
+
+def test_a_streamed_tool_call_sends_one_entry_a_chunk() -> None:
+    piece = kvrt.Piece(
+        text="",
+        token=1,
+        index=0,
+        tool_calls=(
+            kvrt.ToolCallDelta(index=0, id="call_a", name="add", arguments='{"a": 3'),
+            kvrt.ToolCallDelta(index=0, arguments=', "b": 4}'),
+            kvrt.ToolCallDelta(index=1, id="call_b", name="neg", arguments='{"x": 1}'),
+        ),
+    )
+    events = chat_api.piece_chunks("r", "m", piece, chat=True)
+    per_chunk = _stream_calls(events)
+    assert [len(e) for e in per_chunk] == [1] * len(events)
+    entries = [e[0] for e in per_chunk]
+    # OpenAI's shape: a call opens with its id, type, name and empty arguments
+    assert entries[0] == {
+        "index": 0,
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": "add", "arguments": ""},
+    }
+    # An assembler that reads only the first entry of a chunk (LlamaIndex's) gets it all.
+    calls: list[dict[str, Any]] = []
+    for e in entries:
+        if not calls or calls[-1]["index"] != e["index"]:
+            calls.append(
+                {"index": e["index"], "id": e["id"], "name": e["function"]["name"], "arguments": ""}
+            )
+        calls[-1]["arguments"] += e["function"].get("arguments", "")
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("call_a", "add", {"a": 3, "b": 4}),
+        ("call_b", "neg", {"x": 1}),
+    ]
+
+
+def test_a_streamed_legacy_function_call_keeps_its_arguments() -> None:
+    piece = kvrt.Piece(
+        text="",
+        token=1,
+        index=0,
+        tool_calls=(kvrt.ToolCallDelta(index=0, id="c", name="f", arguments='{"n": 1}'),),
+    )
+    events = chat_api.piece_chunks("r", "m", piece, chat=True, legacy=True)
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events]
+    assert deltas == [
+        {"function_call": {"name": "f", "arguments": ""}},
+        {"function_call": {"arguments": '{"n": 1}'}},
+    ]

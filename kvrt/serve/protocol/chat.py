@@ -262,8 +262,10 @@ def tool_calls_body(calls: tuple[kvrt.ToolCall, ...]) -> list[dict[str, Any]]:
 
 
 def tool_call_deltas(deltas: tuple[kvrt.ToolCallDelta, ...]) -> list[dict[str, Any]]:
-    """Stream deltas as OpenAI sends them: the first of a call with its index, id, type and
-    name (arguments empty), the next ones with the index and an arguments fragment."""
+    """Stream deltas as OpenAI sends them, one entry per chunk: the first of a call with its
+    index, id, type and name (arguments empty), the next ones with the index and an
+    arguments fragment. Framework assemblers (LlamaIndex reads ``tool_calls[0]`` only)
+    read one entry a chunk, so each entry goes out in a chunk of its own."""
     out: list[dict[str, Any]] = []
     for d in deltas:
         if d.id is not None:
@@ -466,9 +468,11 @@ def chunk(
     finish: str | None = None,
     done: kvrt.Completion | None = None,
     piece: kvrt.Piece | None = None,
+    tool_call: dict[str, Any] | None = None,
     legacy: bool = False,
 ) -> bytes:
-    """One server-sent event of a streamed response (``legacy``: in the functions form)."""
+    """One server-sent event of a streamed response (``legacy``: in the functions form),
+    with at most one tool-call entry (:func:`piece_chunks` splits a piece into events)."""
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -493,8 +497,8 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        if piece is not None and piece.tool_calls:
-            delta["tool_calls"] = tool_call_deltas(piece.tool_calls)
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         body["choices"] = [
             {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         ]
@@ -505,6 +509,28 @@ def chunk(
     if legacy:
         as_legacy(body)
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def piece_chunks(
+    rid: str, model: str, piece: kvrt.Piece, *, chat: bool, legacy: bool = False
+) -> list[bytes]:
+    """The events one generated piece makes: its text and log-prob in the first, and each
+    tool-call entry in an event of its own (never two entries of one call in a chunk)."""
+    calls = tool_call_deltas(piece.tool_calls) if chat and piece.tool_calls else []
+    first = calls[0] if calls else None
+    out = [
+        chunk(
+            rid,
+            model,
+            chat=chat,
+            text=piece.text or None,
+            piece=piece,
+            tool_call=first,
+            legacy=legacy,
+        )
+    ]
+    out.extend(chunk(rid, model, chat=chat, tool_call=entry, legacy=legacy) for entry in calls[1:])
+    return out
 
 
 def read_chat(body: bytes, limits: Limits) -> Call:
