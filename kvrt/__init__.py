@@ -51,8 +51,8 @@ from ._engine.contract import EngineContext as EngineContext
 from ._engine.contract import EvictMode as EvictMode
 from ._engine.contract import ModelFacts as ModelFacts
 from ._engine.contract import SamplingParams as SamplingParams
+from ._engine.embedded import embedded_model_path as embedded_model_path
 from ._engine.memory import read_memory as read_memory
-from ._engine.model_files import embedded_model_path as embedded_model_path
 from ._engine.registry import open_engine as open_engine
 from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import ColdBlockMismatchError as ColdBlockMismatchError

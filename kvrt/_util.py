@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["NoPublicConstructor", "physical_cores"]
+__all__ = ["NoPublicConstructor", "cache_home", "physical_cores"]
 
 T = TypeVar("T")
 
@@ -31,3 +33,13 @@ def physical_cores() -> int:
         return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
     except Exception:
         return os.cpu_count() or 1
+
+
+def cache_home(env: Mapping[str, str] | None = None) -> Path:
+    """kvrt's cache folder: ``$KVRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrt``, else
+    ``~/.cache/kvrt`` (the disk tier's ``blocks/`` and the models' ``models/`` are in it)."""
+    env = os.environ if env is None else env
+    if env.get("KVRT_CACHE_DIR"):
+        return Path(env["KVRT_CACHE_DIR"]).expanduser()
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base.expanduser() / "kvrt"

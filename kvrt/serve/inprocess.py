@@ -5,21 +5,28 @@ whole).
 
 >>> async with kvrt.open_runtime() as rt, kvrt.serve.openai_client(rt) as client:
 ...     reply = await client.chat.completions.create(model=client.kvrt_model, messages=[...])
+
+Frameworks that build a sync ``openai.OpenAI`` get its twin: :func:`sync_openai_client`
+(a plain ``with``; the runtime runs on an event loop in a thread of its own) or, from async
+code that hands the client to worker threads, :func:`threaded_openai_client`. Both reach the
+app through anyio's blocking portal, from any thread but the event loop's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import anyio.lowlevel
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -28,7 +35,12 @@ import kvrt
 
 from .app import ServeConfig, create_app, model_id
 
-__all__ = ["in_process_transport", "openai_client"]
+__all__ = [
+    "in_process_transport",
+    "openai_client",
+    "sync_openai_client",
+    "threaded_openai_client",
+]
 
 _log = logging.getLogger("kvrt.serve")
 
@@ -36,12 +48,11 @@ BASE_URL = "http://kvrt.in-process"
 
 
 async def _exchange(
-    app: Any, tg: anyio.abc.TaskGroup, request: Any, buffer: int
+    app: Any, tg: anyio.abc.TaskGroup, request: Any, body: bytes, buffer: int
 ) -> tuple[dict[str, Any], MemoryObjectReceiveStream[dict[str, Any]], anyio.Event]:
-    """Run ``app`` on ``request`` in a task of ``tg``: the response's head, the messages
-    that follow it as the app sends them, and the event that tells the app its client
-    has gone."""
-    body = await request.aread()
+    """Run ``app`` on ``request`` (whose ``body`` was read) in a task of ``tg``: the
+    response's head, the messages that follow it as the app sends them, and the event that
+    tells the app its client has gone."""
     send, received = anyio.create_memory_object_stream[dict[str, Any]](buffer)
     gone = anyio.Event()
     read = False
@@ -127,13 +138,90 @@ def in_process_transport(http: ModuleType) -> type[Any]:
 
         async def handle_async_request(self, request: Any) -> Any:
             try:
-                head, received, gone = await _exchange(self._app, self._tg, request, self._buffer)
+                body = await request.aread()
+                head, received, gone = await _exchange(
+                    self._app, self._tg, request, body, self._buffer
+                )
             except ConnectionError as exc:
                 raise http.RemoteProtocolError(str(exc)) from None
             return http.Response(
                 head["status"],
                 headers=head.get("headers", []),
                 stream=Body(received, gone),
+                request=request,
+            )
+
+    return Transport
+
+
+async def _next_body(received: MemoryObjectReceiveStream[dict[str, Any]]) -> bytes | None:
+    """The next piece of a response's body, b"" for a message that carries none, None at
+    its end."""
+    try:
+        message = await received.receive()
+    except (anyio.EndOfStream, anyio.ClosedResourceError):
+        return None
+    if message.get("type") != "http.response.body":
+        return b""
+    if not message.get("more_body", False):
+        received.close()
+    return bytes(message.get("body") or b"")
+
+
+async def _close_body(
+    received: MemoryObjectReceiveStream[dict[str, Any]], gone: anyio.Event
+) -> None:
+    gone.set()
+    received.close()
+
+
+@functools.cache
+def _sync_transport(http: ModuleType) -> type[Any]:
+    """The sync twin of :func:`in_process_transport`: ``cls(app, task_group, portal)``,
+    each request and each piece of its body carried across ``portal`` to the event loop
+    the app runs in."""
+
+    class Body(http.SyncByteStream):  # type: ignore[misc, name-defined]
+        def __init__(
+            self,
+            portal: anyio.from_thread.BlockingPortal,
+            received: MemoryObjectReceiveStream[dict[str, Any]],
+            gone: anyio.Event,
+        ) -> None:
+            self._portal, self._received, self._gone = portal, received, gone
+
+        def __iter__(self) -> Iterator[bytes]:
+            while (piece := self._portal.call(_next_body, self._received)) is not None:
+                if piece:
+                    yield piece
+
+        def close(self) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed portal: the app is gone too
+                self._portal.call(_close_body, self._received, self._gone)
+
+    class Transport(http.BaseTransport):  # type: ignore[misc, name-defined]
+        def __init__(
+            self,
+            app: Any,
+            tg: anyio.abc.TaskGroup,
+            portal: anyio.from_thread.BlockingPortal,
+            *,
+            buffer: int = 32,
+        ) -> None:
+            self._app, self._tg, self._portal, self._buffer = app, tg, portal, buffer
+
+        def handle_request(self, request: Any) -> Any:
+            body = request.read()
+            try:
+                head, received, gone = self._portal.call(
+                    _exchange, self._app, self._tg, request, body, self._buffer
+                )
+            except ConnectionError as exc:
+                raise http.RemoteProtocolError(str(exc)) from None
+            return http.Response(
+                head["status"],
+                headers=head.get("headers", []),
+                stream=Body(self._portal, received, gone),
                 request=request,
             )
 
@@ -171,24 +259,33 @@ async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
         await close()
 
 
-@asynccontextmanager
-async def openai_client(
-    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
-) -> AsyncIterator[Any]:
-    """An ``openai.AsyncOpenAI`` served by ``runtime`` in process (``config`` as for
-    ``kvrt serve``; ``options`` go to the client), with the model's id as
-    ``client.kvrt_model``. Everything the server offers works, streams included: hand it
-    to the Agents SDK, pydantic-ai or LangChain where they take an OpenAI client.
-
-    The app's tasks live inside this block; leaving it stops any still running."""
+def _openai() -> tuple[ModuleType, ModuleType]:
+    """The ``openai`` module and the httpx module its clients are built on (``httpx``, or
+    ``httpx2`` in newer releases)."""
     try:
         import openai
     except ImportError:
         raise kvrt.ConfigError(
-            "kvrt.serve.openai_client needs openai: pip install openai"
+            "kvrt's in-process clients need openai: pip install openai"
         ) from None
     base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
-    http = importlib.import_module(base.__module__.split(".")[0])
+    return openai, importlib.import_module(base.__module__.split(".")[0])
+
+
+class _Served:
+    """kvrt's app running in one event loop: the app, the task group its requests run
+    in, the api key a client uses and the model's id."""
+
+    def __init__(self, app: Any, tg: anyio.abc.TaskGroup, api_key: str, model: str) -> None:
+        self.app, self.tg, self.api_key, self.model = app, tg, api_key, model
+        self.thread = threading.current_thread()
+        """The event loop's thread, which a sync client must not block."""
+
+
+@asynccontextmanager
+async def _serving(runtime: kvrt.Runtime, config: ServeConfig | None) -> AsyncIterator[_Served]:
+    """Run kvrt's app for ``runtime`` in this event loop; leaving stops any request still
+    running and closes the app's server state."""
     if not isinstance(runtime, kvrt.Runtime):
         raise kvrt.ArgumentTypeError(
             f"runtime must be a kvrt.Runtime (from kvrt.open_runtime), got {type(runtime).__name__}"
@@ -199,16 +296,52 @@ async def openai_client(
         )
     config = config or ServeConfig()
     app = create_app(runtime, config)
-    keys = config.tenants()
+    key = next(iter(config.tenants()), "in-process")
     server = app.state.server
     await server.open()
-    async with AsyncExitStack() as stack, anyio.create_task_group() as tg:
-        stack.push_async_callback(_shielded, server.aclose)
-        transport = in_process_transport(http)(app, tg)
+    try:
+        async with AsyncExitStack() as stack, anyio.create_task_group() as tg:
+            stack.push_async_callback(_shielded, server.aclose)
+            try:
+                yield _Served(app, tg, key, model_id(runtime, config))
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The app's tasks log their own failures: a group holds what the caller's block
+        # raised, which is the caller's to see as raised, not wrapped.
+        if len(group.exceptions) == 1:
+            _reraise(group.exceptions[0])
+        raise
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` again as it was raised (its cause and context its own)."""
+    kept = exc.__cause__, exc.__context__, exc.__suppress_context__
+    try:
+        raise exc
+    finally:
+        exc.__cause__, exc.__context__, exc.__suppress_context__ = kept
+
+
+@asynccontextmanager
+async def openai_client(
+    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
+) -> AsyncIterator[Any]:
+    """An ``openai.AsyncOpenAI`` served by ``runtime`` in process (``config`` as for
+    ``kvrt serve``; ``options`` go to the client), with the model's id as
+    ``client.kvrt_model``. Everything the server offers works, streams included: hand it
+    to the Agents SDK, pydantic-ai or LangChain where they take an OpenAI client, and its
+    httpx client (``client.kvrt_http_client``) to those that take one (LiteLLM's
+    ``aclient_session``).
+
+    The app's tasks live inside this block; leaving it stops any still running."""
+    openai, http = _openai()
+    async with _serving(runtime, config) as served:
+        transport = in_process_transport(http)(served.app, served.tg)
         async with http.AsyncClient(transport=transport, base_url=BASE_URL) as client_http:
             owner = _Owner()
 
-            class Client(openai.AsyncOpenAI):
+            class Client(openai.AsyncOpenAI):  # type: ignore[misc, name-defined]
                 """An ``AsyncOpenAI`` that serves only the event loop it was made in."""
 
                 async def request(self, *args: Any, **kwargs: Any) -> Any:
@@ -217,12 +350,95 @@ async def openai_client(
 
             client = Client(
                 base_url=f"{BASE_URL}/v1",
-                api_key=options.pop("api_key", next(iter(keys), "in-process")),
+                api_key=options.pop("api_key", served.api_key),
                 http_client=client_http,
                 **options,
             )
-            client.kvrt_model = model_id(runtime, config)  # type: ignore[attr-defined]
-            try:
-                yield client
-            finally:
-                tg.cancel_scope.cancel()
+            client.kvrt_model = served.model
+            client.kvrt_http_client = client_http
+            yield client
+
+
+def _sync_client(
+    portal: anyio.from_thread.BlockingPortal, served: _Served, options: dict[str, Any]
+) -> Any:
+    openai, http = _openai()
+    transport = _sync_transport(http)(served.app, served.tg, portal)
+
+    class Client(openai.OpenAI):  # type: ignore[misc, name-defined]
+        """An ``OpenAI`` that refuses the thread of the event loop its app runs in."""
+
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is served.thread:  # before the client retries
+                raise kvrt.InvalidArgumentError(
+                    "a sync in-process client was called from the thread of the event loop "
+                    "that runs kvrt's app (it would wait on itself): call it from another "
+                    "thread (anyio.to_thread.run_sync), or use kvrt.serve.openai_client there"
+                )
+            return super().request(*args, **kwargs)
+
+    client_http = http.Client(transport=transport, base_url=BASE_URL)
+    client = Client(
+        base_url=f"{BASE_URL}/v1",
+        api_key=options.pop("api_key", served.api_key),
+        http_client=client_http,
+        **options,
+    )
+    client.kvrt_model = served.model
+    client.kvrt_http_client = client_http
+    return client
+
+
+@asynccontextmanager
+async def threaded_openai_client(
+    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
+) -> AsyncIterator[Any]:
+    """A sync ``openai.OpenAI`` served by ``runtime`` in process, for code that runs in
+    other threads (a sync framework under ``anyio.to_thread.run_sync``): its requests cross
+    to this event loop on a blocking portal. Called from this loop's own thread, it refuses
+    (it would wait on itself). Leaving the block stops any request still running."""
+    async with anyio.from_thread.BlockingPortal() as portal, _serving(runtime, config) as served:
+        client = _sync_client(portal, served, options)
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+@contextmanager
+def sync_openai_client(
+    runtime_config: kvrt.Config | None = None,
+    config: ServeConfig | None = None,
+    *,
+    model: str | None = None,
+    async_backend: str = "asyncio",
+    **options: Any,
+) -> Iterator[Any]:
+    """A sync ``openai.OpenAI`` with kvrt in process, for sync programs (smolagents, DSPy,
+    Instructor): a runtime opened with ``runtime_config`` (and ``model``, as
+    :func:`kvrt.open_runtime` takes them) runs kvrt's app on an event loop
+    (``async_backend``: asyncio or trio) in a thread of its own, and the client's requests and streams reach it
+    from any thread. The model's id is ``client.kvrt_model``, its httpx client
+    ``client.kvrt_http_client`` (LiteLLM's ``client_session``, for DSPy); leaving the block
+    closes the runtime.
+
+    >>> with kvrt.serve.sync_openai_client() as client:
+    ...     reply = client.chat.completions.create(model=client.kvrt_model, messages=[...])
+    """
+    if runtime_config is not None and not isinstance(runtime_config, kvrt.Config):
+        raise kvrt.ArgumentTypeError(
+            f"runtime_config must be a kvrt.Config, got {type(runtime_config).__name__}"
+        )
+    _openai()  # a missing openai is said before a runtime opens
+    with (
+        anyio.from_thread.start_blocking_portal(async_backend, name="kvrt in-process") as portal,
+        portal.wrap_async_context_manager(
+            kvrt.open_runtime(model=model, config=runtime_config)
+        ) as runtime,
+        portal.wrap_async_context_manager(_serving(runtime, config)) as served,
+    ):
+        client = _sync_client(portal, served, options)
+        try:
+            yield client
+        finally:
+            client.close()

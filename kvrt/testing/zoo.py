@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._engine.model_files import embedded_model_path
+from .._engine.embedded import embedded_model_path
 
 __all__ = ["NAMES", "VARIANTS", "Variant", "write", "write_all"]
 

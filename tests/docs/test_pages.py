@@ -17,6 +17,7 @@ import pytest
 
 import kvrt
 from kvrt.cli import parser
+from tests.support.environments import PINNING_IMPORTS
 from tests.support.server import kvrt_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,9 +58,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"{url}/v1"
 
 
+def _pinning(text: str) -> bool:
+    """Whether a program imports a framework that runs in an environment of its own."""
+    return bool(re.search(rf"^(from|import) ({'|'.join(PINNING_IMPORTS)})\b", text, re.M))
+
+
 def _marks(text: str) -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.subprocess, pytest.mark.model]
-    if re.search(r"^(from|import) (agents|pydantic_ai|langchain_openai)\b", text, re.M):
+    frameworks = "agents|pydantic_ai|langchain_openai|smolagents|dspy|litellm"
+    if _pinning(text) or re.search(rf"^(from|import) ({frameworks})\b", text, re.M):
         marks.append(pytest.mark.frameworks)
     return marks
 
@@ -78,8 +85,12 @@ def test_every_python_block_runs_as_written(
         env["KVRT_BASE_URL"] = request.getfixturevalue("server")
     program = tmp_path / "block.py"
     program.write_text(text)
+    python = sys.executable
+    if _pinning(text):  # kvrt beside LlamaIndex or Instructor, in their environment
+        python = request.getfixturevalue("pinning_python")
+        env.pop("PYTHONPATH", None)
     done = subprocess.run(
-        [sys.executable, str(program)],
+        [python, str(program)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -138,6 +149,45 @@ def test_every_command_shown_is_one_kvrt_takes() -> None:
         checked += 1
     assert checked >= 20
     assert not wrong
+
+
+def _servers() -> list[tuple[str, list[str]]]:
+    return [(w, a) for w, a in _commands() if Path(a[0]).name == "kvrt" and a[1:2] == ["serve"]]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("where_argv", _servers(), ids=lambda w: w[0])
+def test_every_server_shown_starts_answers_and_stops(
+    where_argv: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    """Each ``kvrt serve`` line the pages show, run as shown (on a free port; a key file
+    it names holds a key; a Redis URL points at a real ``redis-server``): it answers
+    ``/v1/models`` with its key and stops cleanly."""
+    import openai
+
+    from tests.support.redis import start_redis
+
+    flags, key, redis_server = [], "unused", None
+    args = iter(where_argv[1][2:])
+    for flag in args:
+        value = next(args) if flag in ("--port", "--host", "--api-key", "--remote-url") else None
+        if flag in ("--port", "--host"):
+            continue  # the test's own free port, on loopback
+        if flag == "--api-key" and value is not None and value.startswith("@"):
+            key = "sk-docs"
+            (tmp_path / value[1:]).write_text(f"{key}\n")
+            value = "@" + str(tmp_path / value[1:])
+        if flag == "--remote-url":
+            redis_server = start_redis(tmp_path)
+            value = redis_server.url
+        flags += [flag] if value is None else [flag, value]
+    env = {"KVRT_DISK_BUDGET": "0", "KVRT_REMOTE_SECRET": "a-docs-test-secret-of-32-bytes!!"}
+    try:
+        with kvrt_serve(tmp_path / "serve.log", *flags, env=env) as url:
+            assert openai.OpenAI(base_url=f"{url}/v1", api_key=key).models.list().data
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
 
 
 def test_every_option_help_shows_is_documented() -> None:

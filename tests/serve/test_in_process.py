@@ -1,10 +1,11 @@
-"""kvrt's app in process through ``kvrt.serve.openai_client``: the real ``openai``
-client and the frameworks that take one (pydantic-ai, the Agents SDK, LangChain), with
-streams that stream. The client runs under asyncio and trio; the frameworks call asyncio
-directly, so they run on asyncio only."""
+"""kvrt's app in process through ``kvrt.serve.openai_client`` and its sync twins: the real
+``openai`` clients and the frameworks that take one (pydantic-ai, the Agents SDK,
+LangChain), with streams that stream. The clients run under asyncio and trio; the
+frameworks call asyncio directly, so they run on asyncio only."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 import kvrt
 import kvrt.serve
+from tests.support.models import NO_DISK
 
 pytestmark = pytest.mark.anyio
 
@@ -140,3 +142,75 @@ async def test_a_client_used_from_another_loop_or_thread_refuses_at_once(
     with pytest.raises(kvrt.SessionClosedError, match="the runtime is closed"):
         async with kvrt.serve.openai_client(rt):
             pass
+
+
+def _streamed(client: Any, max_tokens: int = 24) -> tuple[list[float], str]:
+    stream = client.chat.completions.create(
+        model=client.kvrt_model, messages=ASK, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    arrivals, text = [], ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+            text += chunk.choices[0].delta.content
+    return arrivals, text
+
+
+def test_the_sync_client_streams_from_any_thread_and_frees_a_closed_streams_session(
+    anyio_backend: str,
+) -> None:
+    """A sync program's ``openai.OpenAI`` with kvrt in process: its event loop (asyncio or
+    trio) runs in a thread of its own, and any thread may call it."""
+    with kvrt.serve.sync_openai_client(NO_DISK, async_backend=anyio_backend) as client:
+        got: list[tuple[list[float], str]] = []
+        worker = threading.Thread(target=lambda: got.append(_streamed(client)))
+        worker.start()
+        worker.join(120)
+        (arrivals, text) = got[0]
+        assert len(arrivals) >= 10 and arrivals[-1] - arrivals[0] > 0.05  # as they are made
+        whole = client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=24, temperature=0
+        )
+        assert whole.choices[0].message.content == text
+        stream = client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=200, temperature=0, stream=True
+        )
+        for seen, _ in enumerate(stream):
+            if seen == 3:
+                break
+        stream.close()
+        began = time.perf_counter()
+        again = client.chat.completions.create(
+            model=client.kvrt_model, messages=ASK, max_tokens=2, temperature=0
+        )
+        assert again.choices[0].message.content and time.perf_counter() - began < 30
+        metrics = client.get("http://kvrt.in-process/metrics", cast_to=str)
+        assert 'kvrt_clients_gone_total{when="answer"} 1' in str(metrics)
+    # what the block raises comes out as raised, not inside an exception group
+    with pytest.raises(KeyError, match="mine"), kvrt.serve.sync_openai_client(NO_DISK):
+        raise KeyError("mine")
+    with (
+        pytest.raises(kvrt.ArgumentTypeError, match=r"must be a kvrt\.Config"),
+        kvrt.serve.sync_openai_client("a config"),  # type: ignore[arg-type]
+    ):
+        pass
+
+
+async def test_a_threaded_client_serves_worker_threads_and_refuses_its_loop(
+    anyio_backend: str,
+) -> None:
+    """From async code, a sync client for a framework that runs in worker threads; called
+    from the event loop's own thread it would wait on itself, so it refuses at once."""
+    async with (
+        kvrt.open_runtime(config=NO_DISK) as rt,
+        kvrt.serve.threaded_openai_client(rt) as client,
+    ):
+        arrivals, text = await anyio.to_thread.run_sync(_streamed, client)
+        assert len(arrivals) >= 10 and text
+        began = time.perf_counter()
+        with pytest.raises(kvrt.InvalidArgumentError, match="would wait on itself"):
+            client.chat.completions.create(model=client.kvrt_model, messages=ASK, max_tokens=2)
+        assert time.perf_counter() - began < 1  # no retries
+        with pytest.raises(KeyError, match="mine"):
+            async with kvrt.serve.openai_client(rt):
+                raise KeyError("mine")

@@ -1,0 +1,91 @@
+"""Sync frameworks with kvrt in process, through the sync client (``kvrt.serve.
+sync_openai_client``), each at its defaults: smolagents' ``ToolCallingAgent`` (it streams
+its steps) and DSPy's ``Predict`` with a typed output (through LiteLLM). No tool call
+carries a key its schema did not declare. (No ``from __future__ import annotations``: DSPy
+reads the signature's field types at run time.)"""
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvrt
+import kvrt.serve
+from tests.support.models import NO_DISK
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.model]
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    with kvrt.serve.sync_openai_client(NO_DISK) as client:
+        yield client
+
+
+def _prefilled(client: Any) -> int:
+    metrics = str(client.get("http://kvrt.in-process/metrics", cast_to=str))
+    return int(float(metrics.split('kvrt_tokens_total{kind="prefilled"} ')[1].split()[0]))
+
+
+def test_a_smolagents_tool_calling_agent_in_process(client: Any) -> None:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    seen: list[dict[str, Any]] = []
+
+    @tool  # type: ignore[untyped-decorator]
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        seen.append({"a": a, "b": b})
+        return a + b
+
+    model = OpenAIServerModel(model_id=client.kvrt_model, api_key="in-process", temperature=0)
+    model.client = client  # smolagents builds an openai.OpenAI; this one is kvrt in process
+    agent = ToolCallingAgent(tools=[add], model=model, max_steps=2, verbosity_level=0)
+    before = _prefilled(client)
+    agent.run("What is 3 + 4? Use the add tool.")
+    assert seen and seen[0] == {"a": 3, "b": 4}, seen  # declared keys only
+    steps = [s for s in agent.memory.steps if getattr(s, "token_usage", None) is not None]
+    assert len(steps) >= 2
+    # each step sends the whole conversation again: kvrt computes what is new
+    assert _prefilled(client) - before < steps[0].token_usage.input_tokens + 400
+
+
+def test_a_dspy_predict_with_a_typed_output_in_process(client: Any) -> None:
+    import dspy
+    import litellm
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    class Invent(dspy.Signature):  # type: ignore[misc]
+        """Invent a person."""
+
+        hint: str = dspy.InputField()
+        person: Person = dspy.OutputField()
+
+    litellm.client_session = client.kvrt_http_client  # LiteLLM's calls go to kvrt in process
+    try:
+        lm = dspy.LM(
+            "openai/" + client.kvrt_model,
+            api_key="in-process",
+            api_base=str(client.base_url),
+            engine="litellm",
+            cache=False,
+            temperature=0,
+            max_tokens=200,
+        )
+        with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+            person = dspy.Predict(Invent)(hint="a painter named Ada").person
+    finally:
+        litellm.client_session = None
+    assert isinstance(person, Person) and person.name, person
