@@ -5,8 +5,9 @@ Each framework runs one agent with a weather tool over four user turns (each tur
 call and an answer: eight model requests), the history kept the framework's way: the
 openai client resending the loop by hand with the arguments re-serialized as pydantic-ai
 does, pydantic-ai (``message_history``), the OpenAI Agents SDK (``previous_response_id``,
-on the Responses API) and LangChain with LangGraph (``MemorySaver``), each against a
-server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
+on the Responses API), LangChain with LangGraph (``MemorySaver``), smolagents
+(``agent.run(..., reset=False)``), LiteLLM streaming its tool calls (assembled by its own
+``stream_chunk_builder``) and DSPy's ``ReAct``, each against a server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
 ``/metrics``) is read after each request.
 
 Run: ``python benchmarks/frameworks.py`` — from another checkout's folder
@@ -47,9 +48,17 @@ class Counter:
     async def hook(self, response: Any) -> None:
         if response.request.url.path.endswith(("/chat/completions", "/responses")):
             await response.aread()
-            now = await asyncio.to_thread(self._read)
-            self.steps.append(now - self._last)
-            self._last = now
+            await asyncio.to_thread(self.count)
+
+    def sync_hook(self, response: Any) -> None:
+        if response.request.url.path.endswith(("/chat/completions", "/responses")):
+            response.read()
+            self.count()
+
+    def count(self) -> None:
+        now = self._read()
+        self.steps.append(now - self._last)
+        self._last = now
 
 
 def weather(city: str) -> str:
@@ -64,6 +73,13 @@ def counted_client(url: str, counter: Counter) -> Any:
 
     http = httpx2.AsyncClient(event_hooks={"response": [counter.hook]}, timeout=600)
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http)
+
+
+def counted_sync_http(counter: Counter) -> Any:
+    """A sync httpx client (openai's own flavour) whose every response is counted."""
+    import httpx2
+
+    return httpx2.Client(event_hooks={"response": [counter.sync_hook]}, timeout=600)
 
 
 async def raw_openai(url: str, model: str, counter: Counter) -> None:
@@ -164,11 +180,106 @@ async def langgraph_loop(url: str, model: str, counter: Counter) -> None:
         )
 
 
+async def smolagents_loop(url: str, model: str, counter: Counter) -> None:
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool  # type: ignore[untyped-decorator]
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: the city
+        """
+        return weather(city)
+
+    chat = OpenAIServerModel(
+        model_id=model, api_base=f"{url}/v1", api_key="unused", max_tokens=48, temperature=0,
+        client_kwargs={"http_client": counted_sync_http(counter)},
+    )  # fmt: skip
+    agent = ToolCallingAgent(tools=[get_weather], model=chat, max_steps=3, verbosity_level=0)
+
+    def run() -> None:
+        for i, city in enumerate(TURNS):
+            agent.run(f"What is the weather in {city}?", reset=i == 0)
+
+    await asyncio.to_thread(run)
+
+
+async def litellm_streamed_loop(url: str, model: str, counter: Counter) -> None:
+    import litellm
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Get the current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+
+    def run() -> None:
+        litellm.client_session = counted_sync_http(counter)
+        messages: list[dict[str, Any]] = []
+        for city in TURNS:
+            messages.append({"role": "user", "content": f"What is the weather in {city}?"})
+            for choice in ("required", "none"):
+                chunks = list(
+                    litellm.completion(
+                        model="openai/" + model, api_base=f"{url}/v1", api_key="unused",
+                        messages=messages, tools=[tool], tool_choice=choice, stream=True,
+                        max_tokens=48, temperature=0,
+                    )
+                )  # fmt: skip
+                built: Any = litellm.stream_chunk_builder(chunks)
+                message = built.choices[0].message
+                if message.tool_calls:
+                    call = message.tool_calls[0]
+                    said = json.loads(call.function.arguments).get("city", city)
+                    messages += [
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": call.id, "type": "function", "function": {
+                                "name": call.function.name,
+                                "arguments": call.function.arguments}}]},
+                        {"role": "tool", "tool_call_id": call.id, "content": weather(said)},
+                    ]  # fmt: skip
+                else:
+                    messages.append({"role": "assistant", "content": message.content or ""})
+        litellm.client_session = None
+
+    await asyncio.to_thread(run)
+
+
+async def dspy_react_loop(url: str, model: str, counter: Counter) -> None:
+    import dspy
+    import litellm
+
+    def run() -> None:
+        litellm.client_session = counted_sync_http(counter)
+        lm = dspy.LM(
+            "openai/" + model, api_base=f"{url}/v1", api_key="unused", engine="litellm",
+            cache=False, temperature=0, max_tokens=96,
+        )  # fmt: skip
+        react = dspy.ReAct("question -> answer", tools=[weather], max_iters=2)
+        with dspy.context(lm=lm):
+            for city in TURNS:
+                react(question=f"What is the weather in {city}?")
+        litellm.client_session = None
+
+    await asyncio.to_thread(run)
+
+
 LOOPS: dict[str, Callable[[str, str, Counter], Coroutine[Any, Any, None]]] = {
     "openai client, re-serialized calls": raw_openai,
     "pydantic-ai": pydantic_ai_loop,
     "Agents SDK (Responses)": agents_sdk_loop,
     "LangGraph": langgraph_loop,
+    "smolagents ToolCallingAgent": smolagents_loop,
+    "LiteLLM, streamed tool calls": litellm_streamed_loop,
+    "DSPy ReAct": dspy_react_loop,
 }
 
 

@@ -74,7 +74,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_type: KvType = "f16"
     """KV cache precision (OpenVINO: ``f32``, ``f16``, ``bf16``, ``u8``)."""
     threads: Positive | None = None
-    """Engine threads (default: physical cores)."""
+    """Engine threads (default: the physical cores this process may run on)."""
     context: Positive | None = None
     """The logical context a request asks for (caps both hot and planner context)."""
     hot_tokens: Positive | None = None

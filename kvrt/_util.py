@@ -26,13 +26,20 @@ class NoPublicConstructor(type):
 
 
 def physical_cores() -> int:
-    """Physical CPU cores (logical ones where that cannot be told)."""
+    """Physical CPU cores (logical ones where that cannot be told), at most the CPUs this
+    process may run on: pinned to one core (``taskset -c 0``), an engine runs one thread,
+    not two spinning on one core."""
     try:
         import psutil
 
-        return int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+        cores = int(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
     except Exception:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return cores
+    return max(1, min(cores, allowed))
 
 
 def cache_home(env: Mapping[str, str] | None = None) -> Path:

@@ -43,7 +43,7 @@ HELP = {
     "flash_attention": "llama.cpp flash attention: auto, on or off (default auto)",
     "chat_template": "a Jinja chat template file (or tokenizer_config.json) to use instead "
     "of the model's own",
-    "threads": "engine threads (default: physical cores)",
+    "threads": "engine threads (default: the physical cores this process may run on)",
     "context": "logical context a request asks for (caps hot and planner context)",
     "hot_tokens": "cap on the hot window in tokens",
     "batch": "prefill batch size in tokens",

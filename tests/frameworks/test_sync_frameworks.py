@@ -54,8 +54,10 @@ def test_a_smolagents_tool_calling_agent_in_process(client: Any) -> None:
     assert seen and seen[0] == {"a": 3, "b": 4}, seen  # declared keys only
     steps = [s for s in agent.memory.steps if getattr(s, "token_usage", None) is not None]
     assert len(steps) >= 2
-    # each step sends the whole conversation again: kvrt computes what is new
-    assert _prefilled(client) - before < steps[0].token_usage.input_tokens + 400
+    # each request sends the whole conversation again (three here, the first ~1,100 tokens):
+    # kvrt computes what is new, not three prompts
+    first = steps[0].token_usage.input_tokens
+    assert _prefilled(client) - before < 2 * first, (_prefilled(client) - before, first)
 
 
 def test_a_dspy_predict_with_a_typed_output_in_process(client: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,18 @@ def test_a_nul_in_a_path_names_the_setting(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         f"kvrt: error: invalid disk.path from config file {path}: it holds a NUL character"
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_engine_threads_default_to_the_cpus_the_process_may_run_on() -> None:
+    """Pinned to one core (``taskset -c 0``, a benchmark's server), an engine runs one
+    thread, not one per core of the machine spinning on that one."""
+    from kvrt._util import physical_cores
+
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert physical_cores() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert physical_cores() >= 1
