@@ -65,7 +65,7 @@ def _pinning(text: str) -> bool:
 
 def _marks(text: str) -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.subprocess, pytest.mark.model]
-    frameworks = "agents|pydantic_ai|langchain_openai|smolagents|dspy|litellm"
+    frameworks = r"agents|pydantic_ai|langchain_openai|smolagents|dspy|litellm|haystack|autogen_\w+"
     if _pinning(text) or re.search(rf"^(from|import) ({frameworks})\b", text, re.M):
         marks.append(pytest.mark.frameworks)
     return marks

@@ -1,6 +1,7 @@
 """Sync frameworks with kvrt in process, through the sync client (``kvrt.serve.
 sync_openai_client``), each at its defaults: smolagents' ``ToolCallingAgent`` (it streams
-its steps) and DSPy's ``Predict`` with a typed output (through LiteLLM). No tool call
+its steps), DSPy's ``Predict`` with a typed output (through LiteLLM) and Haystack's
+``Agent``. No tool call
 carries a key its schema did not declare. (No ``from __future__ import annotations``: DSPy
 reads the signature's field types at run time.)"""
 
@@ -17,6 +18,7 @@ from tests.support.models import NO_DISK
 pytestmark = [pytest.mark.frameworks, pytest.mark.model]
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # nothing leaves the machine
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,36 @@ def test_a_dspy_predict_with_a_typed_output_in_process(client: Any) -> None:
     finally:
         litellm.client_session = None
     assert isinstance(person, Person) and person.name, person
+
+
+def test_a_haystack_agent_in_process(client: Any) -> None:
+    from haystack.components.agents import Agent
+    from haystack.components.generators.chat import OpenAIChatGenerator
+    from haystack.dataclasses import ChatMessage
+    from haystack.tools import tool
+    from haystack.utils import Secret
+
+    seen: list[dict[str, Any]] = []
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        seen.append({"a": a, "b": b})
+        return a + b
+
+    generator = OpenAIChatGenerator(
+        model=client.kvrt_model,
+        api_key=Secret.from_token("in-process"),
+        generation_kwargs={"temperature": 0, "max_tokens": 64},
+    )
+    generator.client = client  # Haystack's sync calls go through this one
+    agent = Agent(
+        chat_generator=generator,
+        tools=[add],
+        system_prompt="Use the add tool for sums.",
+        max_agent_steps=3,
+    )
+    agent.warm_up()
+    out = agent.run(messages=[ChatMessage.from_user("What is 3 + 4?")])
+    assert seen and seen[0] == {"a": 3, "b": 4}, seen  # declared keys only
+    assert out["messages"][-1].text
