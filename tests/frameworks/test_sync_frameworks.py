@@ -126,3 +126,57 @@ def test_a_haystack_agent_in_process(client: Any) -> None:
     out = agent.run(messages=[ChatMessage.from_user("What is 3 + 4?")])
     assert seen and seen[0] == {"a": 3, "b": 4}, seen  # declared keys only
     assert out["messages"][-1].text
+
+
+def test_litellm_streams_tool_calls_its_own_assembler_reads(client: Any) -> None:
+    """LiteLLM streaming a tool call, assembled by its own ``stream_chunk_builder``: the
+    call whole, its arguments the declared keys, and the step after it computes the tool's
+    turn only (the call's KV reused)."""
+    import json
+
+    import litellm
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Use the add tool for sums."},
+        {"role": "user", "content": "What is 3 + 4?"},
+    ]
+    options: dict[str, Any] = {
+        "model": "openai/" + client.kvrt_model,
+        "api_base": str(client.base_url),
+        "api_key": "in-process",
+        "tools": [tool],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 64,
+    }
+    litellm.client_session = client.kvrt_http_client
+    try:
+        chunks = list(litellm.completion(messages=messages, tool_choice="required", **options))
+        built: Any = litellm.stream_chunk_builder(chunks)
+        (call,) = built.choices[0].message.tool_calls
+        assert call.function.name == "add" and call.id
+        assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": "add", "arguments": call.function.arguments}},
+            ]},
+            {"role": "tool", "tool_call_id": call.id, "content": "7"},
+        ]  # fmt: skip
+        before = _prefilled(client)
+        list(litellm.completion(messages=messages, tool_choice="none", **options))
+        assert _prefilled(client) - before < 30  # the tool's turn and the framing
+    finally:
+        litellm.client_session = None
