@@ -211,6 +211,7 @@ class Generation:
             if tool_calls and finish != "closed":
                 finish = "tool_calls"
         called = [(call.id, call.name, call.arguments) for call in tool_calls]
+        remembered = tail.text  # the reply's text as the memory holds it
         if stream is None or not stream.repeated:
             self.gate.replies.remember(
                 tail.text,
@@ -230,8 +231,9 @@ class Generation:
                 tally += await self._drop_from(start + shared)
                 tokens = tokens[:shared]
             self.gate.replies.remember(rendered, list(tokens), shared_text, calls=called)
+            remembered = rendered
         if self.gate.share:  # another replica continues as this one would
-            await self.gate.replies.publish(tail.text)
+            await self.gate.replies.publish(remembered)
             await self.paging.share(self.window.blocks)
         self.gate.record(tally)
         status = self.gate.status(tally)
