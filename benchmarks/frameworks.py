@@ -61,6 +61,21 @@ class Counter:
         self._last = now
 
 
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+"""The weather tool as the loops that write their own requests send it."""
+
+
 def weather(city: str) -> str:
     """Get the current weather in a city."""
     return f"Sunny, 21 C in {city}."
@@ -84,24 +99,12 @@ def counted_sync_http(counter: Counter) -> Any:
 
 async def raw_openai(url: str, model: str, counter: Counter) -> None:
     client = counted_client(url, counter)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "Get the current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
     messages: list[dict[str, Any]] = []
     for city in TURNS:
         messages.append({"role": "user", "content": f"What is the weather in {city}?"})
         for choice in ({"type": "function", "function": {"name": "weather"}}, "none"):
             r = await client.chat.completions.create(
-                model=model, messages=messages, tools=[tool], tool_choice=choice,
+                model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice=choice,
                 max_tokens=48, temperature=0,
             )  # fmt: skip
             message = r.choices[0].message
@@ -208,19 +211,6 @@ async def smolagents_loop(url: str, model: str, counter: Counter) -> None:
 async def litellm_streamed_loop(url: str, model: str, counter: Counter) -> None:
     import litellm
 
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "Get the current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-
     def run() -> None:
         litellm.client_session = counted_sync_http(counter)
         messages: list[dict[str, Any]] = []
@@ -230,7 +220,7 @@ async def litellm_streamed_loop(url: str, model: str, counter: Counter) -> None:
                 chunks = list(
                     litellm.completion(
                         model="openai/" + model, api_base=f"{url}/v1", api_key="unused",
-                        messages=messages, tools=[tool], tool_choice=choice, stream=True,
+                        messages=messages, tools=[WEATHER_TOOL], tool_choice=choice, stream=True,
                         max_tokens=48, temperature=0,
                     )
                 )  # fmt: skip

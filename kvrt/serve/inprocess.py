@@ -348,15 +348,7 @@ async def openai_client(
                     owner.check()  # before the client retries or touches the app
                     return await super().request(*args, **kwargs)
 
-            client = Client(
-                base_url=f"{BASE_URL}/v1",
-                api_key=options.pop("api_key", served.api_key),
-                http_client=client_http,
-                **options,
-            )
-            client.kvrt_model = served.model
-            client.kvrt_http_client = client_http
-            yield client
+            yield _made(Client, served, client_http, options)
 
 
 def _sync_client(
@@ -377,8 +369,13 @@ def _sync_client(
                 )
             return super().request(*args, **kwargs)
 
-    client_http = http.Client(transport=transport, base_url=BASE_URL)
-    client = Client(
+    return _made(Client, served, http.Client(transport=transport, base_url=BASE_URL), options)
+
+
+def _made(cls: Any, served: _Served, client_http: Any, options: dict[str, Any]) -> Any:
+    """An openai client of class ``cls`` on ``client_http``, with the model's id as
+    ``kvrt_model`` and its httpx client as ``kvrt_http_client``."""
+    client = cls(
         base_url=f"{BASE_URL}/v1",
         api_key=options.pop("api_key", served.api_key),
         http_client=client_http,
@@ -428,6 +425,10 @@ def sync_openai_client(
     if runtime_config is not None and not isinstance(runtime_config, kvrt.Config):
         raise kvrt.ArgumentTypeError(
             f"runtime_config must be a kvrt.Config, got {type(runtime_config).__name__}"
+        )
+    if async_backend not in ("asyncio", "trio"):
+        raise kvrt.InvalidArgumentError(
+            f"async_backend must be 'asyncio' or 'trio', got {async_backend!r}"
         )
     _openai()  # a missing openai is said before a runtime opens
     with (

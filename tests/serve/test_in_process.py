@@ -190,6 +190,11 @@ def test_the_sync_client_streams_from_any_thread_and_frees_a_closed_streams_sess
     with pytest.raises(KeyError, match="mine"), kvrt.serve.sync_openai_client(NO_DISK):
         raise KeyError("mine")
     with (
+        pytest.raises(kvrt.InvalidArgumentError, match="async_backend must be"),
+        kvrt.serve.sync_openai_client(async_backend="curio"),
+    ):
+        pass
+    with (
         pytest.raises(kvrt.ArgumentTypeError, match=r"must be a kvrt\.Config"),
         kvrt.serve.sync_openai_client("a config"),  # type: ignore[arg-type]
     ):
