@@ -55,6 +55,10 @@ from ._engine.contract import ModelFacts as ModelFacts
 from ._engine.contract import Recompute as Recompute
 from ._engine.contract import SamplingParams as SamplingParams
 from ._engine.contract import TemplateSource as TemplateSource
+from ._engine.gguf_header import HeaderError as HeaderError
+from ._engine.gguf_header import TensorInfo as TensorInfo
+from ._engine.gguf_header import read_header as read_header
+from ._engine.gguf_header import read_tensors as read_tensors
 from ._engine.model_files import GgufMetadata as GgufMetadata
 from ._engine.model_files import expand_path as expand_path
 from ._engine.model_files import file_digest as file_digest

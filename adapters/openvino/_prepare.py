@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from kvrt import ConfigError, ModelLoadError
-from kvrt.backend import expand_path, file_digest, resolve_model_path
+from kvrt.backend import HeaderError, expand_path, file_digest, read_tensors, resolve_model_path
 
 __all__ = ["IR_FILES", "IrInfo", "cache_root", "prepare_ir"]
 
@@ -174,38 +174,44 @@ def _rewrite_f16(
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    name_field = reader.fields.get("general.name")
-    trained_field = reader.fields.get(f"{arch}.context_length")
-    heads_field = reader.fields.get(f"{arch}.attention.head_count")
+    fields, tensors = read_tensors(src, lambda key: True)
+    file = np.memmap(src, dtype=np.uint8, mode="r")
+    value_type = gguf.GGUFValueType
+    arch = fields["general.architecture"][0]
     writer = gguf.GGUFWriter(str(dst), arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+    for key, (value, kind, sub) in fields.items():
+        if key == gguf.Keys.General.ARCHITECTURE:
             continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == gguf.Keys.General.FILE_TYPE:
+        if key == gguf.Keys.General.FILE_TYPE:
             value = int(gguf.LlamaFileType.MOSTLY_F16)
-        writer.add_key_value(field.name, value, kind, sub_type=sub)
-    total = len(reader.tensors)
-    for n, tensor in enumerate(reader.tensors):
-        qtype = tensor.tensor_type
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            data = np.array(tensor.data)
+        writer.add_key_value(
+            key, value, value_type(kind), sub_type=None if sub is None else value_type(sub)
+        )
+    plain = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+    for n, tensor in enumerate(tensors):
+        qtype = gguf.GGMLQuantizationType(tensor.ggml_type)
+        shape = tuple(reversed(tensor.dims))
+        count = int(np.prod(tensor.dims))
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        end = tensor.offset + count * size // block
+        if end > file.size:
+            raise HeaderError(f"tensor {tensor.name!r} runs past the end of the file")
+        raw = file[tensor.offset : end]
+        if qtype in plain:
+            data = raw.view(plain[qtype]).reshape(shape).copy()
         else:
-            data = gguf.quants.dequantize(tensor.data, qtype).astype(np.float16)
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+            data = gguf.quants.dequantize(raw.reshape(byte_shape), qtype).astype(np.float16)
         writer.add_tensor(tensor.name, data)
         if progress is not None:
-            progress("rewriting weights to F16", 0.5 * (n + 1) / total)
+            progress("rewriting weights to F16", 0.5 * (n + 1) / len(tensors))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    trained = int(trained_field.contents()) if trained_field is not None else 0
-    heads = int(heads_field.contents()) if heads_field is not None else None
-    return arch, name_field.contents() if name_field is not None else None, trained, heads
+    trained = fields.get(f"{arch}.context_length", (0,))[0]
+    heads = fields.get(f"{arch}.attention.head_count", (None,))[0]
+    return arch, fields.get("general.name", (None,))[0], int(trained), heads
 
 
 def _reason(exc: Exception) -> str:

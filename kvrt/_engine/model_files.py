@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from .._errors import ModelLoadError
+from .gguf_header import HeaderError, read_header
 
 __all__ = [
     "GGUF_MAGIC",
@@ -66,11 +67,11 @@ class GgufMetadata(msgspec.Struct, frozen=True, kw_only=True):
     file_bytes: int
 
 
-def _scalar(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
+def _scalar(fields: dict[str, Any], key: str) -> Any:
+    field = fields.get(key)
     if field is None:
         return None
-    value = field.contents()
+    value = field[0]
     if isinstance(value, list):
         # Per-layer arrays (e.g. KV heads per layer): the widest layer bounds the cost.
         return max(value) if value else None
@@ -79,11 +80,9 @@ def _scalar(reader: Any, key: str) -> Any:
 
 def read_gguf_metadata(path: Path) -> GgufMetadata:
     """Read architecture and attention shape from a GGUF file's header."""
-    import gguf  # deferred: importing gguf pulls in numpy and a few hundred definitions
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # gguf raises bare ValueError/struct.error on damage
+    try:  # the tokenizer's fields are most of a header: skipped, not decoded
+        reader = read_header(path, lambda key: not key.startswith("tokenizer."))
+    except (OSError, HeaderError) as exc:
         raise ModelLoadError(f"cannot read GGUF metadata from {path}: {exc}") from exc
     arch = _scalar(reader, "general.architecture")
     if not isinstance(arch, str):

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._engine.embedded import embedded_model_path
+from .._engine.gguf_header import read_header
 
 __all__ = ["NAMES", "VARIANTS", "Variant", "write", "write_all"]
 
@@ -461,15 +462,11 @@ def _tokenizer() -> dict[str, tuple[Any, Any, Any]]:
     """The embedded model's ``tokenizer.*`` fields as (value, type, array item type)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(embedded_model_path()))
-    out: dict[str, tuple[Any, Any, Any]] = {}
-    for key, f in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = gguf.GGUFValueType(f.types[0])
-        sub = gguf.GGUFValueType(f.types[1]) if len(f.types) > 1 else None
-        out[key] = (f.contents(), vtype, sub)
-    return out
+    fields = read_header(embedded_model_path(), lambda key: key.startswith("tokenizer."))
+    return {
+        key: (value, gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub))
+        for key, (value, vtype, sub) in fields.items()
+    }
 
 
 def _metadata(v: Variant) -> Iterator[tuple[str, Any, Any, Any]]:
