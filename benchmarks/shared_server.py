@@ -104,7 +104,9 @@ def load(port: int, model: str, fmt: dict[str, Any], stop: threading.Event, out:
         out.append(call(port, "POST", "/v1/chat/completions", data))
 
 
-def under_load(port: int, model: str, fmt: dict[str, Any], rounds: int) -> dict[str, Any]:
+def under_load(
+    port: int, model: str, fmt: dict[str, Any], rounds: int, settle: float
+) -> dict[str, Any]:
     stop = threading.Event()
     statuses: list[int] = []
     clients = [
@@ -113,7 +115,7 @@ def under_load(port: int, model: str, fmt: dict[str, Any], rounds: int) -> dict[
     ]
     for client in clients:
         client.start()
-    time.sleep(2.0)  # the heavy requests under way
+    time.sleep(settle)  # the heavy requests under way
     began = time.perf_counter()
     found: dict[str, Any] = probe(port, model, rounds)
     took = time.perf_counter() - began
@@ -129,7 +131,7 @@ def ms(values: list[float]) -> str:
     return f"median {statistics.median(values) * 1e3:7.1f} ms, max {max(values) * 1e3:7.1f} ms"
 
 
-def measure(model_path: str | None, policy: str, rounds: int) -> None:
+def measure(model_path: str | None, policy: str, rounds: int, settle: float = 2.0) -> None:
     """One server, with ``policy`` picking the engine's next call: the probes alone, then
     under each load."""
     port = free_port()
@@ -149,7 +151,7 @@ def measure(model_path: str | None, policy: str, rounds: int) -> None:
             print(f"  alone: /health {ms(alone['health'])}; 2-token chat {ms(alone['chat'])}")
             for title, fmt in LOADS.items():
                 size = len(json.dumps(fmt))
-                found = under_load(port, model, fmt, rounds)
+                found = under_load(port, model, fmt, rounds, settle)
                 codes = sorted(set(found["heavy"]))
                 ratio = statistics.median(found["chat"]) / statistics.median(alone["chat"])
                 print(f"  {HEAVY_CLIENTS} clients sending {title}, {size:,} bytes of JSON")
@@ -173,9 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         default="least_served,fifo",
         help="engine-turn policies to compare, one server each (least_served,fifo)",
     )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds the load runs before the probes begin (2)",
+    )
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
-        measure(args.model, policy, args.rounds)
+        measure(args.model, policy, args.rounds, args.settle)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import re
+import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -13,9 +15,33 @@ import pytest
 from kvrt import EngineConfig
 from kvrt._engine.embedded import embedded_model_path
 from kvrt.adapters.llama import LlamaEngine
-from tests.support.environments import fresh_environment
+from kvrt.backend import physical_cores
+from tests.support.environments import Background
 from tests.support.models import close_loaded
 from tests.support.redis import RedisServer, start_redis
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # a serial run, or the controller of the run's workers
+        return
+    # The CPUs are shared out among the workers: each runs on its own (and so do the
+    # servers and programs its tests start), and its engines size their threads to them,
+    # as on a machine that size, not two workers' threads spinning on one core.
+    cpus = sorted(os.sched_getaffinity(0))
+    workers, index = int(workerinput["workercount"]), int(workerinput["workerid"][2:])
+    mine = cpus[index * len(cpus) // workers : (index + 1) * len(cpus) // workers]
+    os.sched_setaffinity(0, mine or cpus)
+    # Ctrl-C reaches every process of the run. A worker would finish its test and wait
+    # for the controller's shutdown, which gives up on it after 10 s: it ends at once
+    # (the signal's own action, even inside an engine call), and the controller prints
+    # the run's summary.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per physical core, at most four (each loads its own models)."""
+    return max(1, min(physical_cores(), 4))
 
 
 @pytest.fixture
@@ -67,11 +93,29 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pinning_build(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Background | None]:
+    """The pinning environment's build, started with the run (in the background) when a
+    selected test needs it: once for all of the run's workers, in the folder they share."""
+    if not any("pinning_python" in getattr(i, "fixturenames", ()) for i in request.session.items):
+        yield None
+        return
+    shared = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # a worker's is popen-gwN in the run's own
+        shared = shared.parent
+    build = Background(shared / "pinning-env")
+    yield build
+    build.join()  # pytest's own rotation of its temporary folders removes it
+
+
 @pytest.fixture(scope="session")
-def pinning_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+def pinning_python(_pinning_build: Background | None) -> str:
     """A fresh environment's Python with kvrt and the frameworks that pin what the test
     environment's others cannot share (LlamaIndex, Instructor), built once a run."""
-    return fresh_environment(tmp_path_factory.mktemp("pinning-env"))
+    assert _pinning_build is not None
+    return _pinning_build.python()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 with another prompt's KV, moved under another name or planted without the replicas'
 secret is a miss (the answer equals a fresh computation, the forgery is counted and
 deleted); bytes the engine rejects cost a recompute, never a failed call; a value larger
-than any block is refused before it is fetched."""
+than any block is refused before it is fetched. The engine is llama.cpp running the zoo's
+tiny llama: what is checked is the bytes' path, not the model's text."""
 
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ import kvrt.serve
 from kvrt import Segment, policies
 from kvrt._cold import ColdStore, RemoteTier, Signer, blockfile
 from kvrt._cold.trust import TAG_BYTES
-from kvrt.adapters.llama import LlamaEngine
 from tests.support.disk_writer import SIZE, block, serving
-from tests.support.models import next_logits
+from tests.support.models import next_logits, tiny
 from tests.support.redis import RedisServer, start_redis
 from tests.support.tiers import settled
 
@@ -30,6 +30,11 @@ SECRET = "correct horse battery staple, twice over"
 ROOT = "http://kvrt.in-process"
 X = [Segment("doc", "The vault code is 4417. " * 30), Segment("q", "What is the vault code?")]
 Y = [Segment("doc", "The garden gate is painted green. " * 20), Segment("q", "What colour?")]
+
+
+@pytest.fixture
+def engine() -> kvrt.backend.Engine:
+    return tiny()
 
 
 def shared(url: str, tmp_path: Path, secret: str | None = SECRET) -> kvrt.Config:
@@ -41,7 +46,7 @@ def shared(url: str, tmp_path: Path, secret: str | None = SECRET) -> kvrt.Config
     return kvrt.load_config(flags=flags)
 
 
-async def fill(engine: LlamaEngine, cfg: kvrt.Config) -> None:
+async def fill(engine: kvrt.backend.Engine, cfg: kvrt.Config) -> None:
     """One replica computes X and then Y: both go to the shared tier."""
     async with kvrt.open_runtime(engine=engine, config=cfg) as rt:
         async with rt.open_session(hot_tokens=512) as s:
@@ -59,7 +64,7 @@ async def settled_runtime(rt: kvrt.Runtime) -> None:
             await anyio.sleep(0.05)
 
 
-async def fresh_logits(engine: LlamaEngine, context: list[Segment]) -> np.ndarray:
+async def fresh_logits(engine: kvrt.backend.Engine, context: list[Segment]) -> np.ndarray:
     off = kvrt.Config(disk=kvrt.DiskConfig(budget=0))
     async with (
         kvrt.open_runtime(engine=engine, config=off) as rt,
@@ -98,7 +103,7 @@ def reencoded(raw: bytes, signed: bool, data: np.ndarray) -> bytes:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_another_prompts_kv_under_a_blocks_name_is_a_miss(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
+    redis_server: RedisServer, engine: kvrt.backend.Engine, tmp_path: Path, anyio_backend: str
 ) -> None:
     """The attack that worked on an unsigned store: Y's blocks re-encoded with X's KV
     bytes (checksums recomputed) and written over Y's values. With a secret they fail
@@ -142,7 +147,7 @@ async def test_another_prompts_kv_under_a_blocks_name_is_a_miss(
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_value_moved_under_another_name_or_planted_is_a_miss(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
+    redis_server: RedisServer, engine: kvrt.backend.Engine, tmp_path: Path, anyio_backend: str
 ) -> None:
     """Values swapped between names keep valid tags for their own names only; a value
     written by someone without the secret carries none."""
@@ -195,7 +200,7 @@ def damaged(kv: np.ndarray, kind: int) -> np.ndarray:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_state_bytes_the_engine_rejects_cost_a_recompute(
-    redis_server: RedisServer, engine: LlamaEngine, tmp_path: Path, anyio_backend: str
+    redis_server: RedisServer, engine: kvrt.backend.Engine, tmp_path: Path, anyio_backend: str
 ) -> None:
     """Malformed state bytes under a valid checksum (an unsigned store; each block damaged
     one of four ways): the call succeeds with a fresh computation's logits, the blocks
@@ -275,7 +280,7 @@ def certificates(folder: Path) -> tuple[Path, Path, Path]:
 @pytest.mark.anyio
 @pytest.mark.parametrize(("transport", "anyio_backend"), [("acl", "asyncio"), ("tls", "trio")])
 async def test_an_acl_user_and_tls_carry_the_shared_tier(
-    engine: LlamaEngine, tmp_path: Path, transport: str, anyio_backend: str
+    engine: kvrt.backend.Engine, tmp_path: Path, transport: str, anyio_backend: str
 ) -> None:
     """The transport's half of the trust boundary: a server that admits only a kvrt ACL
     user (to ``kvrt:*`` names), or only TLS; replicas that can reach it share blocks,

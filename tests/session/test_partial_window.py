@@ -46,14 +46,14 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 def model_for(backend: str) -> kvrt.backend.Engine:
-    """llama.cpp's runs take the zoo's tiny llama (what is checked needs no real text; every
-    architecture's turn is in test_architectures), OpenVINO's the embedded model."""
-    return tiny() if backend == "llama" else loaded(backend)
+    """The zoo's tiny llama on either engine: what is checked needs no real text (every
+    architecture's turn is in test_architectures)."""
+    return tiny(backend=backend)
 
 
 def model_file(backend: str) -> str:
-    """The model a child process opens for ``backend`` ("" for the embedded one)."""
-    return zoo_path("llama") if backend == "llama" else ""
+    """The model a child process opens for ``backend``."""
+    return zoo_path("llama")
 
 
 async def reference(

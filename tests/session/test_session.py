@@ -227,7 +227,7 @@ async def test_a_context_diverging_inside_a_block_restores_the_tokens_it_shares(
         if edit == "question"
         else context(("file:a.py", changed), question=question)
     )
-    async with kvrt.open_runtime(engine=loaded(), config=NO_DISK) as rt:
+    async with kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt:  # the paths, not text
         async with rt.open_session() as a:
             await a.ensure_context(first)
         async with rt.open_session() as b:

@@ -1,4 +1,5 @@
-"""Cold admission and restore-vs-recompute policies, chosen per session, on the real engine."""
+"""Cold admission and restore-vs-recompute policies, chosen per session, on the real engine
+(llama.cpp running the zoo's tiny llama: the policies' paths need no real text)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def by_segment(report: kvrt.SessionReport, name: str) -> list[kvrt.BlockReport]:
 async def test_small_volatile_blocks_keep_tokens_only() -> None:
     ctx = context("What does add_2 return?")
     async with (
-        kvrt.open_runtime() as rt,
+        kvrt.open_runtime(engine=tiny()) as rt,
         rt.open_session(hot_tokens=1024, cold_admission="skip_small_volatile") as s,
     ):
         await s.ensure_context(ctx)
@@ -54,7 +55,7 @@ async def test_small_volatile_blocks_keep_tokens_only() -> None:
 
 async def test_restore_policy_can_choose_to_recompute(anyio_backend: str) -> None:
     ctx = context("What does add_4 return?")
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(engine=tiny()) as rt:
         async with rt.open_session(hot_tokens=1024) as never:
             await never.ensure_context(ctx)
             expected = await greedy(never, 12)
@@ -79,7 +80,7 @@ def policies_min_tokens() -> int:
 
 async def test_explain_shows_each_blocks_last_choice() -> None:
     ctx = context("Which function adds 7?")
-    async with kvrt.open_runtime() as rt, rt.open_session(hot_tokens=1024) as s:
+    async with kvrt.open_runtime(engine=tiny()) as rt, rt.open_session(hot_tokens=1024) as s:
         await s.ensure_context(ctx)
         assert {b.choice for b in s.explain().blocks} == {"prefilled"}
         await s.evict("file:a.py")
@@ -89,7 +90,7 @@ async def test_explain_shows_each_blocks_last_choice() -> None:
 
 
 async def test_unknown_policy_names() -> None:
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(engine=tiny()) as rt:
         with pytest.raises(
             kvrt.ConfigError,
             match=r"no restore policy named 'sometimes' \(known: always, calibrated, never, size_threshold\)",
@@ -110,7 +111,7 @@ async def test_score_lru_evicts_the_lowest_score_first(anyio_backend: str) -> No
     def evicted(report: kvrt.SessionReport) -> set[str]:
         return {b.segment for b in report.blocks if b.residency is not Residency.HOT}
 
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(engine=tiny()) as rt:
         async with rt.open_session(hot_tokens=512) as by_age:
             await by_age.ensure_context(ctx(5.0, 1.0))
             assert evicted(by_age.explain()) == {"file:a.py"}  # equal class and age: earliest
@@ -155,14 +156,14 @@ async def test_a_policy_of_ones_own_plugs_in_by_name(
     assert "newest_first" in kvrt.policy.names("hot_eviction")
     assert isinstance(NewestFirst(), kvrt.policy.HotEviction)
     by_config = Config(policies=kvrt.PolicyConfig(hot_eviction="newest_first"))
-    async with kvrt.open_runtime(config=by_config) as rt:
+    async with kvrt.open_runtime(engine=tiny(), config=by_config) as rt:
         mine = rt.policy("hot_eviction")
         assert isinstance(mine, NewestFirst)
         async with rt.open_session(hot_tokens=512) as s:
             await s.ensure_context(ctx)
             assert mine.calls > 0
             assert s.explain().consistent
-    async with kvrt.open_runtime() as rt:
+    async with kvrt.open_runtime(engine=tiny()) as rt:
         async with rt.open_session(hot_tokens=512, hot_eviction="newest_first") as s:
             await s.ensure_context(ctx)
             assert rt.policy("hot_eviction", "newest_first").calls > 0

@@ -27,12 +27,16 @@ T = TypeVar("T")
 
 
 @asynccontextmanager
-async def server(**settings: Any) -> AsyncIterator[tuple[kvrt.Runtime, str]]:
-    """A runtime served on a free loopback port: the runtime and the base URL."""
+async def server(
+    *, engine: kvrt.backend.Engine | None = None, **settings: Any
+) -> AsyncIterator[tuple[kvrt.Runtime, str]]:
+    """A runtime served on a free loopback port (on ``engine``, else the embedded model
+    loaded for it): the runtime and the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    async with kvrt.open_runtime("llama") as rt, anyio.create_task_group() as tg:
+    opened = kvrt.open_runtime("llama") if engine is None else kvrt.open_runtime(engine=engine)
+    async with opened as rt, anyio.create_task_group() as tg:
         config = kvrt.serve.ServeConfig(**settings)
         url = await tg.start(functools.partial(kvrt.serve.serve, rt, config, sock=sock))
         try:
