@@ -7,7 +7,10 @@ openai client resending the loop by hand with the arguments re-serialized as pyd
 does, pydantic-ai (``message_history``), the OpenAI Agents SDK (``previous_response_id``,
 on the Responses API), LangChain with LangGraph (``MemorySaver``), smolagents
 (``agent.run(..., reset=False)``), LiteLLM streaming its tool calls (assembled by its own
-``stream_chunk_builder``) and DSPy's ``ReAct``, each against a server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
+``stream_chunk_builder``), DSPy's ``ReAct``, Haystack's ``Agent`` and AutoGen's
+``AssistantAgent`` (each keeping its messages), and, where ``openai<3`` is installed,
+LlamaIndex's ``FunctionAgent`` (one ``Context``) and Instructor in tools mode, each against
+a server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
 ``/metrics``) is read after each request.
 
 Run: ``python benchmarks/frameworks.py`` — from another checkout's folder
@@ -17,6 +20,7 @@ to read, not assertions.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -83,18 +87,18 @@ def weather(city: str) -> str:
 
 def counted_client(url: str, counter: Counter) -> Any:
     """An ``AsyncOpenAI`` whose every response is counted by ``counter``."""
-    import httpx2
     import openai
 
-    http = httpx2.AsyncClient(event_hooks={"response": [counter.hook]}, timeout=600)
+    # openai's own httpx flavour (``httpx``, or ``httpx2`` in newer releases)
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [counter.hook]}, timeout=600)
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http)
 
 
 def counted_sync_http(counter: Counter) -> Any:
     """A sync httpx client (openai's own flavour) whose every response is counted."""
-    import httpx2
+    import openai
 
-    return httpx2.Client(event_hooks={"response": [counter.sync_hook]}, timeout=600)
+    return openai.DefaultHttpxClient(event_hooks={"response": [counter.sync_hook]}, timeout=600)
 
 
 async def raw_openai(url: str, model: str, counter: Counter) -> None:
@@ -262,6 +266,93 @@ async def dspy_react_loop(url: str, model: str, counter: Counter) -> None:
     await asyncio.to_thread(run)
 
 
+async def haystack_loop(url: str, model: str, counter: Counter) -> None:
+    from haystack.components.agents import Agent
+    from haystack.components.generators.chat import OpenAIChatGenerator
+    from haystack.dataclasses import ChatMessage, ChatRole
+    from haystack.tools import tool
+    from haystack.utils import Secret
+
+    def run() -> None:
+        generator = OpenAIChatGenerator(
+            model=model, api_key=Secret.from_token("unused"), api_base_url=f"{url}/v1",
+            generation_kwargs={"temperature": 0, "max_tokens": 48},
+            http_client_kwargs={"event_hooks": {"response": [counter.sync_hook]}},
+        )  # fmt: skip
+        agent = Agent(
+            chat_generator=generator, tools=[tool(weather)],
+            system_prompt="Answer with the weather tool.", max_agent_steps=3,
+        )  # fmt: skip
+        agent.warm_up()
+        messages: list[Any] = []
+        for city in TURNS:
+            messages.append(ChatMessage.from_user(f"What is the weather in {city}?"))
+            # the agent's messages begin with its system prompt, which each run adds again
+            kept = agent.run(messages=messages)["messages"]
+            messages = [m for m in kept if not m.is_from(ChatRole.SYSTEM)]
+
+    await asyncio.to_thread(run)
+
+
+async def autogen_loop(url: str, model: str, counter: Counter) -> None:
+    import openai
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    # http_client reaches AsyncOpenAI (AutoGen passes on its keyword arguments), untyped
+    client = OpenAIChatCompletionClient(  # type: ignore[call-arg]
+        model=model, base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=48,
+        model_info={"vision": False, "function_calling": True, "json_output": True,
+                    "structured_output": True, "family": "unknown"},
+        http_client=openai.DefaultAsyncHttpxClient(
+            event_hooks={"response": [counter.hook]}, timeout=600
+        ),
+    )  # fmt: skip
+    agent = AssistantAgent(
+        "weather", model_client=client, tools=[weather],
+        system_message="Answer with the weather tool.",
+    )  # fmt: skip
+    try:
+        for city in TURNS:  # the agent keeps its own history between runs
+            await agent.run(task=f"What is the weather in {city}?")
+    finally:
+        await client.close()
+
+
+async def llama_index_loop(url: str, model: str, counter: Counter) -> None:
+    from llama_index.core.agent.workflow import FunctionAgent
+    from llama_index.core.workflow import Context
+    from llama_index.llms.openai import OpenAI
+
+    llm = OpenAI(
+        model=model, async_openai_client=counted_client(url, counter), temperature=0,
+        max_tokens=48,
+    )  # fmt: skip
+    agent = FunctionAgent(tools=[weather], llm=llm, system_prompt="Answer with the weather tool.")
+    context = Context(agent)
+    for city in TURNS:
+        await agent.run(f"What is the weather in {city}?", ctx=context)
+
+
+async def instructor_loop(url: str, model: str, counter: Counter) -> None:
+    import instructor
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        sky: str
+
+    patched = instructor.from_openai(counted_client(url, counter), mode=instructor.Mode.TOOLS)
+    messages: list[dict[str, Any]] = []
+    for city in TURNS:
+        messages.append({"role": "user", "content": f"Describe the weather in {city}."})
+        reply = await patched.chat.completions.create(
+            model=model, response_model=Weather, messages=messages, temperature=0,
+            max_tokens=48,
+        )  # fmt: skip
+        messages.append({"role": "assistant", "content": reply.model_dump_json()})
+
+
 LOOPS: dict[str, Callable[[str, str, Counter], Coroutine[Any, Any, None]]] = {
     "openai client, re-serialized calls": raw_openai,
     "pydantic-ai": pydantic_ai_loop,
@@ -270,7 +361,17 @@ LOOPS: dict[str, Callable[[str, str, Counter], Coroutine[Any, Any, None]]] = {
     "smolagents ToolCallingAgent": smolagents_loop,
     "LiteLLM, streamed tool calls": litellm_streamed_loop,
     "DSPy ReAct": dspy_react_loop,
+    "Haystack Agent": haystack_loop,
+    "AutoGen AssistantAgent": autogen_loop,
+    # These two need ``openai<3``: run them from an environment of their own with
+    # ``llama-index-llms-openai`` and ``instructor`` (``--only llamaindex,instructor``).
+    "LlamaIndex FunctionAgent": llama_index_loop,
+    "Instructor, tools mode": instructor_loop,
 }
+
+
+# LlamaIndex's OpenAI class knows OpenAI's model names only (it looks up their windows).
+SERVE_FLAGS: dict[str, list[str]] = {"LlamaIndex FunctionAgent": ["--model-name", "gpt-4o-mini"]}
 
 
 def measure(name: str, loop: Callable[[str, str, Counter], Coroutine[Any, Any, None]]) -> None:
@@ -278,7 +379,7 @@ def measure(name: str, loop: Callable[[str, str, Counter], Coroutine[Any, Any, N
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kvrt", "serve", "--port", str(port), "--disk-budget", "0"]
-    command += ["--session-tokens", "4096"]
+    command += ["--session-tokens", "4096", *SERVE_FLAGS.get(name, [])]
     with tempfile.TemporaryFile() as log:
         proc = serve(command, port, log)
         try:
@@ -288,6 +389,9 @@ def measure(name: str, loop: Callable[[str, str, Counter], Coroutine[Any, Any, N
             try:
                 asyncio.run(loop(url, model, counter))
                 note = ""
+            except ImportError as exc:
+                print(f"\n{name}: skipped ({exc.name} is not installed in this environment)")
+                return
             except Exception as exc:  # a framework that fails is reported, not fatal
                 note = f" (stopped: {type(exc).__name__}: {str(exc)[:80]})"
         finally:
@@ -302,9 +406,16 @@ def measure(name: str, loop: Callable[[str, str, Counter], Coroutine[Any, Any, N
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only", default="", help="comma-separated parts of framework names (e.g. haystack,dspy)"
+    )
+    wanted = [w.strip().lower() for w in parser.parse_args().only.split(",") if w.strip()]
     print("tokens computed by kvrt serve for each model request, in order")
     for name, loop in LOOPS.items():
-        measure(name, loop)
+        squashed = name.lower().replace(" ", "")
+        if not wanted or any(w.replace(" ", "") in squashed for w in wanted):
+            measure(name, loop)
 
 
 if __name__ == "__main__":

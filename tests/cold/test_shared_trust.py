@@ -34,6 +34,7 @@ Y = [Segment("doc", "The garden gate is painted green. " * 20), Segment("q", "Wh
 
 @pytest.fixture
 def engine() -> kvrt.backend.Engine:
+    """This module's engine, in place of the suite's SmolLM2: the zoo's tiny llama."""
     return tiny()
 
 
