@@ -89,9 +89,17 @@ def counted_client(url: str, counter: Counter) -> Any:
     """An ``AsyncOpenAI`` whose every response is counted by ``counter``."""
     import openai
 
-    # openai's own httpx flavour (``httpx``, or ``httpx2`` in newer releases)
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [counter.hook]}, timeout=600)
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http)
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", http_client=counted_async_http(counter)
+    )
+
+
+def counted_async_http(counter: Counter) -> Any:
+    """An async httpx client (openai's own flavour: ``httpx``, or ``httpx2`` in newer
+    releases) whose every response is counted."""
+    import openai
+
+    return openai.DefaultAsyncHttpxClient(event_hooks={"response": [counter.hook]}, timeout=600)
 
 
 def counted_sync_http(counter: Counter) -> Any:
@@ -295,7 +303,6 @@ async def haystack_loop(url: str, model: str, counter: Counter) -> None:
 
 
 async def autogen_loop(url: str, model: str, counter: Counter) -> None:
-    import openai
     from autogen_agentchat.agents import AssistantAgent
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
@@ -304,9 +311,7 @@ async def autogen_loop(url: str, model: str, counter: Counter) -> None:
         model=model, base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=48,
         model_info={"vision": False, "function_calling": True, "json_output": True,
                     "structured_output": True, "family": "unknown"},
-        http_client=openai.DefaultAsyncHttpxClient(
-            event_hooks={"response": [counter.hook]}, timeout=600
-        ),
+        http_client=counted_async_http(counter),
     )  # fmt: skip
     agent = AssistantAgent(
         "weather", model_client=client, tools=[weather],

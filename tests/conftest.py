@@ -39,6 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per physical core, at most four (each loads its own models)."""
     return max(1, min(physical_cores(), 4))

@@ -81,22 +81,22 @@ def _scalar(fields: dict[str, Any], key: str) -> Any:
 def read_gguf_metadata(path: Path) -> GgufMetadata:
     """Read architecture and attention shape from a GGUF file's header."""
     try:  # the tokenizer's fields are most of a header: skipped, not decoded
-        reader = read_header(path, lambda key: not key.startswith("tokenizer."))
+        fields = read_header(path, lambda key: not key.startswith("tokenizer."))
     except (OSError, HeaderError) as exc:
         raise ModelLoadError(f"cannot read GGUF metadata from {path}: {exc}") from exc
-    arch = _scalar(reader, "general.architecture")
+    arch = _scalar(fields, "general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{path} has no general.architecture: not a model GGUF")
 
     def key(name: str) -> Any:
-        return _scalar(reader, f"{arch}.{name}")
+        return _scalar(fields, f"{arch}.{name}")
 
     n_head = key("attention.head_count")
     embedding = key("embedding_length")
     default_head_dim = embedding // n_head if embedding and n_head else None
     return GgufMetadata(
         architecture=arch,
-        name=_scalar(reader, "general.name"),
+        name=_scalar(fields, "general.name"),
         n_layers=key("block_count"),
         n_head=n_head,
         n_head_kv=key("attention.head_count_kv") or n_head,

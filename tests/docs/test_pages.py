@@ -64,10 +64,14 @@ def _pinning(text: str) -> bool:
     return bool(re.search(rf"^(from|import) ({'|'.join(PINNING_IMPORTS)})\b", text, re.M))
 
 
+def _uses_a_framework(text: str) -> bool:
+    frameworks = r"agents|pydantic_ai|langchain_openai|smolagents|dspy|litellm|haystack|autogen_\w+"
+    return _pinning(text) or bool(re.search(rf"^(from|import) ({frameworks})\b", text, re.M))
+
+
 def _marks(text: str) -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.subprocess, pytest.mark.model]
-    frameworks = r"agents|pydantic_ai|langchain_openai|smolagents|dspy|litellm|haystack|autogen_\w+"
-    if _pinning(text) or re.search(rf"^(from|import) ({frameworks})\b", text, re.M):
+    if _uses_a_framework(text):
         marks.append(pytest.mark.frameworks)
     return marks
 
@@ -75,8 +79,7 @@ def _marks(text: str) -> list[pytest.MarkDecorator]:
 def _needs_real_text(text: str) -> bool:
     """Whether a block's program reads what the model wrote: a framework's loop, a tool
     call or a structured reply."""
-    frameworks = any(mark.name == "frameworks" for mark in _marks(text))
-    return frameworks or bool(re.search(r"tools=|response_format=|tool_calls", text))
+    return _uses_a_framework(text) or bool(re.search(r"tools=|response_format=|tool_calls", text))
 
 
 def _run(text: str, folder: Path, python: str, env: dict[str, str]) -> None:
