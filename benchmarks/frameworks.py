@@ -9,8 +9,8 @@ on the Responses API), LangChain with LangGraph (``MemorySaver``), smolagents
 (``agent.run(..., reset=False)``), LiteLLM streaming its tool calls (assembled by its own
 ``stream_chunk_builder``), DSPy's ``ReAct``, Haystack's ``Agent`` and AutoGen's
 ``AssistantAgent`` (each keeping its messages), and, where ``openai<3`` is installed,
-LlamaIndex's ``FunctionAgent`` (one ``Context``, which keeps no history between runs) and Instructor in tools mode, each against
-a server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
+LlamaIndex's ``FunctionAgent`` (one ``Context``, which keeps no history between runs) and
+Instructor in tools mode, each against a server of its own. The server's own counter (``kvrt_tokens_total{kind="prefilled"}`` in
 ``/metrics``) is read after each request.
 
 Run: ``python benchmarks/frameworks.py`` — from another checkout's folder

@@ -2,10 +2,10 @@
 the most of its conversation.
 
 A session is lent to one request at a time. A request whose messages extend what a live
-session holds (its earlier messages and reply) gets that session, so only the new
-messages are computed; otherwise it gets a new session while there is room, and else the
-idle session used longest ago (its blocks go to the cold store, where later requests
-find them). ``X-Session-Id`` pins a conversation to a session of its own. Past
+session holds (its earlier messages and reply, or all of them but that reply, sent back
+in other words) gets that session, so only what is new is computed; otherwise it gets a
+new session while there is room, and else the idle session used longest ago (its blocks
+go to the cold store, where later requests find them). ``X-Session-Id`` pins a conversation to a session of its own. Past
 ``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
 
 Every request comes with a scope (its tenant and cache salt, or None) and is matched only
@@ -50,15 +50,27 @@ class Slot:
 
 
 def shared(history: History, wanted: History) -> int:
-    """How much of ``wanted`` a session holding ``history`` already has (0 if
-    ``history`` is not where ``wanted`` begins)."""
+    """How many of ``wanted``'s messages a session holding ``history`` already has: all of
+    ``history`` where ``wanted`` begins with it, all but its last reply where ``wanted``
+    sends that reply back changed, else 0."""
     if isinstance(history, str) or isinstance(wanted, str):
         if isinstance(history, str) and isinstance(wanted, str) and wanted.startswith(history):
             return len(history)
         return 0
-    if len(history) > len(wanted) or wanted[: len(history)] != history:
-        return 0
-    return len(history)
+    if len(history) <= len(wanted) and wanted[: len(history)] == history:
+        return len(history)
+    # The conversation sent back with its last reply in other words (a framework that
+    # keeps a tool call as JSON content, a reply the user edited): the session still holds
+    # everything before that reply, and only the reply is computed anew.
+    last = len(history) - 1
+    if (
+        last > 0
+        and len(wanted) > last
+        and history[last].role == wanted[last].role == "assistant"
+        and wanted[:last] == history[:last]
+    ):
+        return last
+    return 0
 
 
 class Pool:

@@ -64,6 +64,38 @@ async def test_six_turn_conversation_reuses_every_earlier_turn(anyio_backend: st
         assert rt.cold_stats().bytes <= rt.cold_stats().budget_bytes
 
 
+async def test_a_reply_sent_back_in_other_words_costs_only_itself(anyio_backend: str) -> None:
+    """A framework that keeps each reply its own way (a tool call kept as JSON content, an
+    edited answer) sends back a conversation the session holds all of but its last reply:
+    that session is lent again, and only the reply as sent and the new message are
+    computed, where a fresh session would compute everything after the last cold block."""
+    async with server(engine=tiny(), max_sessions=4) as (_rt, url):
+
+        def talk() -> list[Any]:
+            c = client(url)
+            model = c.models.list().data[0].id
+            messages: list[Any] = [{"role": "system", "content": SYSTEM}]
+            out = []
+            for turn in range(5):
+                messages.append({"role": "user", "content": f"Tell me fact number {turn + 1}."})
+                r = c.chat.completions.create(
+                    model=model, messages=messages, max_tokens=12, temperature=0
+                )
+                out.append(r)
+                kept = json.dumps({"fact": turn + 1, "text": r.choices[0].message.content})
+                messages.append({"role": "assistant", "content": kept})
+            return out
+
+        replies = await in_thread(talk)
+        for before, after in itertools.pairwise(replies):
+            assert before.usage is not None and after.usage is not None
+            new = after.usage.prompt_tokens - before.usage.prompt_tokens  # reply + question
+            prefilled = (after.usage.model_extra or {})["kvrt"]["prefilled_tokens"]
+            assert prefilled <= new, (prefilled, new)
+        health = json.loads(await in_thread(get, url, "/health"))
+        assert health["sessions"] == 1, health
+
+
 async def test_streaming_with_stop_sequences_and_usage(anyio_backend: str) -> None:
     async with server() as (_, url):
 
