@@ -294,3 +294,38 @@ def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:
     assert out.count("engine turns:") == 2
     assert "statuses [200]" in out and "statuses [400]" in out  # one load accepted, one refused
     assert out.count("x its time alone") == 4
+
+
+def test_the_peer_benchmark_runs_kvrt_serve_beside_llama_server() -> None:
+    # llama-server is built once from the llama.cpp llama-cpp-python vendors (.ci/run
+    # builds it before the suite; elsewhere the first run here builds it).
+    from benchmarks._peer import llama_server
+
+    llama_server()
+    argv = ["-m", "benchmarks.peer", "--model", zoo_path("llama"), "--agents", "2"]
+    out = run(*argv, "--turns", "2", "--chats", "2", "--rounds", "2")
+    agents, chats = out.split("concurrent chat:")
+
+    def rows(table: str) -> dict[str, list[str]]:
+        return {
+            line[:40].strip(): line[40:].split()
+            for line in table.splitlines()
+            if line.startswith(("kvrt serve", "llama-server")) and "the peer's best" not in line
+        }
+
+    served = rows(agents)
+    assert len(served) == 6, agents
+    fresh = {"kvrt": served["kvrt serve, nothing reused (reference)"]}
+    fresh["llama"] = served["llama-server -np 1 --cache-ram 0"]
+    for label, cells in served.items():
+        assert float(cells[-3]) > 0, agents  # peak RSS, MiB
+        if label.startswith("kvrt"):
+            assert cells[-1] == "4/4", agents  # kvrt's replies equal computing them anew
+        if cells not in fresh.values():
+            computed, kind = int(cells[1]), "kvrt" if label.startswith("kvrt") else "llama"
+            assert computed < int(fresh[kind][1]), agents  # reuse computes less
+    assert "kvrt serve: wall" in agents and "peak RSS" in agents
+    chatted = rows(chats)
+    assert len(chatted) == 4, chats
+    assert chatted["kvrt serve"][-1] == "4/4", chats
+    assert "tok/s" in chats
