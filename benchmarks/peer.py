@@ -332,7 +332,7 @@ def table(
     kind (the row named ``kinds[kind]``, which computed every request anew)."""
     print(f"\n{title}")
     head = f"{'server':<40} {'wall':>7} {'computed':>9} {'1st tok p50':>11} {'p90':>7}"
-    head += f" {'tok/s':>6} {'later p50':>9}" if tokens_per_s else ""
+    head += f" {'tokens':>6} {'tok/s':>6} {'later p50':>9}" if tokens_per_s else ""
     head += f" {'peak RSS':>9} {'= fresh':>8}"
     print(head)
     for label, out in rows.items():
@@ -347,7 +347,7 @@ def table(
         line = f"{label:<40} {out.wall:>6.1f}s {out.computed:>9} "
         line += f"{quantile(out.first_token, 0.5):>10.2f}s {quantile(out.first_token, 0.9):>6.2f}s"
         if tokens_per_s:
-            line += f" {out.generated / out.wall:>6.1f}"
+            line += f" {out.generated:>6} {out.generated / out.wall:>6.1f}"
             line += f" {quantile(out.later_first_token, 0.5):>8.2f}s"
         line += f" {out.rss_mib:>5.0f} MiB {same:>8}"
         print(line)
@@ -391,9 +391,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded model)")
     parser.add_argument(
+        "--only", default="", help="comma-separated server labels to run (default: all)"
+    )
+    parser.add_argument(
+        "--workloads", default="agents,chats", help="which to run: agents, chats or both"
+    )
+    parser.add_argument(
         "--no-build", action="store_true", help="measure kvrt alone when llama-server is not built"
     )
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # tables as they come
 
     import kvrt
 
@@ -428,14 +435,27 @@ def main(argv: Sequence[str] | None = None) -> None:
                 peer_server(f"llama-server -np {slots}", binary, model, slots),
                 peer_server(fresh["llama-server"], binary, model, 1, "--cache-ram", "0"),
             ]
-        return out
+        only = {label.strip() for label in args.only.split(",") if label.strip()}
+        return [s for s in out if not only or s.label in only]
 
     print(
         f"model {Path(model).name}; servers on core {core}, one thread, {SLOT_TOKENS} tokens a slot"
     )
 
+    workloads = {w.strip() for w in args.workloads.split(",")}
+    if "agents" in workloads:
+        run_agents(args, servers(args.agents), fresh, core)
+    if "chats" in workloads:
+        run_chats(args, servers(args.chats), fresh, core)
+    print("\n= fresh: replies equal to those of the reference of the server's kind, which")
+    print("computes every request anew (kvrt: restoring nothing; llama-server: no host cache)")
+
+
+def run_agents(
+    args: argparse.Namespace, servers: Sequence[Server], fresh: dict[str, str], core: int
+) -> None:
     agents: dict[str, Outcome | str] = {}
-    for server in servers(args.agents):
+    for server in servers:
         work = partial(agents_taking_turns, agents=args.agents, turns=args.turns)
         agents[server.label] = measure(server, work, core)
     table(
@@ -446,8 +466,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     for ours in ("kvrt serve", "kvrt serve --max-sessions 1"):
         ratios(agents, ours, peers, "llama-server -np 1", tokens_per_s=False)
 
+
+def run_chats(
+    args: argparse.Namespace, servers: Sequence[Server], fresh: dict[str, str], core: int
+) -> None:
     chats: dict[str, Outcome | str] = {}
-    for server in servers(args.chats):
+    for server in servers:
         if server.label in ("kvrt serve --max-sessions 1", "llama-server -np 1"):
             continue  # one session or slot serves the chats one at a time
         alone = server.label in fresh.values()  # the references: one chat at a time
@@ -460,8 +484,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     one_each = f"llama-server -np {args.chats}"
     ratios(chats, "kvrt serve", [one_each], one_each, tokens_per_s=True)
-    print("\n= fresh: replies equal to those of the reference of the server's kind, which")
-    print("computes every request anew (kvrt: restoring nothing; llama-server: no host cache)")
 
 
 if __name__ == "__main__":

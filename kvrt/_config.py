@@ -79,8 +79,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The logical context a request asks for (caps both hot and planner context)."""
     hot_tokens: Positive | None = None
     """A cap on the hot window, below what memory allows."""
-    batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
-    """Prefill batch size in tokens."""
+    batch: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
+    """Prefill batch size in tokens (default: 128 on llama.cpp, where it prefilled fastest
+    on one and two cores and needs a quarter of 512's attention scratch; 512 on
+    OpenVINO)."""
     require_exact: bool = False
     """Refuse a KV precision whose restores cannot be bit-exact (OpenVINO's ``u8``)."""
     openvino_profile: Literal["deterministic", "default"] = "deterministic"

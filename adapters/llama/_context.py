@@ -19,6 +19,13 @@ would scale YaRN or LongRoPE keys again, or crash on quantized keys, the window 
 itself: out as bytes, turned in numpy (:func:`~native_bridge.llama_keys.shift_cells`),
 back in at the new positions.
 
+A context smaller than its window (:data:`FIRST_CELLS`) grows as the window fills: its cells
+go out in position order and come back into a larger context, the old one freed first, so
+the memory a session holds follows the tokens it holds. Sizes stay multiples of 256 cells,
+llama.cpp's padding of the cells attention reads: a grown context computes what a
+full-size one does, bit for bit. Contexts whose keys or state depend on the size, or that
+keep a recurrent state or a sliding window, are built full size.
+
 On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it has
 integrated every token computed, in order, and is never evicted. The window checkpoints it
 (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions the session names (block ends)
@@ -32,6 +39,7 @@ state as it was.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -57,7 +65,34 @@ from .._window import KvWindow, check_tokens, chunk_bounds
 from ._keys import KeyReader
 from ._rope import ModelRope
 
-__all__ = ["LlamaEngineContext"]
+__all__ = ["FIRST_CELLS", "LlamaEngineContext"]
+
+FIRST_CELLS = 1024
+"""Cells a context starts with where its window is larger and it may grow."""
+
+PAD = 256
+"""llama.cpp pads the cells attention reads to this: sizes that are multiples of it read
+the same cells at any size."""
+
+
+def _padded(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+def first_size(facts: ModelFacts, rope: ModelRope, budget: int, n_batch: int) -> int:
+    """The cells a window of ``budget`` tokens starts with: fewer where it may grow (no
+    recurrent state, no sliding window, keys turned the same at every size), else all."""
+    first = _padded(max(FIRST_CELLS, n_batch))
+    if (
+        first >= budget
+        or facts.checkpoint_bytes
+        or facts.sliding_window_live
+        or facts.recurrent
+        or rope.identity(first) != rope.identity(budget)
+        or rope.factors(first) != rope.factors(budget)
+    ):
+        return budget
+    return first
 
 
 class LlamaEngineContext(KvWindow):
@@ -111,6 +146,9 @@ class LlamaEngineContext(KvWindow):
         """Of ``_states``, the positions a prefill was asked to keep (block ends); the others
         (ends of prefills) are kept only while the latest."""
         self._run_end: int | None = None
+        self._carried: Logits | None = None
+        """The last logits, brought over from the context this one grew out of (until
+        the next compute)."""
 
     @classmethod
     def create(
@@ -130,11 +168,12 @@ class LlamaEngineContext(KvWindow):
                 f"a hot window of {n_ctx} tokens exceeds the model's trained context "
                 f"of {facts.trained_context}"
             )
-        with translate_errors(f"creating a {n_ctx}-token context"):
+        first = first_size(facts, rope, n_ctx, n_batch)
+        with translate_errors(f"creating a {first}-token context"):
             ctx = LlamaContext(
                 model,
-                n_ctx=n_ctx,
-                n_batch=min(n_batch, n_ctx),
+                n_ctx=first,
+                n_batch=min(n_batch, first),
                 n_threads=n_threads,
                 kv_type=facts.kv_type,
                 flash_attn=facts.flash_attention,
@@ -204,11 +243,87 @@ class LlamaEngineContext(KvWindow):
 
     def _compute(self, chunk: list[int], start: int) -> None:
         n = len(self._positions)
+        self._room(len(chunk))
         if not self._in_order and n == start and (not n or self._positions[-1] == n - 1):
             self.relayout()
         with translate_errors("decoding"):
             self._ctx.decode(chunk, start)
+        self._carried = None
         self._in_order = self._in_order and start == n
+
+    # -- growing --
+
+    @property
+    def _full(self) -> bool:
+        return self._ctx.n_ctx >= self._budget
+
+    def _room(self, extra: int) -> None:
+        """Before ``extra`` more cells are taken: grow when they and the resident ones
+        would not fit."""
+        if not self._full and len(self._positions) + extra > self._ctx.n_ctx:
+            self._grow(len(self._positions) + extra)
+
+    def _grow(self, need: int) -> None:
+        """Move the window into a context of at least ``need`` cells (half as many again
+        as now, at least; the budget at most), its cells in position order. The old
+        context is freed before the new one is made (the window's bytes wait in between),
+        so the peak is the new context and those bytes. If the new context cannot be
+        made or loaded, the window goes back into one of the old size and the error is
+        raised; if even that fails, the window is left empty."""
+        old = self._ctx
+        size = _padded(max(need + self.chunk_tokens, old.n_ctx * 3 // 2))
+        size = self._budget if size >= self._budget else size
+        with translate_errors(f"growing the context to {size} tokens"):
+            if self._logits_pos is not None and self._carried is None:
+                self._carried = old.logits()
+            pieces = []
+            if self._positions:
+                first, last = self._positions[0], self._positions[-1] + 1
+                pieces = [self._ordered(self._cells(s, e)) for s, e in self._spans(first, last)]
+            old.close()
+            try:
+                self._ctx = self._rebuilt(old, size, pieces)
+            except Exception:
+                try:
+                    self._ctx = self._rebuilt(old, old.n_ctx, pieces)
+                except Exception:
+                    self._lost()
+                raise
+        self._in_order = not self._positions or self._positions[-1] == len(self._positions) - 1
+
+    def _rebuilt(
+        self, like: LlamaContext, cells: int, pieces: Sequence[npt.NDArray[np.uint8]]
+    ) -> LlamaContext:
+        """A context of ``cells`` set up as ``like`` was, holding ``pieces``."""
+        ctx = LlamaContext(
+            self._model, n_ctx=cells, n_batch=like.n_batch, n_threads=self._n_threads,
+            kv_type=like.kv_type, flash_attn=like.flash_attn,
+        )  # fmt: skip
+        try:
+            if pieces:
+                first, last = self._positions[0], self._positions[-1] + 1
+                for piece in pieces:
+                    ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(piece))
+                    try:
+                        ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, last)
+                    finally:
+                        ctx.seq_clear(SCRATCH_SEQ)
+        except BaseException:
+            ctx.close()
+            raise
+        return ctx
+
+    def _lost(self) -> None:
+        """The window could not be put back anywhere: an empty one, in a fresh context
+        of the first size where one can be made."""
+        self._positions.clear()
+        self._tokens.clear()
+        self._logits_pos = None
+        self._carried = None
+        self._states.clear()
+        self._asked.clear()
+        with contextlib.suppress(Exception):  # else it stays closed: later calls say so
+            self._ctx = self._rebuilt(self._ctx, self._ctx.n_ctx, ())
 
     # -- the recurrent state --
 
@@ -362,6 +477,8 @@ class LlamaEngineContext(KvWindow):
             self._tokens.pop()
 
     def _read_logits(self) -> Logits:
+        if self._carried is not None:
+            return self._carried.copy()
         with translate_errors("reading logits"):
             return self._ctx.logits()
 
@@ -487,6 +604,7 @@ class LlamaEngineContext(KvWindow):
                 f"a recurrent model ({self._facts.architecture}) keeps no KV: a block comes "
                 f"back only at the end of the window, not before position {self._positions[i]}"
             )
+        self._room(meta.n_tokens)  # the block comes in whole, then its skipped tokens go
         if tail and (self._run_end is None or meta.end >= self._run_end):
             self._check_resumable(block)
         if self._state_only and not meta.resumable:
@@ -579,6 +697,7 @@ class LlamaEngineContext(KvWindow):
     def _reset(self) -> None:
         with translate_errors("clearing the context"):
             self._ctx.clear()
+        self._carried = None
         self._in_order = True
         self._states.clear()
         self._asked.clear()

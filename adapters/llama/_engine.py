@@ -34,7 +34,12 @@ from ._context import LlamaEngineContext
 from ._gguf import GgufFile
 from ._rope import ModelRope, key_shift, model_rope
 
-__all__ = ["LlamaEngine"]
+__all__ = ["BATCH", "LlamaEngine"]
+
+BATCH = 128
+"""The prefill batch where none is configured: on SmolLM2, 1,300 tokens prefilled at 114
+tokens/s on one core and 216 on two, against 106 and 207 in batches of 512, with a
+quarter of the attention scratch (its pages grow with batch x cells)."""
 
 
 def _float(text: str | None) -> float | None:
@@ -404,7 +409,7 @@ class LlamaEngine:
             self._facts,
             self._rope,
             n_ctx=n_ctx,
-            n_batch=n_batch or self.config.batch,
+            n_batch=n_batch or self.config.batch or BATCH,
             n_threads=self.config.threads or physical_cores(),
         )
 

@@ -155,3 +155,47 @@ def test_capabilities(engine: LlamaEngine) -> None:
     ctx.close()
     assert caps.remove_middle and caps.position_shift and caps.exact_in_place
     assert caps.kv_type == "f16" and caps.sliding_window is None
+
+
+def test_a_context_that_grows_computes_what_a_full_size_one_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 4,096-token window starts in a 1,024-cell context and grows as it fills (its
+    cells laid out again in position order): every logit computed on a context laid out
+    as a fresh one equals a full-size context's doing the same, bit for bit, a gap
+    restored in between included, and the last logits survive a growth that no compute
+    follows. (With a gap, neither layout is a fresh context's: kvrt lays the window out
+    again before computing on it whole.)"""
+    from kvrt.adapters.llama import _context
+    from tests.support.models import tiny
+
+    engine = tiny()
+    assert isinstance(engine, LlamaEngine)
+    tokens = engine.tokenize(STORY * 50)[:2600]
+    assert len(tokens) == 2600
+    probe = words(engine, " She")
+
+    def run() -> tuple[list[np.ndarray], list[int]]:
+        ctx = engine.open_context(4096)
+        sizes = [ctx._ctx.n_ctx]  # type: ignore[attr-defined]
+        out = [ctx.prefill(tokens[:900]), ctx.prefill(tokens[900:1200])]  # grows, in order
+        sizes.append(ctx._ctx.n_ctx)  # type: ignore[attr-defined]
+        block = ctx.export(100, 300)
+        ctx.evict(100, 300, EvictMode.GAP)
+        last = ctx.prefill(tokens[1200:])  # grows with a gap: [0, 100) + [300, 2600)
+        ctx.admit(block, AdmitMode.IN_PLACE)  # grows again
+        sizes.append(ctx._ctx.n_ctx)  # type: ignore[attr-defined]
+        out.append(ctx.logits())  # carried over the growth
+        assert np.array_equal(out[-1], last)
+        out.append(ctx.prefill(probe))  # lays the whole context out first
+        assert list(ctx.positions) == list(range(len(tokens) + len(probe)))
+        ctx.close()
+        return out, sizes
+
+    grown, sizes = run()
+    monkeypatch.setattr(_context, "FIRST_CELLS", 1 << 20)  # every context full size
+    full, full_sizes = run()
+    assert sizes[0] == 1024 and sizes[0] < sizes[1] < sizes[2] and full_sizes == [4096] * 3
+    for i, (a, b) in enumerate(zip(grown, full, strict=True)):
+        if i != 2:  # the logits after the prefill with a gap (each context's own layout)
+            assert np.array_equal(a, b), f"step {i}: max |Δ| {np.abs(a - b).max()}"
