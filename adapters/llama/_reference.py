@@ -92,12 +92,19 @@ def reference_trace(
 
     from kvrt.backend import physical_cores
 
+    from ._engine import BATCH
+
     config = config or EngineConfig()
     threads = config.threads or physical_cores()
     out: dict[str, list[tuple[float, float]]] = {}
     for name in TRACE_NAMES:
         llm = reference_llama(
-            path, config, n_ctx=n_ctx, n_batch=config.batch, n_threads=threads, verbose=False
+            path,
+            config,
+            n_ctx=n_ctx,
+            n_batch=config.batch or BATCH,
+            n_threads=threads,
+            verbose=False,
         )
         if name.endswith("LlamaRAMCache"):
             llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))  # type: ignore[attr-defined]

@@ -23,16 +23,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 import msgspec
 import numpy as np
-import redis
 
 from . import blockfile
 from .entry import ColdEntry, ColdKey
 from .trust import ForgedValueError, Signer
+
+if TYPE_CHECKING:
+    import redis  # imported where a remote tier is made: 10 MiB a server without one saves
 
 __all__ = ["RemoteStats", "RemoteTier", "bounded_get", "redis_client"]
 
@@ -80,6 +82,8 @@ class RemoteStats(msgspec.Struct, frozen=True, kw_only=True):
 def redis_client(url: str, *, timeout: float, ca_file: str | None = None) -> redis.Redis:
     """A client for ``url`` (``rediss://`` for TLS, checked against ``ca_file`` when
     given), with bounded socket timeouts."""
+    import redis
+
     extra: dict[str, Any] = {}
     if ca_file is not None:
         extra["ssl_ca_certs"] = ca_file
@@ -184,6 +188,8 @@ class RemoteTier:
         down for ``retry_after`` seconds."""
         if not self.up:
             return None
+        import redis  # loaded with the client (redis_client)
+
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
         except redis.ResponseError as exc:

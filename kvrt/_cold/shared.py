@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
-
-import redis
+from typing import TYPE_CHECKING, TypeVar
 
 from .._errors import SharedValueError
 from .remote import RemoteTier, bounded_get
 from .trust import ForgedValueError
+
+if TYPE_CHECKING:
+    import redis
 
 __all__ = ["SharedStore"]
 

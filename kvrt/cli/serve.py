@@ -42,6 +42,14 @@ def add(sub: Any) -> None:
         help="requests waiting for a session before 429s (default 16)",
     )
     serve.add_argument(
+        "--idle-sessions",
+        type=count(0, 256),
+        default=0,
+        metavar="N",
+        help="idle sessions kept live when a request takes one; the others go to the cold "
+        "store and free their memory (default 0)",
+    )
+    serve.add_argument(
         "--session-tokens",
         type=count(64),
         default=None,
@@ -150,6 +158,7 @@ def main(args: argparse.Namespace) -> None:
         port=args.port,
         max_sessions=args.max_sessions,
         max_queue=args.max_queue,
+        idle_sessions=args.idle_sessions,
         hot_tokens=args.session_tokens,
         model_name=args.model_name,
         stall_timeout=args.stall_timeout,

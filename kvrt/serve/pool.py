@@ -5,7 +5,9 @@ A session is lent to one request at a time. A request whose messages extend what
 session holds (its earlier messages and reply, or all of them but that reply, sent back
 in other words) gets that session, so only what is new is computed; otherwise it gets a
 new session while there is room, and else the idle session used longest ago (its blocks
-go to the cold store, where later requests find them). ``X-Session-Id`` pins a conversation to a session of its own. Past
+go to the cold store, where later requests find them). When a request takes a session,
+idle sessions past ``idle_sessions`` (the least recently used) close the same way: only
+the sessions being used, and the few kept, hold engine memory. ``X-Session-Id`` pins a conversation to a session of its own. Past
 ``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
 
 Every request comes with a scope (its tenant and cache salt, or None) and is matched only
@@ -45,8 +47,9 @@ class Slot:
     last_used: float = field(default_factory=time.monotonic)
     session: kvrt.Session | None = None
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)
-    replaces: Slot | None = None
-    """An idle session this one takes the place of: closed before this one opens."""
+    closes: list[Slot] = field(default_factory=list)
+    """Idle sessions this one's request closes first (the one it takes the place of, those
+    past ``idle_sessions``)."""
 
 
 def shared(history: History, wanted: History) -> int:
@@ -77,11 +80,18 @@ class Pool:
     """Sessions of one runtime, lent to requests."""
 
     def __init__(
-        self, runtime: kvrt.Runtime, *, max_sessions: int, max_queue: int, hot_tokens: int | None
+        self,
+        runtime: kvrt.Runtime,
+        *,
+        max_sessions: int,
+        max_queue: int,
+        hot_tokens: int | None,
+        idle_sessions: int = 0,
     ) -> None:
         self.runtime = runtime
         self.max_sessions = max_sessions
         self.max_queue = max_queue
+        self.idle_sessions = idle_sessions
         self.hot_tokens = hot_tokens
         self.slots: list[Slot] = []
         self.waiting = 0
@@ -143,8 +153,22 @@ class Pool:
         return slot
 
     def _choose(self, wanted: History, pin: str | None, scope: str | None) -> Slot | None:
-        """The slot to lend now (marked busy), or None to wait. Synchronous: no other
-        request can choose between the look and the mark."""
+        """The slot to lend now (marked busy, with the idle sessions past
+        ``idle_sessions`` to close), or None to wait. Synchronous: no other request can
+        choose between the look and the mark."""
+        slot = self._pick(wanted, pin, scope)
+        if slot is not None:
+            idle = sorted(
+                (s for s in self.slots if not s.busy and s.session is not None),
+                key=lambda s: s.last_used,
+                reverse=True,
+            )
+            for old in idle[self.idle_sessions :]:
+                self.slots.remove(old)
+                slot.closes.append(old)
+        return slot
+
+    def _pick(self, wanted: History, pin: str | None, scope: str | None) -> Slot | None:
         idle = [s for s in self.slots if not s.busy]
         if pin is not None:
             mine = next((s for s in self.slots if s.pin == pin and s.scope == scope), None)
@@ -173,17 +197,18 @@ class Pool:
         if len(self.slots) >= self.max_sessions:
             if not idle:
                 return None
-            slot.replaces = min(idle, key=lambda s: s.last_used)
-            self.slots.remove(slot.replaces)
+            replaced = min(idle, key=lambda s: s.last_used)
+            self.slots.remove(replaced)
+            slot.closes.append(replaced)
         self.slots.append(slot)
         return slot
 
     async def _ready(self, slot: Slot) -> None:
-        """Close the session a new slot replaces (its hot blocks are offered to the cold
-        store), before the new one opens."""
-        old, slot.replaces = slot.replaces, None
-        if old is not None:
-            with anyio.CancelScope(shield=True):
+        """Close the idle sessions the slot's request closes (their hot blocks go to the
+        cold store), before its own opens or is used."""
+        closing, slot.closes = slot.closes, []
+        with anyio.CancelScope(shield=True):
+            for old in closing:
                 await old.stack.aclose()
 
     async def _open(self, slot: Slot) -> None:

@@ -53,6 +53,7 @@ class Server:
             runtime,
             max_sessions=config.max_sessions,
             max_queue=config.max_queue,
+            idle_sessions=config.idle_sessions,
             hot_tokens=config.hot_tokens,
         )
         self.requests: Counter[tuple[str, int]] = Counter()

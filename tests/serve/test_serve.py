@@ -96,6 +96,54 @@ async def test_a_reply_sent_back_in_other_words_costs_only_itself(anyio_backend:
         assert health["sessions"] == 1, health
 
 
+async def test_idle_sessions_go_to_the_cold_store_and_come_back_exact(anyio_backend: str) -> None:
+    """Two conversations taking turns on a server that keeps no idle session live: each
+    request closes the other's session (its blocks go to the cold store), so one session
+    holds memory at a time, and the conversation that comes back is restored rather than
+    computed again, to the same replies and log-probabilities as a server keeping both."""
+
+    async def talk(idle: int) -> tuple[list[tuple[str, list[float], dict[str, Any]]], list[int]]:
+        async with server(engine=tiny(), idle_sessions=idle) as (_rt, url):
+
+            def run() -> tuple[list[tuple[str, list[float], dict[str, Any]]], list[int]]:
+                c = client(url)
+                model = c.models.list().data[0].id
+                rules = " ".join(f"Rule {i}: answer in plain words." for i in range(40))
+                talks: list[list[Any]] = [
+                    [{"role": "system", "content": f"You are agent {a}. {rules}"}]
+                    for a in ("A", "B")
+                ]
+                out, sessions = [], []
+                for turn in range(3):
+                    for messages in talks:
+                        messages.append({"role": "user", "content": f"Step {turn}?"})
+                        r = c.chat.completions.create(
+                            model=model, messages=messages, max_tokens=6, temperature=0,
+                            logprobs=True,
+                        )  # fmt: skip
+                        choice = r.choices[0]
+                        text = choice.message.content or ""
+                        messages.append({"role": "assistant", "content": text})
+                        assert choice.logprobs is not None and choice.logprobs.content
+                        logprobs = [t.logprob for t in choice.logprobs.content]
+                        assert r.usage is not None
+                        out.append((text, logprobs, (r.usage.model_extra or {})["kvrt"]))
+                        sessions.append(json.loads(get(url, "/health"))["sessions"])
+                return out, sessions
+
+            return await in_thread(run)
+
+    parked, parked_sessions = await talk(0)
+    live, live_sessions = await talk(4)
+    assert parked_sessions == [1] * 6 and live_sessions == [1, 2, 2, 2, 2, 2]
+    for (text, logprobs, _), (text_live, logprobs_live, _) in zip(parked, live, strict=True):
+        assert (text, logprobs) == (text_live, logprobs_live)
+    for (_, _, usage), (_, _, usage_live) in zip(parked[2:], live[2:], strict=True):
+        assert usage["restored_tokens"] > usage_live["restored_tokens"] + 100
+        # at most the tail after the last whole block is computed again
+        assert usage["prefilled_tokens"] < usage_live["prefilled_tokens"] + 32, usage
+
+
 async def test_streaming_with_stop_sequences_and_usage(anyio_backend: str) -> None:
     async with server() as (_, url):
 
@@ -249,8 +297,10 @@ async def test_session_id_header_pins_conversations(anyio_backend: str) -> None:
 
         cached = await in_thread(run)
         assert cached[:2] == [0, 0] and all(c > 0 for c in cached[2:])
+        # Each request closed the other pinned session (its blocks to the cold store):
+        # the pinned conversation came back from there.
         health = json.loads(await in_thread(get, url, "/health"))
-        assert health["sessions"] == 2
+        assert health["sessions"] == 1
 
 
 @pytest.mark.slow
