@@ -10,10 +10,12 @@ greedy, streamed; this process sends from the other cores. Two workloads:
 - **concurrent chat**: eight chats at once (prompts of about 335 tokens, 64 tokens each),
   two rounds, the second sending back the first's reply with a new question.
 
-Servers: ``kvrt serve`` at its defaults and with ``--max-sessions 1`` (it pages at every
-switch), ``llama-server -np 1`` (one slot, its host cache on, the default), ``-np N``
-(a slot per agent or chat) and ``-np 1 --cache-ram 0`` (no host cache: it computes every
-switch anew, which makes its replies the reference: each equal to a fresh server's).
+Servers: ``kvrt serve`` at its defaults and with ``--idle-sessions 0`` (an idle session
+goes to the cold store when another conversation is served alone), a kvrt reference that
+restores nothing, ``llama-server -np 1`` (one slot, its host cache on, the default),
+``-np N`` (a slot per agent or chat) and ``-np 1 --cache-ram 0`` (no host cache: it
+computes every switch anew). Each reference serves one request at a time and computes it
+whole: its replies are a fresh server's, which the others' replies are compared with.
 
 For each: wall time, tokens computed (kvrt's ``prefilled_tokens``, llama-server's
 ``timings.prompt_n``), time to the first token (p50 and p90 over requests), the server
@@ -425,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     def servers(slots: int) -> list[Server]:
         out = [
             kvrt_server("kvrt serve", model),
-            kvrt_server("kvrt serve --max-sessions 1", model, "--max-sessions", "1"),
+            kvrt_server("kvrt serve --idle-sessions 0", model, "--idle-sessions", "0"),
             fresh_kvrt,
         ]
         if binary is not None:
@@ -463,7 +465,7 @@ def run_agents(
         agents, fresh, tokens_per_s=False,
     )  # fmt: skip
     peers = ["llama-server -np 1", f"llama-server -np {args.agents}"]
-    for ours in ("kvrt serve", "kvrt serve --max-sessions 1"):
+    for ours in ("kvrt serve", "kvrt serve --idle-sessions 0"):
         ratios(agents, ours, peers, "llama-server -np 1", tokens_per_s=False)
 
 
@@ -472,8 +474,8 @@ def run_chats(
 ) -> None:
     chats: dict[str, Outcome | str] = {}
     for server in servers:
-        if server.label in ("kvrt serve --max-sessions 1", "llama-server -np 1"):
-            continue  # one session or slot serves the chats one at a time
+        if server.label == "llama-server -np 1":
+            continue  # one slot serves the chats one at a time
         alone = server.label in fresh.values()  # the references: one chat at a time
         work = partial(concurrent_chat, chats=args.chats, rounds=args.rounds, at_once=not alone)
         chats[server.label] = measure(server, work, core)
@@ -483,7 +485,8 @@ def run_chats(
         chats, fresh, tokens_per_s=True,
     )  # fmt: skip
     one_each = f"llama-server -np {args.chats}"
-    ratios(chats, "kvrt serve", [one_each], one_each, tokens_per_s=True)
+    for ours in ("kvrt serve", "kvrt serve --idle-sessions 0"):
+        ratios(chats, ours, [one_each], one_each, tokens_per_s=True)
 
 
 if __name__ == "__main__":

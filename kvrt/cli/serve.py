@@ -44,10 +44,10 @@ def add(sub: Any) -> None:
     serve.add_argument(
         "--idle-sessions",
         type=count(0, 256),
-        default=0,
+        default=None,
         metavar="N",
-        help="idle sessions kept live when a request takes one; the others go to the cold "
-        "store and free their memory (default 0)",
+        help="idle sessions kept live when a request takes one and no other is served; the "
+        "others go to the cold store and free their memory (default: all)",
     )
     serve.add_argument(
         "--session-tokens",

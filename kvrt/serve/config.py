@@ -26,12 +26,13 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Sessions kept live at once (each holds a hot window)."""
     max_queue: int = 16
     """Requests that may wait for a session; past it a request gets 429."""
-    idle_sessions: int = 0
-    """Idle sessions kept live when a request takes a session: the others, least recently
-    used first, put their hot windows in the cold store and free their contexts, so the
-    memory held follows the requests being served. A conversation whose session is still
-    live when it comes back takes it as it is; otherwise it is restored from the cold
-    store (exact, at memory speed)."""
+    idle_sessions: int | None = None
+    """Idle sessions kept live when a request takes a session and no other is being
+    served (default: all, up to ``max_sessions``). With a number, the others, least
+    recently used first, put their hot windows in the cold store and free their contexts:
+    agents taking turns then hold one session's memory, and a conversation that comes
+    back is restored from the cold store (exact, at memory speed). Conversations sent at
+    once keep theirs."""
     hot_tokens: int | None = None
     """Each session's hot window (default: the runtime's)."""
     model_name: str | None = None

@@ -5,9 +5,10 @@ A session is lent to one request at a time. A request whose messages extend what
 session holds (its earlier messages and reply, or all of them but that reply, sent back
 in other words) gets that session, so only what is new is computed; otherwise it gets a
 new session while there is room, and else the idle session used longest ago (its blocks
-go to the cold store, where later requests find them). When a request takes a session,
-idle sessions past ``idle_sessions`` (the least recently used) close the same way: only
-the sessions being used, and the few kept, hold engine memory. ``X-Session-Id`` pins a conversation to a session of its own. Past
+go to the cold store, where later requests find them). With ``idle_sessions`` set, when
+a request takes a session and no other is being served, idle sessions past that many (the
+least recently used) close the same way: conversations taking turns then hold one
+session's engine memory, concurrent ones as many as they use. ``X-Session-Id`` pins a conversation to a session of its own. Past
 ``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
 
 Every request comes with a scope (its tenant and cache salt, or None) and is matched only
@@ -86,7 +87,7 @@ class Pool:
         max_sessions: int,
         max_queue: int,
         hot_tokens: int | None,
-        idle_sessions: int = 0,
+        idle_sessions: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.max_sessions = max_sessions
@@ -157,7 +158,10 @@ class Pool:
         ``idle_sessions`` to close), or None to wait. Synchronous: no other request can
         choose between the look and the mark."""
         slot = self._pick(wanted, pin, scope)
-        if slot is not None:
+        # Only when this request is the only one served: idle sessions then belong to
+        # conversations taking turns, while beside busy ones they are likelier to be sent
+        # again at once (concurrent chats), and closing them would wait on engine turns.
+        if slot is not None and self.idle_sessions is not None and self.busy == 1:
             idle = sorted(
                 (s for s in self.slots if not s.busy and s.session is not None),
                 key=lambda s: s.last_used,

@@ -326,6 +326,6 @@ def test_the_peer_benchmark_runs_kvrt_serve_beside_llama_server() -> None:
             assert computed < int(fresh[kind][1]), agents  # reuse computes less
     assert "kvrt serve: wall" in agents and "peak RSS" in agents
     chatted = rows(chats)
-    assert len(chatted) == 4, chats
-    assert chatted["kvrt serve"][-1] == "4/4", chats
+    assert len(chatted) == 5, chats
+    assert chatted["kvrt serve"][-1] == chatted["kvrt serve --idle-sessions 0"][-1] == "4/4"
     assert "tok/s" in chats
