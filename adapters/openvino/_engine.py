@@ -276,7 +276,11 @@ class OpenVinoEngine:
                 f"trained context), got {n_ctx!r}"
             )
         return OpenVinoEngineContext(
-            self._model, self._facts, n_ctx, n_batch or self.config.batch or 512, self.is_end_of_generation
+            self._model,
+            self._facts,
+            n_ctx,
+            n_batch or self.config.batch or 512,
+            self.is_end_of_generation,
         )
 
     def close(self) -> None:

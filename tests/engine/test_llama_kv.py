@@ -177,14 +177,14 @@ def test_a_context_that_grows_computes_what_a_full_size_one_does(
 
     def run() -> tuple[list[np.ndarray], list[int]]:
         ctx = engine.open_context(4096)
-        sizes = [ctx._ctx.n_ctx]  # type: ignore[attr-defined]
+        sizes = [ctx._ctx.n_ctx]
         out = [ctx.prefill(tokens[:900]), ctx.prefill(tokens[900:1200])]  # grows, in order
-        sizes.append(ctx._ctx.n_ctx)  # type: ignore[attr-defined]
+        sizes.append(ctx._ctx.n_ctx)
         block = ctx.export(100, 300)
         ctx.evict(100, 300, EvictMode.GAP)
         last = ctx.prefill(tokens[1200:])  # grows with a gap: [0, 100) + [300, 2600)
         ctx.admit(block, AdmitMode.IN_PLACE)  # grows again
-        sizes.append(ctx._ctx.n_ctx)  # type: ignore[attr-defined]
+        sizes.append(ctx._ctx.n_ctx)
         out.append(ctx.logits())  # carried over the growth
         assert np.array_equal(out[-1], last)
         out.append(ctx.prefill(probe))  # lays the whole context out first
