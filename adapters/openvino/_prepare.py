@@ -171,7 +171,13 @@ def _user_ir(folder: Path) -> tuple[Path, IrInfo]:
 def _rewrite_f16(
     src: Path, dst: Path, progress: Progress | None
 ) -> tuple[str, str | None, int, int | None]:
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise ModelLoadError(
+            "converting a GGUF file for OpenVINO writes one with the gguf package, which "
+            "is not installed: pip install 'kvrt[openvino]' (or gguf)"
+        ) from None
     import numpy as np
 
     fields, tensors = read_tensors(src, lambda key: True)

@@ -517,8 +517,15 @@ def _metadata(v: Variant) -> Iterator[tuple[str, Any, Any, Any]]:
 
 def write(name: str, folder: str | os.PathLike[str]) -> Path:
     """Write the variant ``name`` as ``<folder>/<name>.gguf`` (once: an existing file
-    written by this zoo is kept) and return its path."""
-    import gguf
+    written by this zoo is kept) and return its path. Needs the ``gguf`` package (the
+    ``test`` extra), which kvrt itself does not install."""
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            "kvrt.testing.zoo writes GGUF files with the gguf package: pip install gguf "
+            "(or kvrt's test extra)"
+        ) from None
 
     v = VARIANTS[name]
     target = Path(folder) / f"{name}.gguf"
