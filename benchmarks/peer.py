@@ -34,7 +34,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._peer import PeerUnavailable, llama_server
+from benchmarks.tool_loop import free_port
 
 SLOT_TOKENS = 4096
 
@@ -130,12 +130,6 @@ class Running:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024
         return float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(server: Server, core: int, log: Any) -> Running:

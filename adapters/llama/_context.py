@@ -88,8 +88,7 @@ def first_size(facts: ModelFacts, rope: ModelRope, budget: int, n_batch: int) ->
         or facts.checkpoint_bytes
         or facts.sliding_window_live
         or facts.recurrent
-        or rope.identity(first) != rope.identity(budget)
-        or rope.factors(first) != rope.factors(budget)
+        or rope.identity(first) != rope.identity(budget)  # the LongRoPE table in use
     ):
         return budget
     return first
@@ -303,11 +302,7 @@ class LlamaEngineContext(KvWindow):
             if pieces:
                 first, last = self._positions[0], self._positions[-1] + 1
                 for piece in pieces:
-                    ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(piece))
-                    try:
-                        ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, last)
-                    finally:
-                        ctx.seq_clear(SCRATCH_SEQ)
+                    self._load(piece, first, last, ctx)
         except BaseException:
             ctx.close()
             raise
@@ -315,15 +310,10 @@ class LlamaEngineContext(KvWindow):
 
     def _lost(self) -> None:
         """The window could not be put back anywhere: an empty one, in a fresh context
-        of the first size where one can be made."""
-        self._positions.clear()
-        self._tokens.clear()
-        self._logits_pos = None
-        self._carried = None
-        self._states.clear()
-        self._asked.clear()
+        of the old size where one can be made."""
         with contextlib.suppress(Exception):  # else it stays closed: later calls say so
             self._ctx = self._rebuilt(self._ctx, self._ctx.n_ctx, ())
+        self._drop_all()
 
     # -- the recurrent state --
 
@@ -537,21 +527,30 @@ class LlamaEngineContext(KvWindow):
             if bisect.bisect_left(self._positions, s) < bisect.bisect_left(self._positions, e)
         ]
 
-    def _load(self, data: npt.NDArray[np.uint8], first: int, stop: int) -> None:
-        """Load state bytes into the window through the scratch sequence."""
-        self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
+    def _load(
+        self,
+        data: npt.NDArray[np.uint8],
+        first: int,
+        stop: int,
+        ctx: LlamaContext | None = None,
+    ) -> None:
+        """Load state bytes into the window (or ``ctx``) through the scratch sequence."""
+        ctx = ctx or self._ctx
+        ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
         try:
-            self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, stop)
+            ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, stop)
         finally:
-            self._ctx.seq_clear(SCRATCH_SEQ)
+            ctx.seq_clear(SCRATCH_SEQ)
 
     def _drop_all(self) -> None:
         self._states.clear()
         self._asked.clear()
-        self._ctx.clear()
+        if not self._ctx.closed:
+            self._ctx.clear()
         self._positions.clear()
         self._tokens.clear()
         self._logits_pos = None
+        self._carried = None
         self._in_order = True
 
     def _take(self, i: int, j: int, start: int, end: int) -> npt.NDArray[np.uint8]:

@@ -89,6 +89,8 @@ class Pool:
         hot_tokens: int | None,
         idle_sessions: int | None = None,
     ) -> None:
+        if idle_sessions is not None and idle_sessions < 0:
+            raise kvrt.ConfigError(f"idle_sessions must be 0 or more, got {idle_sessions}")
         self.runtime = runtime
         self.max_sessions = max_sessions
         self.max_queue = max_queue

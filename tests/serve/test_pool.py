@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 import kvrt
-from kvrt.serve.pool import shared
+from kvrt.serve.pool import Pool, shared
 
 SYSTEM = kvrt.Message(role="system", content="Be brief.")
 ASK = kvrt.Message(role="user", content="Weather in Paris?")
@@ -31,3 +35,9 @@ def test_another_conversation_on_the_same_system_prompt_counts_nothing() -> None
     assert shared((SYSTEM, ASK, CALL), (SYSTEM, other, AS_JSON, NEXT)) == 0
     assert shared((SYSTEM, ASK, CALL), (SYSTEM, ASK)) == 0  # shorter: a retry of ASK
     assert shared("Once upon", "Twice upon") == 0
+
+
+def test_a_negative_number_of_idle_sessions_is_a_config_error() -> None:
+    runtime: Any = None  # refused before the runtime is looked at
+    with pytest.raises(kvrt.ConfigError, match="idle_sessions must be 0 or more"):
+        Pool(runtime, max_sessions=4, max_queue=16, hot_tokens=None, idle_sessions=-1)
