@@ -1,49 +1,63 @@
 """``python -m benchmarks.fidelity``: how much of a long context the model can still use.
 
-Passkey retrieval (:mod:`.passkey`): a five-digit key hidden in filler text at a depth
-(10/50/90 %), contexts of 1k and 2k tokens (``--sizes``), the question at the end. Two
-questions over the same haystacks:
-
-- ``passkey``: "What is the pass key? The pass key is" (shares the needle's words);
-- ``paraphrase``: "What number did I ask you to memorize? The number is" (shares none of
-  its rarer words: lexical matching has nothing to hold on to).
-
-Each prompt is asked under every condition, with the same keys:
+RULER-style tasks (:mod:`.ruler`: passkey, multi-key, multi-value, variable tracking, QA
+among distractors) at context sizes given in tokens (``--sizes``), each prompt asked under
+every condition:
 
 - ``full``: the hot window holds everything;
-- ``discard``: a 512-token window kept by recency (``class_lru``): the sinks and the most
-  recent tokens, what llama.cpp's context shift leaves;
-- ``class_lru@1024``; ``lexical@512`` (``relevance_lexical``, BM25 over token ids);
-  ``relevance@512`` and ``relevance@1024`` (key vectors, the ``relevance`` policy).
+- ``relevance@512`` and ``relevance@1024``: windows kept by key-vector relevance to the
+  question (the ``relevance`` policy);
+- ``class_lru@1024``, and ``recency@512`` (``class_lru`` at 512: the sinks and the most
+  recent tokens, what llama.cpp's context shift leaves).
 
-Per cell: greedy exact match, the teacher-forced log-prob of the gold answer, the
-agreement of the first answer token's argmax with ``full``, and wall time. The first
-condition computes each prompt; the others restore its blocks from the cold store (exact
-hits), so they cost little besides the scoring. Then approximate hits after a distractor,
-per blend ratio (:mod:`.blend`). Figures to read, not assertions.
+Windowed conditions run in two cases:
+
+- ``whole``: the body was computed once with the whole context in view (a full-window
+  session computed it, without the question, and closed); the windowed session restores
+  the body's blocks and computes the question itself;
+- ``never``: the context never fitted: the windowed session computes all of it, in a
+  runtime of its own.
+
+Nothing leaks between conditions: every runtime has a RAM cold store of its own and no
+disk tier; in the ``whole`` runtime no session computes the question with the whole
+context in view before the windowed ones have answered (``full`` answers last). Each
+answer records what its session computed, so the report shows it.
+
+Per cell: accuracy (the greedy answer holds everything asked), the mean teacher-forced
+log-prob of the gold answer (nats, summed over its tokens), the share of prompts whose
+asked needles were all hot when the question was answered, and the share of the context
+the answering session computed itself. Then approximate hits after a distractor, per blend
+ratio (:mod:`.blend`). Figures to read, not assertions.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import anyio
 import msgspec
+import numpy as np
 
 import kvrt
-from kvrt import Config, Runtime, Segment, open_runtime
+from kvrt import Config, Engine, Runtime, Segment, load_engine, open_runtime
 from kvrt.bench.plot import pyplot, save_figure
 
 from ._common import config_of, count, int_list, parser, run_main, section
 from .blend import RATIOS, TRACE_TURNS, BlendRow, print_blend, run_blend_bench
-from .passkey import QUESTIONS, Answer, ask, check_answer_tokens, haystack, per_filler, summarize
+from .ruler import TASKS, Prompt, make_prompt, needle_positions
 
 __all__ = [
+    "CASES",
     "CONDITIONS",
+    "Answer",
     "FidelityBench",
     "FidelityCell",
+    "answer",
     "fidelity_steps",
     "print_fidelity",
     "run_fidelity_bench",
@@ -51,28 +65,49 @@ __all__ = [
 
 CONDITIONS: tuple[tuple[str, int | None, str], ...] = (
     ("full", None, "class_lru"),
-    ("discard", 512, "class_lru"),
-    ("class_lru@1024", 1024, "class_lru"),
-    ("lexical@512", 512, "relevance_lexical"),
     ("relevance@512", 512, "relevance"),
     ("relevance@1024", 1024, "relevance"),
+    ("class_lru@1024", 1024, "class_lru"),
+    ("recency@512", 512, "class_lru"),
 )
 """Name, hot window (None: the whole context), hot-eviction policy."""
+CASES = ("whole", "never")
+MIN_SIZE, MAX_SIZE = 1536, 8064
+"""Context sizes measured: larger than every window (a window holding the whole context
+would compute the question with all of it in view), within SmolLM2's trained context."""
+
+
+class Answer(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt answered under one condition."""
+
+    right: bool
+    """The greedy answer holds everything asked."""
+    gold_logprob: float
+    needles_hot: bool
+    """Every block holding an asked needle was hot when the question was answered."""
+    computed: float
+    """Share of the context (body and question) the answering session computed in its
+    first call."""
+    question_computed: bool
+    """The answering session computed the question's tokens itself."""
 
 
 class FidelityCell(msgspec.Struct, frozen=True, kw_only=True):
     task: str
-    """``passkey`` or ``paraphrase``."""
+    case: str
+    """``whole`` (the body computed once whole), ``never`` (it never fitted) or ``full``."""
     condition: str
     context_tokens: int
-    depth: float
-    keys: int
-    exact_match: float
-    """Share of keys the greedy answer contains."""
+    prompts: int
+    accuracy: float
     gold_logprob: float
-    """Mean teacher-forced log-prob of the gold answer's tokens (nats, summed per key)."""
-    top1_agreement: float
-    """Share of keys whose first answer token's argmax equals ``full``'s."""
+    """Mean teacher-forced log-prob of the gold answer (nats, summed over its tokens)."""
+    needles_hot: float
+    """Share of prompts whose asked needles were all hot when the question was answered."""
+    computed: float
+    """Mean share of the context the answering session computed itself."""
+    question_computed: float
+    """Share of prompts whose question the answering session computed itself."""
     seconds: float
     """Wall time of the cell (placing, answering, scoring)."""
 
@@ -87,87 +122,168 @@ class FidelityBench(msgspec.Struct, frozen=True, kw_only=True):
 async def run_fidelity_bench(
     config: Config,
     *,
-    sizes: Sequence[int] = (1024, 2048),
-    depths: Sequence[float] = (0.1, 0.5, 0.9),
-    keys: int = 10,
+    sizes: Sequence[int] = (2048, 4096),
+    tasks: Sequence[str] = TASKS,
+    prompts: int = 5,
+    cases: Sequence[str] = CASES,
     seed: int = 7,
     blend: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> FidelityBench:
     began = time.perf_counter()
-    rng = random.Random(seed)
-    cells = []
-    async with open_runtime(config=config) as rt:
-        engine = rt.engine
+    alone = msgspec.structs.replace(config, disk=msgspec.structs.replace(config.disk, budget=0))
+    engine = await _load(alone)
+    results: dict[tuple[str, int, str, str], list[tuple[Answer, float]]] = {}
+    try:
         for size in sizes:
-            n_filler = max(1, (size - 60) // per_filler(engine))
-            for depth in depths:
-                if progress is not None:
-                    progress(f"{size} tokens, needle at {depth:.0%}")
-                chosen = [str(rng.randrange(10_000, 100_000)) for _ in range(keys)]
-                cells += await _cell(rt, size, depth, n_filler, chosen)
-    rows = await run_blend_bench(config, keys=keys, progress=progress) if blend else []
+            for task in tasks:
+                rng = random.Random(f"{seed}/{task}/{size}")
+                for i in range(prompts):
+                    if progress is not None:
+                        progress(f"{task}, {size} tokens, prompt {i + 1} of {prompts}")
+                    prompt = make_prompt(task, size, rng, _tokenize(engine))
+                    for (case, name), got in (await _prompt(engine, alone, prompt, cases)).items():
+                        results.setdefault((task, size, case, name), []).append(got)
+    finally:
+        engine.close()
+    cells = [
+        FidelityCell(
+            task=task,
+            case=case,
+            condition=name,
+            context_tokens=size,
+            prompts=len(got),
+            accuracy=statistics.fmean(a.right for a, _ in got),
+            gold_logprob=statistics.fmean(a.gold_logprob for a, _ in got),
+            needles_hot=statistics.fmean(a.needles_hot for a, _ in got),
+            computed=statistics.fmean(a.computed for a, _ in got),
+            question_computed=statistics.fmean(a.question_computed for a, _ in got),
+            seconds=sum(s for _, s in got),
+        )
+        for (task, size, case, name), got in results.items()
+    ]
+    rows = await run_blend_bench(config, keys=prompts, progress=progress) if blend else []
     return FidelityBench(cells=cells, blend=rows, seconds=time.perf_counter() - began)
 
 
-async def _cell(
-    rt: Runtime, size: int, depth: float, n_filler: int, chosen: list[str]
-) -> list[FidelityCell]:
-    engine = rt.engine
+async def _load(config: Config) -> Engine:
+    return await anyio.to_thread.run_sync(lambda: load_engine(config=config))
 
-    def text(tokens: list[int]) -> str:
-        return engine.detokenize(tokens) if tokens else ""
 
-    names = [name for name, _, _ in CONDITIONS]
-    results: dict[tuple[str, str], list[Answer]] = {
-        (task, name): [] for task in QUESTIONS for name in names
-    }
-    seconds = dict.fromkeys(results, 0.0)
-    for key in chosen:
-        hay = haystack(key, n_filler, depth)
-        gold = engine.tokenize(" " + key, add_special=False)
-        for task, question in QUESTIONS.items():
-            check_answer_tokens(engine.tokenize, question, gold, text)
-            for name, hot, policy in CONDITIONS:
-                window = hot if hot is not None else size + 512
-                t = time.perf_counter()
-                async with rt.open_session(hot_tokens=window, hot_eviction=policy) as s:
-                    body = [Segment("haystack", hay)]
-                    results[task, name].append(await ask(s, body, question, gold, text))
-                seconds[task, name] += time.perf_counter() - t
-    return [
-        FidelityCell(
-            task=task,
-            condition=name,
-            context_tokens=size,
-            depth=depth,
-            keys=len(chosen),
-            **summarize(answers, results[task, "full"]),
-            seconds=seconds[task, name],
+def _tokenize(engine: Engine) -> Callable[[str], list[int]]:
+    return lambda text: engine.tokenize(text, add_special=False)
+
+
+async def _prompt(
+    engine: Engine, config: Config, prompt: Prompt, cases: Sequence[str]
+) -> dict[tuple[str, str], tuple[Answer, float]]:
+    """Every condition's answer to ``prompt``: (case, condition) -> answer, seconds."""
+    whole = engine.tokenize(prompt.body, add_special=True)
+    if len(whole) <= max(hot or 0 for _, hot, _ in CONDITIONS):
+        raise kvrt.ConfigError(
+            f"a {len(whole)}-token context fits a window: measure contexts of at least "
+            f"{MIN_SIZE} tokens"
         )
-        for (task, name), answers in results.items()
-    ]
+    full_window = len(whole) + 512
+    out: dict[tuple[str, str], tuple[Answer, float]] = {}
+    windowed = [c for c in CONDITIONS if c[1] is not None]
+    # The body computed whole (not the question), then each window answers; full last.
+    async with open_runtime(engine=engine, config=config) as rt:
+        async with rt.open_session(hot_tokens=full_window) as s:
+            await s.ensure_context([Segment("body", prompt.body)])
+        if "whole" in cases:
+            for name, hot, policy in windowed:
+                assert hot is not None
+                out["whole", name] = await _timed(rt, prompt, hot, policy)
+        out["full", "full"] = await _timed(rt, prompt, full_window, "class_lru")
+    if "never" in cases:
+        for name, hot, policy in windowed:
+            assert hot is not None
+            async with open_runtime(engine=engine, config=config) as rt:
+                out["never", name] = await _timed(rt, prompt, hot, policy)
+    return out
 
 
-def fidelity_steps(n_sizes: int, keys: int) -> int:
-    """Progress steps of :func:`run_fidelity_bench`: a cell per size and depth, a key of
-    the distractor task each, a turn of each ratio's agent trace each."""
-    return 3 * n_sizes + keys + len(RATIOS) * TRACE_TURNS
+async def _timed(rt: Runtime, prompt: Prompt, hot: int, policy: str) -> tuple[Answer, float]:
+    began = time.perf_counter()
+    async with rt.open_session(hot_tokens=hot, hot_eviction=policy) as s:
+        got = await answer(s, rt.engine, prompt)
+    return got, time.perf_counter() - began
+
+
+async def answer(session: kvrt.Session, engine: Engine, prompt: Prompt) -> Answer:
+    """Ask ``prompt`` in ``session``: whether the greedy answer holds everything asked,
+    the teacher-forced log-prob of the gold answer (its tokens appended to the question one
+    at a time, so the query a relevance policy scores against stays the question and what
+    the model has answered so far), whether the needles were hot, what was computed."""
+    body = Segment("body", prompt.body)
+    gold = engine.tokenize(prompt.gold, add_special=False)
+    asked = engine.tokenize(prompt.question, add_special=False)
+    text = [engine.detokenize(gold[:k]) for k in range(len(gold))]
+    for k in range(1, len(gold)):
+        got = engine.tokenize(prompt.question + text[k], add_special=False)
+        if got != asked + gold[:k]:
+            raise RuntimeError(
+                f"{prompt.question!r} and the answer's first {k} tokens tokenize differently"
+            )
+    status = await session.ensure_context([body, Segment("q", prompt.question)])
+    hot = {
+        p
+        for b in session.explain().blocks
+        if b.residency == "hot"
+        for p in range(b.start, b.start + b.n_tokens)
+    }
+    spans = needle_positions(prompt, lambda t: engine.tokenize(t, add_special=True))
+    needles_hot = all(p in hot for a, b in spans for p in range(a, b))
+    first = np.asarray(await session.next_logits(), dtype=np.float64)
+    reply = (await session.generate(max_tokens=len(gold) + 2)).text
+    logprob = 0.0
+    for k, token in enumerate(gold):
+        if k:
+            await session.ensure_context([body, Segment("q", prompt.question + text[k])])
+        logits = first if k == 0 else np.asarray(await session.next_logits(), dtype=np.float64)
+        logprob += float(_log_softmax(logits)[token])
+    return Answer(
+        right=all(e in reply for e in prompt.expected),
+        gold_logprob=logprob,
+        needles_hot=needles_hot,
+        computed=min(1.0, status.prefilled_tokens / status.logical_tokens),
+        question_computed=status.prefilled_tokens >= len(asked),
+    )
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = float(np.max(logits))
+    return logits - (top + math.log(float(np.sum(np.exp(logits - top)))))
+
+
+def fidelity_steps(n_sizes: int, n_tasks: int, prompts: int, blend: bool = True) -> int:
+    """Progress steps of :func:`run_fidelity_bench`: a prompt per size and task, a prompt
+    of the distractor task each, a turn of each ratio's agent trace each."""
+    return n_sizes * n_tasks * prompts + (prompts + len(RATIOS) * TRACE_TURNS if blend else 0)
 
 
 def print_fidelity(f: FidelityBench) -> None:
-    print("passkey retrieval: exact match / gold log-prob (nats) / top-1 agreement with full")
+    print(
+        "accuracy / gold log-prob (nats) / asked needles hot, per task, size and case "
+        "(whole: the body computed once whole; never: the context never fitted)"
+    )
     names = [name for name, _, _ in CONDITIONS]
-    print("task       tokens depth  " + "  ".join(f"{n:>20}" for n in names))
-    rows: dict[tuple[str, int, float], dict[str, FidelityCell]] = {}
+    print(f"{'task':<18} {'tokens':>6} {'case':<6} " + "  ".join(f"{n:>18}" for n in names))
+    rows: dict[tuple[str, int], dict[tuple[str, str], FidelityCell]] = {}
     for c in f.cells:
-        rows.setdefault((c.task, c.context_tokens, c.depth), {})[c.condition] = c
-    for (task, size, depth), by in rows.items():
-        line = "  ".join(
-            f"{by[n].exact_match:4.0%} {by[n].gold_logprob:6.2f} {by[n].top1_agreement:4.0%}    "
-            for n in names
-        )
-        print(f"{task:<10} {size:6d} {depth:4.0%}  {line}")
+        rows.setdefault((c.task, c.context_tokens), {})[c.case, c.condition] = c
+    for (task, size), by in rows.items():
+        for case in [c for c in CASES if any(k[0] == c for k in by)]:
+            line = []
+            for n in names:
+                cell = by.get(("full", n) if n == "full" else (case, n))
+                line.append(
+                    f"{cell.accuracy:4.0%} {cell.gold_logprob:7.2f} {cell.needles_hot:4.0%}"
+                    if cell is not None
+                    else " " * 18
+                )
+            print(f"{task:<18} {size:6d} {case:<6} " + "  ".join(f"{x:>18}" for x in line))
     if f.blend:
         print()
         print_blend(f.blend)
@@ -175,28 +291,28 @@ def print_fidelity(f: FidelityBench) -> None:
 
 
 def plot_fidelity(bench: FidelityBench, path: str | Path) -> Path:
-    """Draw ``bench`` into a PNG at ``path``: exact match per condition, task and context
-    size (mean over depths); quality and agent-trace time per blend ratio."""
+    """Draw ``bench`` into a PNG at ``path``: accuracy per condition and task (contexts
+    that never fitted, mean over sizes); quality and agent-trace time per blend ratio."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     fig.suptitle("benchmarks.fidelity")
-    groups = sorted({(c.task, c.context_tokens) for c in bench.cells})
+    tasks = sorted({c.task for c in bench.cells})
     names = [name for name, _, _ in CONDITIONS]
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         means = []
-        for task, size in groups:
+        for task in tasks:
             cells = [
                 c
                 for c in bench.cells
-                if (c.task, c.context_tokens, c.condition) == (task, size, name)
+                if c.task == task and c.condition == name and c.case in ("full", "never")
             ]
-            means.append(100 * sum(c.exact_match for c in cells) / max(1, len(cells)))
-        left.bar([g + k * width for g in range(len(groups))], means, width, label=name)
-    left.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    left.set_xticklabels([f"{task}\n{size} tokens" for task, size in groups])
-    left.set_ylabel("exact match (%), mean over needle depths")
-    left.set_title("passkey retrieval by hot-window condition")
+            means.append(100 * sum(c.accuracy for c in cells) / max(1, len(cells)))
+        left.bar([g + k * width for g in range(len(tasks))], means, width, label=name)
+    left.set_xticks([g + 0.4 - width / 2 for g in range(len(tasks))])
+    left.set_xticklabels(tasks, fontsize=8)
+    left.set_ylabel("accuracy (%), mean over context sizes")
+    left.set_title("contexts that never fitted, by hot-window condition")
     left.set_ylim(0, 130)
     left.legend(fontsize=8, ncol=3, loc="upper center")
     rows = [r for r in bench.blend if r.ratio is not None and r.trace_seconds is not None]
@@ -216,7 +332,7 @@ def plot_fidelity(bench: FidelityBench, path: str | Path) -> Path:
     return save_figure(plt, fig, path)
 
 
-SIZES = (1024, 2048)
+SIZES = (2048, 4096)
 PLOT = "kvrt-fidelity.png"
 
 
@@ -227,21 +343,49 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=int_list,
         default=SIZES,
         metavar="N,N,...",
-        help="context sizes in tokens (default 1024,2048; 256 to 7168)",
+        help=f"context sizes in tokens (default 2048,4096; {MIN_SIZE} to {MAX_SIZE})",
     )
     p.add_argument(
-        "--keys", type=count(1, 100), default=10, metavar="N", help="passkeys per cell (default 10)"
+        "--tasks",
+        type=lambda s: s.split(","),
+        default=list(TASKS),
+        metavar="T,T,...",
+        help=f"tasks (default all: {','.join(TASKS)})",
     )
+    p.add_argument(
+        "--cases",
+        type=lambda s: s.split(","),
+        default=list(CASES),
+        metavar="C,C",
+        help="whole (the body computed once whole), never (it never fitted); default both",
+    )
+    p.add_argument(
+        "--prompts", type=count(1, 100), default=5, metavar="N", help="prompts per cell (default 5)"
+    )
+    p.add_argument("--no-blend", action="store_true", help="skip the approximate-hit part")
     p.add_argument("--plot", default=PLOT, metavar="PATH", help=f"the PNG (default {PLOT})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     args = p.parse_args(argv)
-    if max(args.sizes) > 7168 or min(args.sizes) < 256:
-        raise kvrt.ConfigError("--sizes must stay between 256 and 7168 tokens")
+    if max(args.sizes) > MAX_SIZE or min(args.sizes) < MIN_SIZE:
+        raise kvrt.ConfigError(f"--sizes must stay between {MIN_SIZE} and {MAX_SIZE} tokens")
+    if unknown := [t for t in args.tasks if t not in TASKS]:
+        raise kvrt.ConfigError(f"unknown task {unknown[0]!r}: one of {', '.join(TASKS)}")
+    if unknown := [c for c in args.cases if c not in CASES]:
+        raise kvrt.ConfigError(f"unknown case {unknown[0]!r}: whole or never")
     config = config_of(args)
+    blend = not args.no_blend
     section(
         args,
-        fidelity_steps(len(args.sizes), args.keys),
-        lambda step: run_fidelity_bench(config, sizes=args.sizes, keys=args.keys, progress=step),
+        fidelity_steps(len(args.sizes), len(args.tasks), args.prompts, blend),
+        lambda step: run_fidelity_bench(
+            config,
+            sizes=args.sizes,
+            tasks=args.tasks,
+            prompts=args.prompts,
+            cases=args.cases,
+            blend=blend,
+            progress=step,
+        ),
         print_fidelity,
         plot=None if args.no_plot else (args.plot, plot_fidelity),
     )

@@ -25,7 +25,18 @@ from .approximate import ApproximateHits
 from .computing import Computing
 from .gate import EngineGate, Tally, Written
 from .moves import Paging
-from .planner import Begin, Compute, Cursor, Restore, Scene, Step, WaitFor, advance, plan
+from .planner import (
+    Begin,
+    Compute,
+    Cursor,
+    Restore,
+    Scene,
+    Step,
+    WaitFor,
+    advance,
+    plan,
+    query_first,
+)
 from .scoring import Scoring
 from .tokens import Prepared, ReplyTokens, TokenKey, check_fits, segment_tokens
 from .window import Block, Placed, Segment
@@ -185,7 +196,24 @@ class Placement:
         """Bring the layout's blocks in, keeping the window within budget, as the
         planner (:mod:`.planner`) says: cold blocks come back when the plan (the policy
         applied to the whole context) keeps them hot, dropped ones are computed in order.
-        """
+
+        In a context larger than the window, what comes before the last segment (the
+        query) is placed first, and the query after a second plan (made once every block
+        has KV, and keys to score) has brought back what it keeps hot: computed in one go
+        with the blocks before it, the query would push planned blocks out unseen."""
+        moved = Tally()
+        resident = self.gate.resident()
+        states = [self.gate.state(b, resident) for b in layout]
+        segments, sizes = [b.segment for b in layout], [b.n_tokens for b in layout]
+        body = query_first(segments, sizes, states, self.ctx.n_ctx)
+        if body:
+            moved += await self._place_once(layout[:body])
+        moved += await self._place_once(layout)
+        return moved
+
+    async def _place_once(self, layout: list[Block]) -> Tally:
+        """One plan, run until ``layout`` (the window's blocks, or their first ones) is in
+        place."""
         policy = self.policies.hot_eviction
         await self.scoring.score()
         planned = self.window.plan_hot(policy.order, self.ctx.n_ctx)

@@ -25,7 +25,7 @@ The rules, in order of the layout:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from .._types import Residency
@@ -40,6 +40,7 @@ __all__ = [
     "WaitFor",
     "advance",
     "plan",
+    "query_first",
     "room",
 ]
 
@@ -86,6 +87,22 @@ class Scene:
                 if i not in shielded and self.states[i] is Residency.HOT
             ),
         )
+
+
+def query_first(
+    segments: Sequence[str], sizes: Sequence[int], states: Sequence[Residency], budget: int
+) -> int:
+    """Where a placement stops before placing the query: the number of blocks before the
+    context's last segment (blocks named by their ``segments``, with their ``sizes`` and
+    ``states``), when the context is larger than the window's ``budget`` and blocks of
+    that segment and before it have no KV yet; else 0 (placed in one go)."""
+    if sum(sizes) <= budget or not segments:
+        return 0
+    k = len(segments)
+    while k and segments[k - 1] == segments[-1]:
+        k -= 1
+    dropped = [s is Residency.DROPPED for s in states]
+    return k if k and any(dropped[:k]) and any(dropped[k:]) else 0
 
 
 def room(budget: int, resident: int, evictable: Iterable[int]) -> int:

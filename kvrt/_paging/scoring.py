@@ -10,7 +10,7 @@ RAM; the query's by running its tokens on their own.
 
 from __future__ import annotations
 
-from .._cold import ColdKey
+from .._cold import ColdEntry, ColdKey
 from .._engine.contract import KeySketching
 from .._types import Residency
 from ..policy import KeyScoring, Relevance
@@ -74,7 +74,7 @@ class Scoring:
             state = self.window.residency(block, resident, self.cold)
             if state is Residency.HOT:
                 hot.append((key, block))
-            elif state is Residency.COLD and (entry := self.cold.peek(key)) is not None:
+            elif state is Residency.COLD and (entry := self._cold_entry(key)) is not None:
                 sketch = await self.gate.call("sketch cold", ctx.cold_key_sketch, entry.block)
                 if sketch is not None:
                     known[key] = sketch
@@ -86,3 +86,11 @@ class Scoring:
                     known[key] = sketch
         self._sketches = known
         return [known.get(k) for k in keys]
+
+    def _cold_entry(self, key: ColdKey) -> ColdEntry | None:
+        """The cold copy a block comes back from: its exact entry, else this session's
+        own partial-window copy (a block computed while earlier tokens were not hot)."""
+        entry = self.cold.peek(key)
+        if entry is None and (local := self.window.partial_copies.get(key)) is not None:
+            entry = self.cold.peek(local)
+        return entry

@@ -443,9 +443,13 @@ async def test_explain_says_how_relevance_was_scored(
         kvrt.open_runtime(engine=tiny(name), config=SMALL) as rt,
         rt.open_session(hot_tokens=256, hot_eviction="relevance") as s,
     ):
-        await s.ensure_context(CONTEXT)  # nothing computed yet: no block has keys
+        await s.ensure_context(CONTEXT[:1])  # fits: placed in one go, before any keys
         first = "lexical: no block has key vectors yet" if scored == "keys" else scored
         assert s.explain().relevance_scoring == first
+        # Larger than the window: the question is placed after a plan scored with the keys
+        # of the blocks computed before it, in the same call.
+        await s.ensure_context(CONTEXT)
+        assert s.explain().relevance_scoring == scored
         await s.ensure_context([*CONTEXT[:-1], Segment("user", "Which word comes last?")])
         assert s.explain().relevance_scoring == scored
         assert any(b.relevance is not None for b in s.explain().blocks)

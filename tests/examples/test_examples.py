@@ -14,7 +14,7 @@ import pytest
 
 import kvrt
 from benchmarks.blend import run_blend_bench
-from benchmarks.fidelity import plot_fidelity, print_fidelity, run_fidelity_bench
+from benchmarks.fidelity import CASES, CONDITIONS, plot_fidelity, print_fidelity, run_fidelity_bench
 from tests.support.models import zoo_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,22 +214,31 @@ def test_the_flash_benchmark_compares_both_settings_with_llama_cpp() -> None:
 def test_the_fidelity_benchmark_reports_every_condition(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """One cell in process on the zoo's tiny llama (its command's own path is checked by its
-    refusal below; the passkey test on the real model is its own, test_relevance)."""
+    """Every case and condition of a task in process on the zoo's tiny llama (its command's
+    own path is checked by its refusal below; the passkey test on the real model is its
+    own, test_relevance; every task's prompts, test_ruler). Nothing leaks: a session of a
+    context that never fitted computed all of it itself; in the body-computed-whole case
+    every windowed session computed the question itself."""
     config = kvrt.load_config(flags={"model": zoo_path("llama")})
+    tasks = ("passkey",)
     report = anyio.run(
-        lambda: run_fidelity_bench(config, sizes=(768,), depths=(0.5,), keys=1, blend=False)
+        lambda: run_fidelity_bench(config, sizes=(1536,), tasks=tasks, prompts=1, blend=False)
     )
     assert report.blend == []
-    names = {(c.task, c.condition) for c in report.cells}
-    conditions = ["full", "discard", "class_lru@1024", "lexical@512", "relevance@512"]
-    assert names == {
-        (t, n) for t in ("passkey", "paraphrase") for n in [*conditions, "relevance@1024"]
+    names = {(c.task, c.case, c.condition) for c in report.cells}
+    windowed = [n for n, hot, _ in CONDITIONS if hot is not None]
+    assert names == {(t, "full", "full") for t in tasks} | {
+        (t, case, n) for t in tasks for case in CASES for n in windowed
     }
     for c in report.cells:
-        assert 0.0 <= c.exact_match <= 1.0 and c.gold_logprob <= 0.0 and c.seconds > 0
-    full = [c for c in report.cells if c.condition == "full"]
-    assert all(c.top1_agreement == 1.0 for c in full)  # full agrees with itself
+        assert 0.0 <= c.accuracy <= 1.0 and c.gold_logprob <= 0.0 and c.seconds > 0
+        assert c.question_computed == 1.0  # no session found the question computed
+        if c.case == "never":
+            assert c.computed == 1.0  # it computed the whole context itself
+        if c.case == "whole":
+            assert c.computed < 0.5  # the body came back from its whole computation
+        if c.condition == "full":
+            assert c.needles_hot == 1.0
     print_fidelity(report)
     assert "relevance@512" in capsys.readouterr().out
     blend = anyio.run(
@@ -249,7 +258,7 @@ def test_the_fidelity_benchmark_reports_every_condition(
         timeout=120,
         cwd=ROOT,
     )
-    assert refused.returncode == 2 and "between 256 and 7168" in refused.stderr
+    assert refused.returncode == 2 and "between 1536 and 8064" in refused.stderr
 
 
 def test_the_architectures_benchmark_measures_each_variant() -> None:

@@ -3,10 +3,10 @@
 Unit tests of the two scorers (the lexical one with hand-made token bags, the key-vector
 one with hand-made key sketches); the keys read out of llama.cpp's KV bytes, which must
 not depend on the position they were computed at; and a passkey on the real model: a
-five-digit key in filler text, outside a 512-token window's recency, is answered under
-``relevance`` (and ``relevance_lexical``) and not under recency alone (``class_lru``, what
-a context shift leaves), on keys the full context answers; asked in other words than the
-needle's, under ``relevance`` still.
+five-digit key in filler text, in a context that never fitted a 512-token window (each
+condition computes it itself), is answered under ``relevance`` (and ``relevance_lexical``)
+and not under recency alone (``class_lru``, what a context shift leaves), on keys the full
+context answers; asked in other words than the needle's, under ``relevance`` still.
 """
 
 from __future__ import annotations
@@ -138,34 +138,45 @@ def haystack(key: str, n_filler: int = 40, depth: float = 0.3) -> str:
 @pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_a_passkey_outside_the_window_is_answered_under_relevance(
+async def test_a_passkey_in_a_context_that_never_fitted_is_answered_under_relevance(
     engine: LlamaEngine, anyio_backend: str
 ) -> None:
+    """Each condition in a runtime of its own, with no disk tier: a windowed session
+    computes the whole context itself under its window (it never fitted), so nothing it
+    restores was computed with the whole context in view; then it is asked in the
+    needle's words and in others."""
     conditions = (
-        ("full", 2048, "class_lru"),  # computes; the others restore its blocks
+        ("full", 2048, "class_lru"),
         ("relevance", 512, "relevance"),
         ("relevance_lexical", 512, "relevance_lexical"),
         ("class_lru", 512, "class_lru"),
     )
+    alone = kvrt.load_config(flags={"disk.budget": "0"})
     answered: dict[tuple[str, str], list[bool]] = {}
-    async with kvrt.open_runtime(engine=engine) as rt:
-        for key in ("71432", "58213"):
-            for task, question in (("passkey", QUESTION), ("paraphrase", PARAPHRASE)):
-                context = [Segment("haystack", haystack(key)), Segment("question", question)]
-                for condition, hot, policy in conditions:
-                    async with rt.open_session(hot_tokens=hot, hot_eviction=policy) as s:
-                        status = await s.ensure_context(context)
-                        text = (await s.generate(max_tokens=7)).text
-                        answered.setdefault((task, condition), []).append(key in text)
-                        if condition == "full":
-                            continue
-                        assert status.logical_tokens > 2 * hot - 100  # far past the window
-                        if condition == "relevance":
-                            report = s.explain()
-                            scored = [b for b in report.blocks if b.relevance is not None]
-                            best = max(scored, key=lambda b: b.relevance or 0.0)
-                            assert best.residency == "hot"  # the best-scored block is seen
-                            assert best.start > 128  # and it is no sink
+    for key in ("71432", "58213"):
+        body = Segment("haystack", haystack(key))
+        for condition, hot, policy in conditions:
+            async with (
+                kvrt.open_runtime(engine=engine, config=alone) as rt,
+                rt.open_session(hot_tokens=hot, hot_eviction=policy) as s,
+            ):
+                for task, question in (("passkey", QUESTION), ("paraphrase", PARAPHRASE)):
+                    status = await s.ensure_context([body, Segment("question", question)])
+                    if task == "passkey":  # the first call computed every token itself
+                        assert status.prefilled_tokens >= status.logical_tokens
+                    text = (await s.generate(max_tokens=7)).text
+                    answered.setdefault((task, condition), []).append(key in text)
+                    if condition == "full":
+                        continue
+                    assert status.logical_tokens > 2 * hot - 100  # far past the window
+                    report = s.explain()
+                    assert any(b.partial_window for b in report.blocks)  # computed windowed
+                    if condition == "relevance":
+                        hay = [b for b in report.blocks if b.segment == "haystack"]
+                        assert all(b.relevance is not None for b in hay)  # cold ones too
+                        free = [b for b in hay if not b.protected]  # not sinks, not recent
+                        best = max(free, key=lambda b: b.relevance or 0.0)
+                        assert best.residency == "hot"  # the best-scored block is seen
     print(answered)
     for task in ("passkey", "paraphrase"):
         full = answered[task, "full"]

@@ -24,6 +24,7 @@ from kvrt._paging.planner import (
     WaitFor,
     advance,
     plan,
+    query_first,
 )
 from kvrt._types import Residency
 
@@ -380,6 +381,22 @@ def worlds(draw: st.DrawFn) -> World:
         if states[i] is H:
             states[i] = C
     return world
+
+
+def test_the_query_is_placed_after_what_comes_before_it_when_the_context_overflows() -> None:
+    """A context larger than the window, with blocks to compute before its last segment
+    and in it, is placed in two steps (the blocks before the query first); otherwise in
+    one go."""
+    segs = ["body", "body", "body", "q"]
+    assert query_first(segs, [128, 128, 128, 16], [D, D, D, D], 256) == 3
+    assert query_first(segs, [128, 128, 128, 16], [H, C, D, D], 256) == 3
+    assert query_first(segs, [128, 128, 128, 16], [H, C, C, D], 256) == 0  # nothing before
+    assert query_first(segs, [128, 128, 128, 16], [D, D, D, H], 256) == 0  # query in place
+    assert query_first(segs, [128, 128, 128, 16], [D, D, D, D], 400) == 0  # it fits
+    assert query_first(["q", "q"], [200, 200], [D, D], 256) == 0  # only a query
+    assert query_first([], [], [], 256) == 0
+    two = ["body", "q", "q"]  # the whole last segment waits
+    assert query_first(two, [300, 8, 8], [D, D, D], 256) == 1
 
 
 @settings(max_examples=400, deadline=None)
