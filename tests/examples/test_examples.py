@@ -15,6 +15,7 @@ import pytest
 import kvrt
 from benchmarks.blend import run_blend_bench
 from benchmarks.fidelity import CASES, CONDITIONS, plot_fidelity, print_fidelity, run_fidelity_bench
+from benchmarks.ruler import TASKS
 from tests.support.models import zoo_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,7 +221,7 @@ def test_the_fidelity_benchmark_reports_every_condition(
     context that never fitted computed all of it itself; in the body-computed-whole case
     every windowed session computed the question itself."""
     config = kvrt.load_config(flags={"model": zoo_path("llama")})
-    tasks = ("passkey",)
+    tasks = TASKS
     report = anyio.run(
         lambda: run_fidelity_bench(config, sizes=(1536,), tasks=tasks, prompts=1, blend=False)
     )
