@@ -79,6 +79,7 @@ __all__ = [
     "Estimating",
     "HotEviction",
     "KeyScoring",
+    "LexicalBlending",
     "MessageClass",
     "PartialWindow",
     "PartialWindowQuery",
@@ -227,6 +228,16 @@ class KeyScoring(Protocol):
 
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
         """One score per block, None where it cannot say; higher is more relevant."""
+        ...
+
+
+@runtime_checkable
+class LexicalBlending(Protocol):
+    """Optional for a :class:`KeyScoring` policy: the final scores from the key scores and
+    the lexical ones (``relevance``'s, over the same blocks and query)."""
+
+    def blend(self, keys: Sequence[float | None], lexical: Sequence[float]) -> list[float | None]:
+        """One score per block, None where the key score is None."""
         ...
 
 

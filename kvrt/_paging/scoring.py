@@ -2,7 +2,8 @@
 
 A policy with ``relevance`` (:class:`kvrt.policy.Relevance`) scores blocks by their tokens;
 one that also has ``key_relevance`` (:class:`kvrt.policy.KeyScoring`) scores them by key
-vectors, where the engine context can sketch them (:class:`kvrt.backend.KeySketching`).
+vectors, where the engine context can sketch them (:class:`kvrt.backend.KeySketching`),
+blended with the token scores when it has ``blend`` (:class:`kvrt.policy.LexicalBlending`).
 Sketches are computed once per block and kept while the block is in the context: a hot
 block's from its KV (a copy out, the window unchanged), a cold block's from its bytes in
 RAM; the query's by running its tokens on their own.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from .._cold import ColdEntry, ColdKey
 from .._engine.contract import KeySketching
 from .._types import Residency
-from ..policy import KeyScoring, Relevance
+from ..policy import KeyScoring, LexicalBlending, Relevance
 from .gate import EngineGate
 from .window import Block
 
@@ -44,7 +45,12 @@ class Scoring:
                 if query is not None:
                     blocks = await self._sketch_blocks()
                     if any(s is not None for s in blocks):
-                        self.window.set_relevance(policy.key_relevance(blocks, query))
+                        scores = policy.key_relevance(blocks, query)
+                        if isinstance(policy, LexicalBlending):
+                            tokens = [b.tokens for b in self.window.blocks]
+                            lexical = policy.relevance(tokens, self.window.query_tokens())
+                            scores = policy.blend(scores, lexical)
+                        self.window.set_relevance(scores)
                         self.window.relevance_scoring = "keys"
                         return
                     how = "lexical: no block has key vectors yet"

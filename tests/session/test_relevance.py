@@ -24,7 +24,7 @@ from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama_keys import read_keys, unrotate
 from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
 from kvrt.policies.hot_eviction import KeyRelevance, LexicalRelevance
-from kvrt.policy import BlockView, KeyScoring, Relevance
+from kvrt.policy import BlockView, KeyScoring, LexicalBlending, Relevance
 
 
 def view(
@@ -91,6 +91,24 @@ def test_key_relevance_scores_the_block_whose_keys_match_the_query() -> None:
     order = policy.order([view(0, 0.1), view(1, 0.9), view(2, None), view(3, 0.2), view(4, 0.5)])
     assert order == [0, 3, 2, 4, 1] or order == [0, 3, 4, 2, 1]
     assert policy.order([view(5, -1.0, CacheClass.TASK_PINNED), view(6, 0.9)]) == [6, 5]
+
+
+def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
+    """Four needles whose keys score alike: the one sharing the query's rare words wins once
+    the BM25 scores are blended in; without a lexical signal the keys decide as they were;
+    blocks without a key score stay unscored."""
+    policy = policies.get("hot_eviction", "relevance")
+    assert isinstance(policy, KeyRelevance) and isinstance(policy, LexicalBlending)
+    keys: list[float | None] = [0.05, 0.52, 0.50, 0.51, 0.50, None]  # filler, four needles
+    lexical = [0.1, 2.0, 2.0, 6.5, 2.0, 3.0]  # the third needle names the asked key
+    blended = policy.blend(keys, lexical)
+    assert blended[5] is None
+    scored = [s for s in blended if s is not None]
+    assert blended.index(max(scored)) == 3
+    assert policy.blend(keys, [0.0] * 6) == keys  # nothing lexical: the keys alone
+    tokens = [[1, 2, 3, 4], [5, 6, 70, 71], [5, 6, 72, 73], [5, 6, 74, 75]]
+    lex = policy.relevance(tokens, [5, 6, 74, 75])  # the asked key's tokens, 74 and 75
+    assert lex.index(max(lex)) == 3 and lex[0] == 0.0
 
 
 def test_keys_read_from_kv_bytes_do_not_depend_on_their_position(engine: LlamaEngine) -> None:
