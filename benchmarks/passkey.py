@@ -27,6 +27,7 @@ __all__ = [
     "ask",
     "check_answer_tokens",
     "haystack",
+    "log_softmax",
     "per_filler",
     "summarize",
 ]
@@ -77,7 +78,7 @@ def per_filler(engine: Engine) -> int:
     return len(engine.tokenize(FILLER, add_special=False))
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
     top = float(np.max(logits))
     return logits - (top + math.log(float(np.sum(np.exp(logits - top)))))
 
@@ -100,7 +101,7 @@ async def ask(
             answered = Segment("q", question + text(list(gold[:k])))
             await session.ensure_context([*body, answered])
         logits = first if k == 0 else np.asarray(await session.next_logits(), dtype=np.float64)
-        logprob += float(_log_softmax(logits)[token])
+        logprob += float(log_softmax(logits)[token])
     key = text(list(gold)).strip()
     return key in answer, logprob, argmax
 
