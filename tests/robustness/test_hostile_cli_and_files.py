@@ -344,7 +344,13 @@ def test_ctrl_c_ends_the_test_run_at_once_with_its_summary() -> None:
     os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C does
     began = time.monotonic()
     rest, _ = child.communicate(timeout=60)
-    assert time.monotonic() - began < 5
+    took = time.monotonic() - began
     out = (seen + rest).decode()
     assert child.returncode == 2, out
-    assert "KeyboardInterrupt" in out and " failed" not in out and " passed" not in out, out
+    # No test ran to its end, on any worker: the run stopped inside them.
+    assert "KeyboardInterrupt" in out and "no tests ran" in out, out
+    assert " failed" not in out and " passed" not in out, out
+    # The engine call in flight finishes (a restore lands whole or not at all), which on
+    # two cores beside a loaded suite has taken up to 7 s; the interrupted tests run
+    # 8-12 s alone and twice that loaded, and the whole file 25 s.
+    assert took < 15, f"{took:.1f} s after Ctrl-C\n{out}"
