@@ -46,6 +46,9 @@ def add(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    from kvrt.native_bridge.memory import fix_mmap_threshold
+
+    fix_mmap_threshold()  # what kvrt frees goes back to the system (see the module)
     import anyio
     from rich.console import Console
     from rich.progress import Progress

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrt import ConfigError
 from kvrt._runtime import check_policies
+from kvrt.native_bridge.memory import fix_mmap_threshold
 
 from .arguments import common, config_from, count, seconds, size
 
@@ -146,6 +147,7 @@ def _state(given: str | None) -> str | None:
 
 
 def main(args: argparse.Namespace) -> None:
+    fix_mmap_threshold()  # a long-lived process: what kvrt frees goes back to the system
     import anyio
 
     from kvrt import open_runtime
