@@ -469,6 +469,7 @@ class LlamaContext:
         """Cells per sequence as llama.cpp sized them (``n_ctx`` rounded up to 256 here):
         what it compares with a model's original context to pick LongRoPE factors."""
         self.n_batch: int = min(n_batch, llama_cpp.llama_n_batch(ptr))
+        self.n_threads = threads
         self.can_shift: bool = bool(llama_cpp.llama_memory_can_shift(self._mem))
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 2)
         b = self._batch
@@ -640,11 +641,25 @@ class LlamaContext:
             llama_cpp.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
             self._shifted = True
 
-    def clear(self) -> None:
+    def clear(self, *, wipe: bool = False) -> None:
+        """Empty every sequence; with ``wipe``, zero the KV bytes as well (as a new
+        context holds them), so nothing computed before stays in the buffer."""
         with self._use():
-            llama_cpp.llama_memory_clear(self._mem, False)
+            llama_cpp.llama_memory_clear(self._mem, wipe)
             self._shifted = self._decoded = False
             self._held_logits = None
+
+    def handover(self) -> LlamaContext:
+        """The same native context under a new owner, as it is: this object is closed
+        from now on (its calls refuse), so whoever held it can no longer reach it."""
+        with self._use():
+            new = object.__new__(LlamaContext)
+            new.__dict__.update(self.__dict__)
+            new._busy = threading.Lock()
+            self._ptr = None
+            self._model._contexts.discard(self)
+            self._model._contexts.add(new)
+        return new
 
     # -- state bytes --
 

@@ -42,7 +42,7 @@ import bisect
 import contextlib
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -94,6 +94,19 @@ def first_size(facts: ModelFacts, rope: ModelRope, budget: int, n_batch: int) ->
     return first
 
 
+def _fits(spare: LlamaContext, first: int, budget: int, n_batch: int, n_threads: int) -> bool:
+    """Whether a window of ``budget`` tokens that would start with ``first`` cells may
+    start in ``spare`` instead: set up alike, and as large as that or larger, within the
+    budget and on llama.cpp's padding (what a grown context holds), or exactly the budget
+    where the window may not grow."""
+    size = spare.n_ctx
+    if spare.n_batch != n_batch or spare.n_threads != n_threads:
+        return False
+    if first >= budget:
+        return size == first
+    return first <= size <= budget and (size % PAD == 0 or size == budget)
+
+
 class LlamaEngineContext(KvWindow):
     """A hot window on a shared :class:`~native_bridge.llama.LlamaModel`."""
 
@@ -105,9 +118,12 @@ class LlamaEngineContext(KvWindow):
         budget: int,
         *,
         n_threads: int | None = None,
+        release: Callable[[LlamaContext], None] | None = None,
     ) -> None:
         super().__init__(facts, budget)
         self._ctx = ctx
+        self._release = release
+        """Where the context goes when the window closes (the engine's spare), if not freed."""
         self._model: LlamaModel = ctx.model
         self._rope = rope
         self._state_only = facts.recurrent == "recurrent"
@@ -159,7 +175,13 @@ class LlamaEngineContext(KvWindow):
         n_ctx: int,
         n_batch: int,
         n_threads: int,
+        spare: LlamaContext | None = None,
+        release: Callable[[LlamaContext], None] | None = None,
     ) -> LlamaEngineContext:
+        """A window of ``n_ctx`` tokens in a context of :func:`first_size` cells: ``spare``
+        (a closed window's context, wiped) where it is set up the same and its size lies
+        between those, else a new one (``spare`` is then freed first). ``release`` takes
+        the context when the window closes."""
         if not isinstance(n_ctx, int) or n_ctx < 1:
             raise InvalidRangeError(f"a hot window needs at least 1 token of room, got {n_ctx!r}")
         if n_ctx > facts.trained_context:
@@ -168,16 +190,23 @@ class LlamaEngineContext(KvWindow):
                 f"of {facts.trained_context}"
             )
         first = first_size(facts, rope, n_ctx, n_batch)
+        batch = min(n_batch, first)
         with translate_errors(f"creating a {first}-token context"):
-            ctx = LlamaContext(
-                model,
-                n_ctx=first,
-                n_batch=min(n_batch, first),
-                n_threads=n_threads,
-                kv_type=facts.kv_type,
-                flash_attn=facts.flash_attention,
-            )
-        return cls(ctx, facts, rope, n_ctx, n_threads=n_threads)
+            if spare is not None and _fits(spare, first, n_ctx, batch, n_threads):
+                spare.clear(wipe=True)
+                ctx = spare
+            else:
+                if spare is not None:
+                    spare.close()
+                ctx = LlamaContext(
+                    model,
+                    n_ctx=first,
+                    n_batch=batch,
+                    n_threads=n_threads,
+                    kv_type=facts.kv_type,
+                    flash_attn=facts.flash_attention,
+                )
+        return cls(ctx, facts, rope, n_ctx, n_threads=n_threads, release=release)
 
     @property
     def fingerprint(self) -> str:
@@ -711,4 +740,7 @@ class LlamaEngineContext(KvWindow):
                 self._probe.close()
                 self._probe = None
             if not self._ctx.closed:
-                self._ctx.close()
+                if self._release is not None:
+                    self._release(self._ctx.handover())  # this window can reach it no more
+                else:
+                    self._ctx.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -162,6 +163,11 @@ class LlamaEngine:
         self.config = config
         self._facts = facts
         self._rope = rope
+        self._spare: LlamaContext | None = None
+        """The last closed window's context, for the next window to start in: creating one
+        allocates and clears its KV buffer and reserves its compute graph, on the path of
+        every session opened (a conversation taking its turn in ``kvrt serve``)."""
+        self._spare_lock = threading.Lock()
 
     @classmethod
     def open(cls, config: EngineConfig) -> LlamaEngine:
@@ -404,6 +410,8 @@ class LlamaEngine:
         """A new KV window of ``n_ctx`` cells on this model."""
         if self._model.closed:
             raise EngineError("the engine is closed")
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         return LlamaEngineContext.create(
             self._model,
             self._facts,
@@ -411,9 +419,24 @@ class LlamaEngine:
             n_ctx=n_ctx,
             n_batch=n_batch or self.config.batch or BATCH,
             n_threads=self.config.threads or physical_cores(),
+            spare=spare,
+            release=self._keep_spare,
         )
 
+    def _keep_spare(self, ctx: LlamaContext) -> None:
+        """Keep a closed window's context for the next window (one at most: the one kept
+        before is freed)."""
+        with self._spare_lock:
+            old, self._spare = self._spare, ctx
+            if self._model.closed:  # closed meanwhile: nothing will take it
+                old, self._spare = ctx, None
+        if old is not None and not old.closed:
+            old.close()
+
     def close(self) -> None:
-        """Close every context still open on this engine, then free the model."""
+        """Close every context still open on this engine (the spare too), then free the
+        model."""
+        with self._spare_lock:
+            self._spare = None
         with translate_errors("closing the model"):
             self._model.close(close_contexts=True)

@@ -199,3 +199,37 @@ def test_a_context_that_grows_computes_what_a_full_size_one_does(
     for i, (a, b) in enumerate(zip(grown, full, strict=True)):
         if i != 2:  # the logits after the prefill with a gap (each context's own layout)
             assert np.array_equal(a, b), f"step {i}: max |Δ| {np.abs(a - b).max()}"
+
+
+def test_a_window_starts_in_the_last_closed_window_s_context_wiped_and_exact(
+    engine: LlamaEngine,
+) -> None:
+    """A closed window's context waits, as one spare, for the next window: it comes back
+    empty with its bytes zeroed, unreachable from the window that closed it, and computes
+    what a new context does, bit for bit."""
+    tokens = _prompt(engine)
+    probe = words(engine, " She")
+
+    other = engine.open_context(2048)
+    other.prefill(list(reversed(tokens)))  # another conversation's KV in the buffer
+    native = other._ctx._ptr
+    other.close()
+    assert other.closed
+    with pytest.raises(Exception, match="closed"):
+        other.prefill(probe)  # the closed window can no longer reach what it held
+
+    reused = engine.open_context(2048)
+    assert reused._ctx._ptr == native and not list(reused.positions)
+    reused.prefill(tokens)
+    got = reused.prefill(probe)
+    fresh = engine.open_context(2048)  # no spare now: a context of its own
+    assert fresh._ctx._ptr != native
+    fresh.prefill(tokens)
+    expected = fresh.prefill(probe)
+    fresh.close()
+    reused.close()
+    assert np.array_equal(got, expected), f"max |Δ| {np.abs(got - expected).max()}"
+
+    small = engine.open_context(256)  # a spare of another size is freed, not used
+    assert small._ctx.n_ctx == 256 and engine._spare is None
+    small.close()
