@@ -24,7 +24,10 @@ go out in position order and come back into a larger context, the old one freed 
 the memory a session holds follows the tokens it holds. Sizes stay multiples of 256 cells,
 llama.cpp's padding of the cells attention reads: a grown context computes what a
 full-size one does, bit for bit. Contexts whose keys or state depend on the size, or that
-keep a recurrent state or a sliding window, are built full size.
+keep a recurrent state or a sliding window, are built full size. A closed window hands its
+context to the engine, which keeps one for the next window to start in, wiped: making a
+context allocates and clears its buffer and reserves its graph (15-21 ms for SmolLM2's
+1,024-1,536 cells, against 3-4 ms to zero them), on the path of every session opened.
 
 On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it has
 integrated every token computed, in order, and is never evicted. The window checkpoints it
