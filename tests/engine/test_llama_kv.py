@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt import AdmitMode, EvictMode
+from kvrt import AdmitMode, EngineError, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 from tests.support.text import STORY, slide_then_tail_admit, words
 
@@ -215,7 +215,7 @@ def test_a_window_starts_in_the_last_closed_window_s_context_wiped_and_exact(
     native = other._ctx._ptr
     other.close()
     assert other.closed
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(EngineError, match="closed"):
         other.prefill(probe)  # the closed window can no longer reach what it held
 
     reused = engine.open_context(2048)
