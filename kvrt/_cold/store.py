@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -279,18 +279,32 @@ class ColdStore:
         """Announce that the blocks under ``keys`` are being computed by one session and
         will be written to the store: another session about to compute the same blocks
         may wait for them (:meth:`computed`) and restore them instead."""
-        claimed = {k: anyio.Event() for k in keys if k not in self._computing}
-        self._computing.update(claimed)
+        release = self.claim(keys)
         try:
             yield
         finally:
+            release()
+
+    def claim(self, keys: Iterable[ColdKey]) -> Callable[[], None]:
+        """Announce that the blocks under ``keys`` are on their way to the store (being
+        computed, or offered by a closing session), as :meth:`computing` does, until the
+        returned release is called (once the writes are done or given up). Keys another
+        claim holds stay with it."""
+        claimed = {k: anyio.Event() for k in keys if k not in self._computing}
+        self._computing.update(claimed)
+
+        def release() -> None:
             for k, done in claimed.items():
-                del self._computing[k]
+                if self._computing.get(k) is done:
+                    del self._computing[k]
                 done.set()
+            claimed.clear()
+
+        return release
 
     def computed(self, key: ColdKey) -> anyio.Event | None:
-        """Set once the session computing ``key``'s block is done with it; None if no
-        session is computing it now."""
+        """Set once the session computing (or offering) ``key``'s block is done with it;
+        None if no session is on it now."""
         return self._computing.get(key)
 
     def stats(self) -> ColdStats:

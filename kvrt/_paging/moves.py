@@ -321,6 +321,19 @@ class Paging:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
+    def offered(self, blocks: Sequence[Block]) -> list[ColdKey]:
+        """The keys :meth:`write_back` (not ``local``) would copy ``blocks`` under now: the
+        hot ones the store lacks and the cold admission policy keeps. Synchronous."""
+        resident = self.gate.resident()
+        keys = []
+        for block in blocks:
+            if self.gate.state(block, resident) is not Residency.HOT:
+                continue
+            key = self.gate.stored_key(block)
+            if key is not None and not key.session_local and self._needs_export(block):
+                keys.append(key)
+        return keys
+
     async def write_back(
         self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
     ) -> int:

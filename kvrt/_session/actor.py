@@ -131,6 +131,9 @@ class Actor:
         self.current: Call | None = None
         self._view = self._build_view()
         """What the session looked like after its last command (see :meth:`report`)."""
+        self._closing = False
+        self._offering: Callable[[], None] | None = None
+        """Releases the claim on the blocks the close will offer (see :meth:`closing`)."""
 
     @property
     def fault(self) -> Callable[[str], None] | None:
@@ -150,10 +153,27 @@ class Actor:
                 async for call in self.receive:
                     await self._run_one(call)
         finally:
+            self._closing = True
             with anyio.CancelScope(shield=True):
-                await self._offer_on_close()
+                try:
+                    await self._offer_on_close()
+                finally:
+                    self._release_offer()
                 await self.turns.run(None, "close", self.ctx.close)
             self.finished.set()
+
+    def closing(self) -> None:
+        """The session is about to close while idle: claim in the cold store the blocks
+        its close will offer (:meth:`.ColdStore.claim`), so a session placing the same
+        context meanwhile waits for those copies and restores them rather than computing
+        them again. Synchronous; released once the offer is done or given up."""
+        if self.current is None and not self._closing and self._offering is None:
+            self._offering = self.cold.claim(self.paging.offered(self.window.blocks))
+
+    def _release_offer(self) -> None:
+        release, self._offering = self._offering, None
+        if release is not None:
+            release()
 
     async def _offer_on_close(self) -> None:
         """Offer the hot blocks to the cold store before the KV is freed (as the cold
@@ -170,6 +190,7 @@ class Actor:
                 call.command.out.close()  # its reader never waits on a reply that won't come
 
     async def _run_call(self, call: Call) -> None:
+        self._release_offer()  # a call run after the close began may change the window
         if call.abandoned is not None:
             self.gate.counters.cancelled_calls += 1
             call.error = call.abandoned

@@ -419,5 +419,6 @@ class Session(metaclass=NoPublicConstructor):
             return
         for job in list(self._prefetches):
             job.cancel()
+        self._actor.closing()  # another session placing this context waits for its copies
         self._mail.close()  # the actor drains what is queued, then stops
         await self._actor.finished.wait()

@@ -8,7 +8,10 @@ new session while there is room, and else the idle session used longest ago (its
 go to the cold store, where later requests find them). With ``idle_sessions`` set, when
 a request takes a session and no other is being served, idle sessions past that many (the
 least recently used) close the same way: conversations taking turns then hold one
-session's engine memory, concurrent ones as many as they use. ``X-Session-Id`` pins a conversation to a session of its own. Past
+session's engine memory, concurrent ones as many as they use. Set, a session is also
+never taken over by another conversation: it closes, and the request opens its own. A
+closing session claims the blocks it offers the cold store as its close begins, so its
+conversation's next request, if already here, waits for them and restores them. ``X-Session-Id`` pins a conversation to a session of its own. Past
 ``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
 
 Every request comes with a scope (its tenant and cache salt, or None) and is matched only
@@ -188,8 +191,13 @@ class Pool:
             return self._take(best)
         if len(self.slots) < self.max_sessions:
             return self._new(None, scope, idle)
-        if ours:
+        if ours and self.idle_sessions is None:
             return self._take(min(ours, key=lambda s: s.last_used))
+        if ours:
+            # Parking idle sessions: the one used longest ago closes (its blocks, claimed
+            # at once, go to the cold store for its conversation's next request) rather
+            # than holding them while this request takes it over.
+            return self._new(None, scope, ours)
         if idle:  # another scope's (or a pinned) idle session gives way
             return self._new(None, scope, idle)
         return None
@@ -211,11 +219,17 @@ class Pool:
 
     async def _ready(self, slot: Slot) -> None:
         """Close the idle sessions the slot's request closes (their hot blocks go to the
-        cold store), before its own opens or is used."""
+        cold store), before its own opens or is used. They close side by side: each claims
+        the blocks it offers as its close begins, so a request placing one of their
+        conversations meanwhile waits for those copies instead of computing them again."""
         closing, slot.closes = slot.closes, []
         with anyio.CancelScope(shield=True):
-            for old in closing:
-                await old.stack.aclose()
+            if len(closing) == 1:
+                await closing[0].stack.aclose()
+                return
+            async with anyio.create_task_group() as tg:
+                for old in closing:
+                    tg.start_soon(old.stack.aclose)
 
     async def _open(self, slot: Slot) -> None:
         name = f"serve-{next(self._names)}" if slot.pin is None else f"serve-{slot.pin}"

@@ -187,3 +187,27 @@ def _peeked(store: ColdStore, key: ColdKey) -> ColdEntry:
     found = store.peek(key)
     assert found is not None
     return found
+
+
+@pytest.mark.anyio
+async def test_a_claim_holds_its_keys_until_released_and_leaves_others_claims_alone(
+    anyio_backend: str,
+) -> None:
+    """A closing session's claim (:meth:`ColdStore.claim`) makes sessions placing the same
+    blocks wait; a key already claimed stays with its first claim; releasing wakes the
+    waiters once, and a second release does nothing."""
+
+    async def body(store: ColdStore) -> None:
+        a, b, c = (entry(i, 8).key for i in range(3))
+        with store.computing([a]):
+            release = store.claim([a, b])
+            first, claimed = store.computed(a), store.computed(b)
+            assert first is not None and claimed is not None
+            release()
+            assert claimed.is_set() and store.computed(b) is None
+            assert store.computed(a) is first and not first.is_set()  # the first claim's
+            release()  # twice: nothing more
+            assert store.computed(a) is first
+        assert first.is_set() and store.computed(a) is None and store.computed(c) is None
+
+    await with_store(1000, body)

@@ -3,6 +3,10 @@ property needs no real text, the embedded SmolLM2 where it does."""
 
 from __future__ import annotations
 
+import threading
+from functools import partial
+
+import anyio
 import numpy as np
 import pytest
 
@@ -308,3 +312,60 @@ async def test_explain_is_a_snapshot_the_actor_publishes_between_commands() -> N
         assert after.engine.prefill_tokens > computed
         assert before.engine.prefill_tokens == computed  # the earlier report did not move
         assert before.counters.ensure_calls == 1 and after.counters.ensure_calls == 2
+
+
+async def test_a_context_placed_while_its_session_closes_waits_for_the_copies(
+    anyio_backend: str,
+) -> None:
+    """A conversation sent again while the session that holds it hot is closing (a server
+    parking idle sessions, its next request already here): the closing session claims the
+    blocks it will offer as its close begins, so the other session waits for those copies
+    and restores them, reply included, computing only what is new, as it does once the
+    close is over. The engine is held meanwhile: without the claim the blocks would not be
+    in the store yet when the other session plans, and it would compute them."""
+    first = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name three rivers of France and where they rise."},
+    ]
+
+    async def converse(race: bool) -> tuple[kvrt.Completion, kvrt.Completion]:
+        async with (
+            kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
+            rt.open_session() as a,
+            rt.open_session() as b,
+        ):
+            reply = await a.chat(first, max_tokens=12)
+            again = [*first, {"role": "assistant", "content": reply.text}]
+            again.append({"role": "user", "content": "Which is longest?"})
+            if not race:
+                await a.aclose()
+                return reply, await b.chat(again, max_tokens=4, logprobs=2)
+            held, release = anyio.Event(), threading.Event()
+
+            def hold() -> None:
+                anyio.from_thread.run_sync(held.set)
+                release.wait()
+
+            done: list[kvrt.Completion] = []
+
+            async def second() -> None:
+                done.append(await b.chat(again, max_tokens=4, logprobs=2))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(rt.engine_turns.run, None, "held by the test", hold))
+                await held.wait()  # no engine call runs until released
+                tg.start_soon(a.aclose)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(second)
+                await anyio.wait_all_tasks_blocked()
+                release.set()
+            return reply, done[0]
+
+    reply, got = await converse(race=True)
+    same, want = await converse(race=False)
+    assert reply.tokens == same.tokens and len(reply.tokens) > 4
+    assert want.usage.restored_tokens > len(reply.tokens)  # the reply came back from cold
+    assert got.usage.restored_tokens == want.usage.restored_tokens, got.usage
+    assert got.usage.prefilled_tokens == want.usage.prefilled_tokens, got.usage
+    assert got.context.exact and want.context.exact
+    assert got.logprobs == want.logprobs and got.text == want.text
