@@ -433,6 +433,20 @@ class LlamaEngine:
         if old is not None and not old.closed:
             old.close()
 
+    def release_spare(self) -> None:
+        """Free the closed window's context kept for the next window, if any (a runtime
+        that has had no session for a while calls this)."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and not spare.closed:
+            spare.close()
+
+    @property
+    def holds_spare(self) -> bool:
+        """Whether a closed window's context is kept for the next window."""
+        with self._spare_lock:
+            return self._spare is not None
+
     def close(self) -> None:
         """Close every context still open on this engine (the spare too), then free the
         model."""

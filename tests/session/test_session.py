@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import kvrt
+import kvrt._runtime
 from kvrt import Config, MemoryConfig, Residency
 from kvrt._paging.placement import LEADING_MIN_TOKENS
 from kvrt._session import context_tokens
+from kvrt.adapters.llama import LlamaEngine
 from tests.support.models import (
     FILE_A,
     FILE_B,
@@ -369,3 +371,28 @@ async def test_a_context_placed_while_its_session_closes_waits_for_the_copies(
     assert got.usage.prefilled_tokens == want.usage.prefilled_tokens, got.usage
     assert got.context.exact and want.context.exact
     assert got.logprobs == want.logprobs and got.text == want.text
+
+
+async def test_the_engine_frees_its_spare_context_once_no_session_opens_for_a_while(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The context a closed session leaves for the next one is kept while sessions come
+    and go, and freed once the runtime has had none open for ``SPARE_SECONDS``."""
+    monkeypatch.setattr(kvrt._runtime, "SPARE_SECONDS", 0.2)
+    engine = tiny()
+    assert isinstance(engine, LlamaEngine)
+    engine.release_spare()  # whatever an earlier test left
+    async with kvrt.open_runtime(engine=engine, config=NO_DISK) as rt:
+        async with rt.open_session() as s:
+            await s.ensure_context([kvrt.Segment("user", "Hello there.")])
+        assert engine.holds_spare
+        async with rt.open_session() as s:  # within the wait: it starts in the spare
+            assert not engine.holds_spare
+            await anyio.sleep(0.4)  # a session open all along: nothing to free
+        assert engine.holds_spare
+        with anyio.fail_after(10):
+            while engine.holds_spare:
+                await anyio.sleep(0.02)
+        async with rt.open_session() as s:  # and sessions still open after it
+            await s.ensure_context([kvrt.Segment("user", "Hello again.")])
+    engine.release_spare()
