@@ -24,6 +24,7 @@ from ._describe import ModelInfo, model_info
 from ._engine.capacity import Limit, planner_context
 from ._engine.contract import Engine
 from ._engine.registry import open_engine
+from ._engine.spare import SpareRelease
 from ._engine.turns import EngineTurns
 from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
 from ._paging.window import HotWindow, Segment
@@ -43,11 +44,6 @@ from ._units import format_size
 from ._util import NoPublicConstructor, physical_cores
 
 __all__ = ["Runtime", "check_policies", "load_engine", "open_runtime"]
-
-SPARE_SECONDS = 10.0
-"""Seconds a runtime with no session open leaves its engine the context its last session
-closed (the one the next session would start in: see the engine's ``release_spare``)
-before the engine frees it."""
 
 
 def _policy(kind: str, name: str) -> Any:
@@ -99,12 +95,11 @@ class Runtime(metaclass=NoPublicConstructor):
         self._replies = ReplyMemory(shared=self.shared)
         self._closed = False
         self._serial = 0
-        self._idle: anyio.CancelScope | None = None
-        """The wait, while no session is open, before the engine's spare context goes."""
         threads = config.engine.threads or physical_cores()
         parallel = config.engine.parallel or max(1, physical_cores() // threads)
         self.engine_turns = EngineTurns(parallel, check_policies(config)["engine_turn"])
         """The engine's slots, shared by every session (see :mod:`kvrt._engine.turns`)."""
+        self._spare = SpareRelease(engine, self.engine_turns, tg)
 
     @property
     def closed(self) -> bool:
@@ -313,7 +308,7 @@ class Runtime(metaclass=NoPublicConstructor):
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg, self._chat)
         self._sessions.add(session)
-        self._stop_idle()
+        self._spare.opened()
         try:
             if saved is not None:
                 session.resumed = await resume_session(actor, session._mail.request, saved)
@@ -322,34 +317,11 @@ class Runtime(metaclass=NoPublicConstructor):
             with anyio.CancelScope(shield=True):
                 await session.aclose()
             self._sessions.discard(session)
-            if not self._sessions and not self._closed:
-                self._tg.start_soon(self._release_spare_when_idle)
-
-    def _stop_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-
-    async def _release_spare_when_idle(self) -> None:
-        """With no session open for :data:`SPARE_SECONDS`, the engine frees the context it
-        keeps for the next session: a program that stopped opening sessions gets that
-        memory back, while one opening them in turn (``kvrt serve`` between requests)
-        keeps starting in it."""
-        release = getattr(self._engine, "release_spare", None)
-        if release is None or self._sessions or self._closed:
-            return
-        self._stop_idle()
-        with anyio.CancelScope() as scope:
-            self._idle = scope
-            await anyio.sleep(SPARE_SECONDS)
-            if not self._sessions:
-                await self.engine_turns.run(None, "release spare", release)
-        if self._idle is scope:
-            self._idle = None
+            self._spare.closed()
 
     async def _shutdown(self) -> None:
         self._closed = True
-        self._stop_idle()
+        self._spare.close()
         with anyio.CancelScope(shield=True):
             for session in list(self._sessions):
                 await session.aclose()

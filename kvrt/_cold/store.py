@@ -274,22 +274,11 @@ class ColdStore:
 
     # -- blocks being computed --
 
-    @contextmanager
-    def computing(self, keys: Iterable[ColdKey]) -> Iterator[None]:
-        """Announce that the blocks under ``keys`` are being computed by one session and
-        will be written to the store: another session about to compute the same blocks
-        may wait for them (:meth:`computed`) and restore them instead."""
-        release = self.claim(keys)
-        try:
-            yield
-        finally:
-            release()
-
     def claim(self, keys: Iterable[ColdKey]) -> Callable[[], None]:
         """Announce that the blocks under ``keys`` are on their way to the store (being
-        computed, or offered by a closing session), as :meth:`computing` does, until the
-        returned release is called (once the writes are done or given up). Keys another
-        claim holds stay with it."""
+        computed, or offered by a closing session) until the returned release is called:
+        another session about to compute the same blocks may wait for them
+        (:meth:`computed`) and restore them instead. Keys another claim holds stay its."""
         claimed = {k: anyio.Event() for k in keys if k not in self._computing}
         self._computing.update(claimed)
 

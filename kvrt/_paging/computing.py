@@ -68,7 +68,8 @@ class Computing:
         stable = [b for b in blocks if through.write_through(self.window.view(b))]
         fingerprint = self.window.fingerprint
         # Announced before the first await: a session checking for these blocks now waits.
-        with self.cold.computing(b.key(fingerprint) for b in stable):
+        release = self.cold.claim(b.key(fingerprint) for b in stable)
+        try:
             # The first block may already hold its leading tokens at the window's tail (a
             # block that grew): computing resumes after them.
             first = blocks[0]
@@ -80,6 +81,8 @@ class Computing:
             label, missing, moved = await self.compute(tokens, at, keep | ids, states=states)
             if stable:
                 await self.paging.write_back(stable, spare=True)
+        finally:
+            release()
         # Leading tokens already resident were reused, or restored from a block that
         # diverges from this one later on (counted as restored when they came back).
         leading = sum(earlier.get(p) == "restored" for p in range(first.start, first.start + done))

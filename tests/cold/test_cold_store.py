@@ -199,15 +199,16 @@ async def test_a_claim_holds_its_keys_until_released_and_leaves_others_claims_al
 
     async def body(store: ColdStore) -> None:
         a, b, c = (entry(i, 8).key for i in range(3))
-        with store.computing([a]):
-            release = store.claim([a, b])
-            first, claimed = store.computed(a), store.computed(b)
-            assert first is not None and claimed is not None
-            release()
-            assert claimed.is_set() and store.computed(b) is None
-            assert store.computed(a) is first and not first.is_set()  # the first claim's
-            release()  # twice: nothing more
-            assert store.computed(a) is first
+        computing = store.claim([a])  # a session computing ``a``
+        release = store.claim([a, b])
+        first, claimed = store.computed(a), store.computed(b)
+        assert first is not None and claimed is not None
+        release()
+        assert claimed.is_set() and store.computed(b) is None
+        assert store.computed(a) is first and not first.is_set()  # the first claim's
+        release()  # twice: nothing more
+        assert store.computed(a) is first
+        computing()
         assert first.is_set() and store.computed(a) is None and store.computed(c) is None
 
     await with_store(1000, body)

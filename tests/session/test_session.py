@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvrt
-import kvrt._runtime
+import kvrt._engine.spare
 from kvrt import Config, MemoryConfig, Residency
 from kvrt._paging.placement import LEADING_MIN_TOKENS
 from kvrt._session import context_tokens
@@ -378,7 +378,7 @@ async def test_the_engine_frees_its_spare_context_once_no_session_opens_for_a_wh
 ) -> None:
     """The context a closed session leaves for the next one is kept while sessions come
     and go, and freed once the runtime has had none open for ``SPARE_SECONDS``."""
-    monkeypatch.setattr(kvrt._runtime, "SPARE_SECONDS", 0.2)
+    monkeypatch.setattr(kvrt._engine.spare, "SPARE_SECONDS", 0.2)
     engine = tiny()
     assert isinstance(engine, LlamaEngine)
     engine.release_spare()  # whatever an earlier test left
