@@ -11,8 +11,9 @@ least recently used) close the same way: conversations taking turns then hold on
 session's engine memory, concurrent ones as many as they use. Set, a session is also
 never taken over by another conversation: it closes, and the request opens its own. A
 closing session claims the blocks it offers the cold store as its close begins, so its
-conversation's next request, if already here, waits for them and restores them. ``X-Session-Id`` pins a conversation to a session of its own. Past
-``max_sessions`` busy and ``max_queue`` waiting, a request is refused at once.
+conversation's next request, if already here, waits for them and restores them.
+``X-Session-Id`` pins a conversation to a session of its own. Past ``max_sessions`` busy
+and ``max_queue`` waiting, a request is refused at once.
 
 Every request comes with a scope (its tenant and cache salt, or None) and is matched only
 with sessions of its scope, which are opened with it as their cache salt: nothing one
