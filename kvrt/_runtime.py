@@ -99,7 +99,7 @@ class Runtime(metaclass=NoPublicConstructor):
         parallel = config.engine.parallel or max(1, physical_cores() // threads)
         self.engine_turns = EngineTurns(parallel, check_policies(config)["engine_turn"])
         """The engine's slots, shared by every session (see :mod:`kvrt._engine.turns`)."""
-        self._spare = SpareRelease(engine, self.engine_turns, tg)
+        self._spare = SpareRelease(engine, self.engine_turns, tg, self._sessions)
 
     @property
     def closed(self) -> bool:

@@ -10,7 +10,7 @@ keep starting in it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import anyio
 from anyio.abc import TaskGroup
@@ -26,26 +26,26 @@ SPARE_SECONDS = 10.0
 
 class SpareRelease:
     """One runtime's wait, while none of its sessions is open, before the engine's spare
-    context goes (on an engine turn). Runs in the runtime's task group; the bookkeeping
-    is synchronous."""
+    context goes (on an engine turn). Runs in the runtime's task group; ``sessions`` is
+    the runtime's own set of open sessions. The bookkeeping is synchronous."""
 
-    def __init__(self, engine: Engine, turns: EngineTurns, tg: TaskGroup) -> None:
+    def __init__(
+        self, engine: Engine, turns: EngineTurns, tg: TaskGroup, sessions: Collection[object]
+    ) -> None:
         self._release: Callable[[], None] | None = getattr(engine, "release_spare", None)
         self._turns = turns
         self._tg = tg
+        self._sessions = sessions
         self._waiting: anyio.CancelScope | None = None
-        self._open = 0
         self._closed = False
 
     def opened(self) -> None:
         """A session opened: the spare stays (it may be starting in it)."""
-        self._open += 1
         self._stop()
 
     def closed(self) -> None:
         """A session closed: with none left open, the wait begins."""
-        self._open -= 1
-        if not self._open and not self._closed and self._release is not None:
+        if not self._sessions and not self._closed and self._release is not None:
             self._tg.start_soon(self._wait)
 
     def close(self) -> None:
@@ -59,14 +59,14 @@ class SpareRelease:
             self._waiting = None
 
     async def _wait(self) -> None:
-        if self._open or self._closed or self._release is None:
+        if self._sessions or self._closed or self._release is None:
             return  # a session opened, or the runtime closed, before this began
         self._stop()
         release = self._release
         with anyio.CancelScope() as scope:
             self._waiting = scope
             await anyio.sleep(SPARE_SECONDS)
-            if not self._open:
+            if not self._sessions:
                 await self._turns.run(None, "release spare", release)
         if self._waiting is scope:
             self._waiting = None

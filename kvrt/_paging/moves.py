@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 
@@ -321,18 +321,24 @@ class Paging:
             f"est. {restore_s * 1e3:.2f} ms to restore vs {recompute_s * 1e3:.1f} ms to recompute"
         )
 
-    def offered(self, blocks: Sequence[Block]) -> list[ColdKey]:
-        """The keys :meth:`write_back` (not ``local``) would copy ``blocks`` under now: the
-        hot ones the store lacks and the cold admission policy keeps. Synchronous."""
+    def _storable(self, blocks: Sequence[Block], *, local: bool) -> Iterator[tuple[Block, ColdKey]]:
+        """Each hot block of ``blocks`` with the key its KV would be stored under: not
+        approximate KV, nor partial-window KV unless ``local`` (of use to this session
+        only). Synchronous: the residency read once, before the first."""
         resident = self.gate.resident()
-        keys = []
         for block in blocks:
             if self.gate.state(block, resident) is not Residency.HOT:
                 continue
             key = self.gate.stored_key(block)
-            if key is not None and not key.session_local and self._needs_export(block):
-                keys.append(key)
-        return keys
+            if key is not None and (local or not key.session_local):
+                yield block, key
+
+    def offered(self, blocks: Sequence[Block]) -> list[ColdKey]:
+        """The keys :meth:`write_back` (not ``local``) would copy ``blocks`` under now: the
+        hot ones the store lacks and the cold admission policy keeps. Synchronous."""
+        return [
+            key for block, key in self._storable(blocks, local=False) if self._needs_export(block)
+        ]
 
     async def write_back(
         self, blocks: Sequence[Block], *, spare: bool = False, local: bool = False
@@ -343,15 +349,9 @@ class Paging:
         (blocks that stay hot) only use free room, never dropping another entry.
         Partial-window KV is copied only when ``local`` (for this session itself: it is
         of no use to another, nor once this session has closed)."""
-        resident = self.gate.resident()
         fingerprint = self.window.fingerprint
         runs: list[list[tuple[Block, ColdKey]]] = []
-        for block in blocks:
-            if self.gate.state(block, resident) is not Residency.HOT:
-                continue
-            key = self.gate.stored_key(block)
-            if key is None or (key.session_local and not local):
-                continue  # approximate KV, or partial-window KV nobody else can use
+        for block, key in self._storable(blocks, local=local):
             if not self._needs_export(block):
                 if not spare:
                     self.cold.keep(key)  # the hot copy goes

@@ -225,9 +225,6 @@ class Pool:
         conversations meanwhile waits for those copies instead of computing them again."""
         closing, slot.closes = slot.closes, []
         with anyio.CancelScope(shield=True):
-            if len(closing) == 1:
-                await closing[0].stack.aclose()
-                return
             async with anyio.create_task_group() as tg:
                 for old in closing:
                     tg.start_soon(old.stack.aclose)

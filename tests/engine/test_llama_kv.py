@@ -231,5 +231,5 @@ def test_a_window_starts_in_the_last_closed_window_s_context_wiped_and_exact(
     assert np.array_equal(got, expected), f"max |Δ| {np.abs(got - expected).max()}"
 
     small = engine.open_context(256)  # a spare of another size is freed, not used
-    assert small._ctx.n_ctx == 256 and engine._spare is None
+    assert small._ctx.n_ctx == 256 and not engine.holds_spare
     small.close()

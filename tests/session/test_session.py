@@ -330,7 +330,7 @@ async def test_a_context_placed_while_its_session_closes_waits_for_the_copies(
         {"role": "user", "content": "Name three rivers of France and where they rise."},
     ]
 
-    async def converse(race: bool) -> tuple[kvrt.Completion, kvrt.Completion]:
+    async def converse(race: bool | None) -> tuple[kvrt.Completion, kvrt.Completion]:
         async with (
             kvrt.open_runtime(engine=tiny(), config=NO_DISK) as rt,
             rt.open_session() as a,
@@ -339,6 +339,8 @@ async def test_a_context_placed_while_its_session_closes_waits_for_the_copies(
             reply = await a.chat(first, max_tokens=12)
             again = [*first, {"role": "assistant", "content": reply.text}]
             again.append({"role": "user", "content": "Which is longest?"})
+            if race is None:  # never evicted: the session that generated the reply
+                return reply, await a.chat(again, max_tokens=4, logprobs=2)
             if not race:
                 await a.aclose()
                 return reply, await b.chat(again, max_tokens=4, logprobs=2)
@@ -371,6 +373,8 @@ async def test_a_context_placed_while_its_session_closes_waits_for_the_copies(
     assert got.usage.prefilled_tokens == want.usage.prefilled_tokens, got.usage
     assert got.context.exact and want.context.exact
     assert got.logprobs == want.logprobs and got.text == want.text
+    _, live = await converse(race=None)  # and what never left the generating session
+    assert got.logprobs == live.logprobs and got.text == live.text
 
 
 async def test_the_engine_frees_its_spare_context_once_no_session_opens_for_a_while(
