@@ -184,11 +184,12 @@ async def _prompt(
             f"a {len(whole)}-token context fits a window: measure contexts of at least "
             f"{MIN_SIZE} tokens"
         )
-    full_window = len(whole) + 512
     out: dict[tuple[str, str], tuple[Answer, float]] = {}
     windowed = [c for c in CONDITIONS if c[1] is not None]
     # The body computed whole (not the question), then each window answers; full last.
     async with open_runtime(engine=engine, config=config) as rt:
+        # Room for the question and the answer, within the model's trained context.
+        full_window = min(len(whole) + 512, rt.model_info.model.trained_context)
         async with rt.open_session(hot_tokens=full_window) as s:
             await s.ensure_context([Segment("body", prompt.body)])
         if "whole" in cases:

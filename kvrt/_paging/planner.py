@@ -17,8 +17,11 @@ The rules, in order of the layout:
   (dropped) everything resident from there on is cleared (:class:`Begin`), and from then
   on blocks are placed in order, each computation right after a resident predecessor (a
   predecessor that lost its KV meanwhile is computed again first: never across a gap);
-- adjacent dropped blocks are computed in one engine call, as many as fit beside what
-  must stay; a block with an approximate cold copy is tried on its own first;
+- adjacent dropped blocks are computed in one engine call, as many as the window's free
+  room holds (at least one, making room for it): in a context larger than the window,
+  each block is computed after as much of what came before as the window keeps, one
+  block at a time once it is full; a block with an approximate cold copy is tried on its
+  own first;
 - once every block was placed, planned blocks that later computations pushed out come
   back (converge), until only planned or protected blocks are left to evict.
 """
@@ -74,19 +77,6 @@ class Scene:
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-    def room(self, keep: Iterable[int] = ()) -> int:
-        """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
-        shielded = self.protected | set(keep)
-        return room(
-            self.budget,
-            self.resident,
-            (
-                n
-                for i, n in enumerate(self.sizes)
-                if i not in shielded and self.states[i] is Residency.HOT
-            ),
-        )
 
 
 def query_first(
@@ -227,13 +217,17 @@ def plan(scene: Scene, cursor: Cursor) -> Step | None:
         if i in scene.elsewhere:
             return WaitFor(i)
         restore_before = bool(i) and states[i - 1] is Residency.COLD
-        # Room as it will be once the block before is resident (restored or kept).
-        room = scene.room(pred) - (scene.sizes[i - 1] if restore_before else 0)
+        # Free room as it will be once the block before is resident. The first block is
+        # computed whatever it pushes out; the run takes more only while they fit beside
+        # everything resident, so that a full window computes one block at a time, each
+        # after as much of what came before as the policy keeps (a sliding window), not
+        # in runs that push out all but the block before them.
+        free = scene.budget - scene.resident - (scene.sizes[i - 1] if restore_before else 0)
         run, total = [i], scene.sizes[i]
         while (k := i + len(run)) < len(scene):
             if (
                 states[k] is not Residency.DROPPED
-                or total + scene.sizes[k] > room
+                or total + scene.sizes[k] > free
                 or k in scene.approximate
             ):
                 break

@@ -250,6 +250,31 @@ async def test_a_session_whose_context_later_fits_is_exact_again(
                 assert status.prefilled_tokens < 16  # only the new segment computed
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_context_that_never_fitted_is_computed_as_if_sent_a_file_at_a_time(
+    anyio_backend: str,
+) -> None:
+    """Once the window is full, each block of a context larger than it is computed after
+    as much of what came before as the window keeps (a sliding window), not in runs that
+    push out all but the block before them: the context sent at once gives the logits,
+    bit for bit, of the same context sent one file more at a time. On llama.cpp only:
+    OpenVINO gives other bits for other batch cuts, and the two sends cut the first
+    window's batches differently."""
+    engine = model_for("llama")
+    context = files_context(seed=5, n_files=8, words=180)
+    logits = []
+    for steps in ([context], [context[:k] for k in range(1, len(context) + 1)]):
+        async with (
+            kvrt.open_runtime(engine=engine, config=NO_DISK) as rt,
+            rt.open_session(hot_tokens=512) as s,
+        ):
+            for sent in steps:
+                status = await s.ensure_context(sent)
+            assert status.logical_tokens > 2 * 512 and not status.exact
+            logits.append(await next_logits(s))
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
 PIECES = {
     name: " ".join(random.Random(i).choice(WORDS) for _ in range(40))
     for i, name in enumerate("abcd")

@@ -87,6 +87,18 @@ CASES: list[tuple[str, Scene, Cursor, Step | None]] = [
         Compute(1, (1, 2), frozenset({0})),
     ),
     (
+        "a full window computes one block at a time, not a run pushing out all before it",
+        scene("hhhddd", budget=16),
+        Cursor(index=3, computing=True),
+        Compute(3, (3,), frozenset({2})),
+    ),
+    (
+        "a run takes only what the free room holds beside everything resident",
+        scene("hhdddd", budget=20),
+        Cursor(index=2, computing=True),
+        Compute(2, (2, 3, 4), frozenset({1})),
+    ),
+    (
         "a run always holds its first block, room or not",
         scene("hdd", budget=4),
         Cursor(index=1, computing=True),
