@@ -27,7 +27,6 @@ from .._errors import (
 from .._types import Residency, RestoreQuery
 from ..policy import Estimating
 from .gate import EngineGate, Tally, Written
-from .planner import room
 from .window import Block
 
 log = logging.getLogger("kvrt")
@@ -174,15 +173,12 @@ class Paging:
         """Tokens the window can hold besides what may not be evicted (protected, ``keep``)."""
         resident = self.gate.resident()
         shielded = self.window.protected() | keep
-        return room(
-            self.ctx.n_ctx,
-            self.ctx.n_resident,
-            (
-                b.n_tokens
-                for b in self.window.blocks
-                if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
-            ),
+        evictable = sum(
+            b.n_tokens
+            for b in self.window.blocks
+            if b.id not in shielded and self.gate.state(b, resident) is Residency.HOT
         )
+        return self.ctx.n_ctx - (self.ctx.n_resident - evictable)
 
     def drops_alone(self, position: int) -> bool:
         """Whether dropping the window's tail from ``position`` removes only it (on a

@@ -28,7 +28,7 @@ The rules, in order of the layout:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .._types import Residency
@@ -44,7 +44,6 @@ __all__ = [
     "advance",
     "plan",
     "query_first",
-    "room",
 ]
 
 
@@ -93,12 +92,6 @@ def query_first(
         k -= 1
     dropped = [s is Residency.DROPPED for s in states]
     return k if k and any(dropped[:k]) and any(dropped[k:]) else 0
-
-
-def room(budget: int, resident: int, evictable: Iterable[int]) -> int:
-    """Tokens a window of ``budget`` holding ``resident`` tokens can make room for: what is
-    free, and what the hot blocks that may be evicted (their sizes, ``evictable``) hold."""
-    return budget - (resident - sum(evictable))
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,7 @@ CASES: list[tuple[str, Scene, Cursor, Step | None]] = [
         Compute(0, (0, 1, 2), NONE),
     ),
     (
-        "the run stops where the room beside the block before ends",
+        "the run stops where the free room ends",
         scene("hddd", budget=12),
         Cursor(index=1, computing=True),
         Compute(1, (1, 2), frozenset({0})),
