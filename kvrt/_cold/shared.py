@@ -48,6 +48,11 @@ class SharedStore:
         return self._tier.signer.signed
 
     @property
+    def tag_bytes(self) -> int:
+        """Bytes a sealed value holds beyond the value itself (its tag)."""
+        return int(self._tier.signer.tag_bytes)
+
+    @property
     def up(self) -> bool:
         return self._tier.up
 

@@ -12,7 +12,10 @@ import kvrt
 
 from .state import Bounds
 
-__all__ = ["PIN_HEADER", "ServeConfig", "model_id", "reuse_scope"]
+__all__ = ["MIN_STORE_BYTES", "PIN_HEADER", "ServeConfig", "model_id", "reuse_scope"]
+
+MIN_STORE_BYTES = 4096
+"""The least a tenant's kept responses or conversations may take."""
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +82,19 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     and in Redis, remembered replies, stored responses) happens only within a tenant, and
     a request's ``cache_salt`` narrows it further. No key and no salt: everything is
     shared (one user's machine)."""
+
+    def __post_init__(self) -> None:
+        for flag, field in (
+            ("--response-store", "response_store_bytes"),
+            ("--conversation-store", "conversation_store_bytes"),
+        ):
+            value = getattr(self, field)
+            if value < MIN_STORE_BYTES:
+                raise kvrt.ConfigError(
+                    f"{flag} (ServeConfig.{field}) is {value:,} bytes: a store this small "
+                    f"keeps nothing, and each response would be refused after it was "
+                    f"computed; give at least {MIN_STORE_BYTES:,}"
+                )
 
     def tenants(self) -> dict[str, str]:
         """Every key accepted, with its tenant."""

@@ -22,7 +22,6 @@ from .state import ConversationHead, KeptResponse, StateError, StateStore, refus
 __all__ = [
     "ConversationRoutes",
     "ResponseRoutes",
-    "add",
     "items_in",
     "kept_response",
     "response_not_kept",
@@ -126,13 +125,6 @@ async def items_in(
     if found is None:
         raise not_kept(cid, param)
     return found
-
-
-async def add(store: StateStore, tenant: str | None, cid: str, items: list[dict[str, Any]]) -> None:
-    """Add ``items`` to a kept conversation, or its 404 (a :class:`StateError` when they
-    cannot be kept)."""
-    if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, items):
-        raise not_kept(cid, "conversation")
 
 
 async def json_response(content: Any) -> Response:
@@ -256,10 +248,14 @@ class ConversationRoutes:
                     raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
                 head = await head_of(store, tenant, cid)
                 return JSONResponse(body(cid, head.created_at, head.metadata))
-            kept = await items_in(store, tenant, cid)
-            found = next((i for i in kept if i["id"] == iid), None)
+            try:
+                found = await store.item(tenant, cid, iid) if ID.fullmatch(cid) else None
+            except KeyError:
+                raise RequestError(
+                    f"item {iid!r} is not in conversation {cid!r}", status=404
+                ) from None
             if found is None:
-                raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
+                raise not_kept(cid)
             return await json_response(found)
 
         return await self._answer(work)

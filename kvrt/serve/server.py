@@ -220,17 +220,23 @@ class Server:
             return call
 
         async def store(rid: str, done: kvrt.Completion, body: dict[str, Any]) -> None:
-            """Keep what the response added (a :class:`StateError` when it cannot be)."""
+            """Keep what the response added, whole or not at all: a :class:`StateError`
+            when it cannot be kept, the conversation's 404 when it went meanwhile."""
             req, state = asked[0], await self.state()
-            if conversation:
+            cid = conversation[0] if conversation else None
+            added = []
+            if cid is not None:
                 added = [i for m in given for i in conversations.items_of(m)]
                 added += conversations.output_items(body["output"])
-                await kept.add(state, tenant, conversation[0], added)
+            response = None
             if req.store is not False:
                 messages = (*before, *given, *responses.output_messages(done))
                 span = (len(before), len(before) + len(given))
-                answer = KeptResponse(messages, span, msgspec.json.encode(body))
-                await state.keep_response(tenant, rid, answer)
+                response = (rid, KeptResponse(messages, span, msgspec.json.encode(body)))
+            if (cid is not None or response is not None) and not await state.keep_turn(
+                tenant, response, cid, added
+            ):
+                raise conversations.not_kept(cid or "", "conversation")
 
         async def finish(rid: str, done: kvrt.Completion) -> dict[str, Any]:
             output = responses.output_items(done, {})
@@ -267,6 +273,9 @@ class Server:
                 await store(rid, done, body)
             except StateError as exc:
                 yield _sse(events.failed(body, f"state_{exc.kind}", str(exc)))
+                return
+            except RequestError as exc:  # its conversation was deleted meanwhile
+                yield _sse(events.failed(body, exc.code or "not_kept", str(exc)))
                 return
             yield _sse(events.completed(body))
 

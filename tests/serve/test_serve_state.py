@@ -48,7 +48,7 @@ async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
     anyio_backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "state.sqlite3"
-    async with server(state_path=str(path), conversation_store_bytes=4000) as (_, url):
+    async with server(state_path=str(path), conversation_store_bytes=4096) as (_, url):
         c = client(url, max_retries=0)
         model = (await in_thread(c.models.list)).data[0].id
         conv = await in_thread(
@@ -57,7 +57,7 @@ async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
         big: Any = [{"role": "user", "content": "x" * 5000}]
         with pytest.raises(openai.APIStatusError) as full:
             await in_thread(lambda: c.conversations.items.create(conv.id, items=big))
-        assert full.value.status_code == 507 and "4,000" in full.value.message
+        assert full.value.status_code == 507 and "4,096" in full.value.message
         # A response whose conversation cannot take its output is not a 200.
         with pytest.raises(openai.APIStatusError) as full:
             await in_thread(

@@ -76,8 +76,26 @@ class StateStore(Protocol):
         it holds no item ``after``."""
         ...
 
+    async def item(self, tenant: str | None, cid: str, iid: str) -> Item | None:
+        """Item ``iid`` of a conversation (that one alone read); None when the
+        conversation is unknown; a ``KeyError`` when it holds no such item."""
+        ...
+
     async def add_items(self, tenant: str | None, cid: str, items: list[Item]) -> bool:
         """Append items; False when the conversation is unknown."""
+        ...
+
+    async def keep_turn(
+        self,
+        tenant: str | None,
+        response: tuple[str, KeptResponse] | None,
+        cid: str | None,
+        items: list[Item],
+    ) -> bool:
+        """What one answered request adds, kept whole or not at all: the response under
+        its id (when given) and ``items`` at the end of conversation ``cid`` (when given).
+        False, with nothing kept, when the conversation is unknown (deleted meanwhile); a
+        :class:`StateError` when either cannot be kept."""
         ...
 
     async def set_metadata(self, tenant: str | None, cid: str, metadata: dict[str, str]) -> bool:

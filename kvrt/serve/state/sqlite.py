@@ -197,38 +197,80 @@ class SqliteState:
     async def keep_response(self, tenant: str | None, rid: str, kept: KeptResponse) -> None:
         """Keep ``kept`` under ``rid`` (the tenant's least recently used go past its
         bounds); a :class:`StateError` when it cannot be kept."""
-        await self._run(self._keep_response, _tenant(tenant), rid, _encode.encode(kept))
+        await self.keep_turn(tenant, (rid, kept), None, [])
 
-    def _keep_response(self, tenant: str, rid: str, record: bytes) -> None:
+    async def keep_turn(
+        self,
+        tenant: str | None,
+        response: tuple[str, KeptResponse] | None,
+        cid: str | None,
+        items: list[Item],
+    ) -> bool:
+        """Keep a response and add ``items`` to conversation ``cid`` in one transaction:
+        both or neither. False (nothing kept) when the conversation is unknown; a
+        :class:`StateError` when either cannot be kept."""
+        record = None
+        if response is not None:
+            record = (response[0], _encode.encode(response[1]))
+            self._check_response(len(record[1]))
+        encoded = [msgspec.json.encode(item) for item in items]
+        return await self._run(self._keep_turn, _tenant(tenant), record, cid, items, encoded)
+
+    def _check_response(self, size: int) -> None:
         b = self.bounds
-        if len(record) > b.response_bytes:
+        if size > b.response_bytes:
             raise StateError(
-                f"the response takes {len(record):,} bytes, more than the "
+                f"the response takes {size:,} bytes, more than the "
                 f"{b.response_bytes:,} a tenant's kept responses may",
                 kind="too_large",
             )
+
+    def _keep_turn(
+        self,
+        tenant: str,
+        record: tuple[str, bytes] | None,
+        cid: str | None,
+        items: list[Item],
+        encoded: list[bytes],
+    ) -> bool:
         now = time.time()
 
-        def write() -> None:
-            self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                (tenant, rid, now, len(record), record),
-            )
-            self._db.execute(
-                "DELETE FROM responses WHERE tenant = ? AND used < ?",
-                (tenant, now - b.response_age),
-            )
-            rows = self._db.execute(
-                "SELECT id, size FROM responses WHERE tenant = ? ORDER BY used DESC", (tenant,)
-            ).fetchall()
-            total, drop = 0, []
-            for n, (other, size) in enumerate(rows):
-                total += size
-                if n >= b.responses or total > b.response_bytes:
-                    drop.append((tenant, other))
-            self._db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", drop)
+        def write() -> bool:
+            # The conversation is looked up inside the transaction: one deleted by another
+            # process meanwhile takes nothing (no orphan item outside every bound).
+            if cid is not None:
+                if not self._live(tenant, cid, now):
+                    return False
+                if items:
+                    self._append(tenant, cid, items, encoded, now)
+            if record is not None:
+                self._keep_record(tenant, *record, now)
+            return True
 
-        self._write(write)
+        return self._write(write)
+
+    def _keep_record(self, tenant: str, rid: str, record: bytes, now: float) -> None:
+        b = self.bounds
+        self._db.execute(
+            "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+            (tenant, rid, now, len(record), record),
+        )
+        self._db.execute(
+            "DELETE FROM responses WHERE tenant = ? AND used < ?", (tenant, now - b.response_age)
+        )
+        # Sizes are the records' own lengths and a row whose use is not a number (a
+        # damaged row) goes first: no other row's content can fail this write.
+        rows = self._db.execute(
+            "SELECT id, length(record) FROM responses WHERE tenant = ? "
+            "ORDER BY typeof(used) IN ('integer', 'real') DESC, used DESC",
+            (tenant,),
+        ).fetchall()
+        total, drop = 0, []
+        for n, (other, size) in enumerate(rows):
+            total += size or 0
+            if n >= b.responses or total > b.response_bytes:
+                drop.append((tenant, other))
+        self._db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", drop)
 
     async def response(self, tenant: str | None, rid: str) -> KeptResponse | None:
         """The kept response, None when unknown or expired; ``damaged`` when its row does
@@ -242,7 +284,8 @@ class SqliteState:
         if row is None:
             return None
         now = time.time()
-        if row[1] < now - self.bounds.response_age:
+        used = self._number(row[1], f"kept response {rid!r}")
+        if used < now - self.bounds.response_age:
             return None
         try:
             kept = _response.decode(row[0])
@@ -252,9 +295,17 @@ class SqliteState:
                 f"kept response {rid!r} is damaged ({exc}): it cannot be continued",
                 kind="damaged",
             ) from None
-        if row[1] < now - TOUCH_AFTER:
+        if used < now - TOUCH_AFTER:
             self._touch("responses", tenant, rid, now)
         return kept
+
+    def _number(self, value: Any, what: str) -> float:
+        """A number column's value, or ``damaged`` naming the row (a row written by
+        something else than this store)."""
+        if isinstance(value, int | float):
+            return value
+        self.refused += 1
+        raise StateError(f"{what} is damaged (a column holds {value!r})", kind="damaged")
 
     async def forget_response(self, tenant: str | None, rid: str) -> bool:
         """Delete a kept response; whether there was one."""
@@ -333,7 +384,8 @@ class SqliteState:
                 kind="full",
             )
         (last,) = self._db.execute(
-            "SELECT coalesce(max(seq), 0) FROM items WHERE tenant = ? AND conversation = ?",
+            "SELECT coalesce(max(seq), 0) FROM items WHERE tenant = ? AND conversation = ? "
+            "AND typeof(seq) = 'integer'",
             (tenant, cid),
         ).fetchone()
         self._db.executemany(
@@ -359,17 +411,31 @@ class SqliteState:
             "WHERE tenant = ? AND id = ?",
             (tenant, cid),
         ).fetchone()
+        if row is None:
+            return None
+        what = f"conversation {cid!r}"
+        created_at, items, size, used = (self._number(row[n], what) for n in (0, 2, 3, 4))
         now = time.time()
-        if row is None or row[4] < now - self.bounds.conversation_age:
+        if used < now - self.bounds.conversation_age:
             return None
         try:
             meta = _metadata.decode(row[1])
         except (msgspec.DecodeError, TypeError):
             self.refused += 1
             meta = {}
-        if row[4] < now - TOUCH_AFTER:
+        if used < now - TOUCH_AFTER:
             self._touch("conversations", tenant, cid, now)
-        return ConversationHead(int(row[0]), meta, int(row[2]), int(row[3]))
+        return ConversationHead(int(created_at), meta, int(items), int(size))
+
+    def _live(self, tenant: str, cid: str, now: float) -> bool:
+        """Whether the conversation is kept and unexpired (inside a write's transaction,
+        so that what the write does holds only while it is)."""
+        row = self._db.execute(
+            "SELECT used FROM conversations WHERE tenant = ? AND id = ?", (tenant, cid)
+        ).fetchone()
+        if row is None:
+            return False
+        return self._number(row[0], f"conversation {cid!r}") >= now - self.bounds.conversation_age
 
     async def items(self, tenant: str | None, cid: str) -> list[Item] | None:
         """Every item, in order; None when the conversation is unknown; ``damaged`` when
@@ -417,6 +483,23 @@ class SqliteState:
         found = [self._decoded(cid, seq, blob) for seq, blob in rows[:limit]]
         return found, len(rows) > limit
 
+    async def item(self, tenant: str | None, cid: str, iid: str) -> Item | None:
+        """Item ``iid`` (that one alone read); None when the conversation is unknown; a
+        ``KeyError`` when it holds no such item."""
+        return await self._run(self._item, _tenant(tenant), cid, iid)
+
+    def _item(self, tenant: str, cid: str, iid: str) -> Item | None:
+        if self._head(tenant, cid) is None:
+            return None
+        row = self._db.execute(
+            "SELECT seq, item FROM items WHERE tenant = ? AND conversation = ? AND id = ? "
+            "ORDER BY seq LIMIT 1",
+            (tenant, cid, iid),
+        ).fetchone()
+        if row is None:
+            raise KeyError(iid)
+        return self._decoded(cid, row[0], row[1])
+
     def _decoded(self, cid: str, n: int, blob: Any) -> Item:
         try:
             return decode_item(cid, n, blob)
@@ -426,15 +509,7 @@ class SqliteState:
 
     async def add_items(self, tenant: str | None, cid: str, items: list[Item]) -> bool:
         """Append ``items``; False when the conversation is unknown."""
-        encoded = [msgspec.json.encode(item) for item in items]
-        return await self._run(self._add, _tenant(tenant), cid, items, encoded)
-
-    def _add(self, tenant: str, cid: str, items: list[Item], encoded: list[bytes]) -> bool:
-        if self._head(tenant, cid) is None:
-            return False
-        if items:
-            self._write(lambda: self._append(tenant, cid, items, encoded, time.time()))
-        return True
+        return await self.keep_turn(tenant, None, cid, items)
 
     async def set_metadata(self, tenant: str | None, cid: str, metadata: dict[str, str]) -> bool:
         """Replace the conversation's metadata; False when it is unknown."""
@@ -442,15 +517,18 @@ class SqliteState:
         return await self._run(self._set_metadata, _tenant(tenant), cid, meta)
 
     def _set_metadata(self, tenant: str, cid: str, meta: bytes) -> bool:
-        if self._head(tenant, cid) is None:
-            return False
-        self._write(
-            lambda: self._db.execute(
+        now = time.time()
+
+        def write() -> bool:
+            if not self._live(tenant, cid, now):
+                return False
+            self._db.execute(
                 "UPDATE conversations SET metadata = ?, used = ? WHERE tenant = ? AND id = ?",
-                (meta, time.time(), tenant, cid),
+                (meta, now, tenant, cid),
             )
-        )
-        return True
+            return True
+
+        return self._write(write)
 
     async def remove_item(self, tenant: str | None, cid: str, iid: str) -> bool | None:
         """Remove one item; False when the conversation has none of that id, None when the
@@ -458,10 +536,11 @@ class SqliteState:
         return await self._run(self._remove_item, _tenant(tenant), cid, iid)
 
     def _remove_item(self, tenant: str, cid: str, iid: str) -> bool | None:
-        if self._head(tenant, cid) is None:
-            return None
+        now = time.time()
 
-        def write() -> bool:
+        def write() -> bool | None:
+            if not self._live(tenant, cid, now):
+                return None
             row = self._db.execute(
                 "SELECT seq, length(item) FROM items WHERE tenant = ? AND conversation = ? "
                 "AND id = ? ORDER BY seq LIMIT 1",
@@ -476,7 +555,7 @@ class SqliteState:
             self._db.execute(
                 "UPDATE conversations SET items = items - 1, size = size - ?, used = ? "
                 "WHERE tenant = ? AND id = ?",
-                (row[1], time.time(), tenant, cid),
+                (row[1] or 0, now, tenant, cid),
             )
             return True
 
