@@ -242,6 +242,14 @@ class ChatTemplate:
         message sets none (the session's ``message_class`` policy; by default system
         messages ``task_pinned``, the rest ``volatile``)."""
         jinja = template or self._configured
+        if jinja is None:  # llama.cpp renders C strings: a NUL would end the content there
+            for i, message in enumerate(messages):
+                if "\0" in message.content:
+                    raise InvalidArgumentError(
+                        f"messages[{i}].content holds a NUL character, which the model's "
+                        "chat template (llama.cpp's own) cannot render",
+                        param=f"messages[{i}].content",
+                    )
 
         def render(contents: Sequence[str]) -> str:
             if jinja is None:

@@ -19,7 +19,7 @@ async def read_body(request: Request) -> bytes:
     ``Content-Length`` before a byte is read, else while it arrives."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise RequestError("Content-Length is not a byte count")
         if int(declared) > MAX_BODY:
             raise RequestError(f"the body is larger than {MAX_BODY} bytes", status=413)
@@ -62,7 +62,7 @@ def tenant_of(request: Request) -> str | None:
 def listing(request: Request, *, default_order: str) -> tuple[int, str]:
     """A list endpoint's ``limit`` (1 to 100, default 20) and ``order``."""
     limit = request.query_params.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 100:
         raise RequestError("limit must be an integer from 1 to 100", param="limit")
     order = request.query_params.get("order", default_order)
     if order not in ("asc", "desc"):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +205,38 @@ def test_bad_values_are_refused_naming_the_field(server: Server) -> None:
         )
         assert status == 400, (field, value, body)
         assert json.loads(body)["error"]["param"] == field, body
+
+
+def test_digits_of_other_scripts_and_nul_characters_are_400s(server: Server) -> None:
+    """``str.isdigit`` takes ``²`` and ``①``, ``int`` does not; llama.cpp's own chat
+    template reads C strings, which a NUL would cut: each a 400 naming its field, never
+    a 500 (nor one for every later response of a conversation holding a NUL)."""
+    model = model_of(server)
+    _, conv = request(server, "POST", "/v1/conversations", b'{"items": []}')
+    cid = json.loads(conv)["id"]
+    for limit in ("\u00b2", "\u2460", "\uff11", "1\u00b2"):
+        query = urllib.parse.urlencode({"limit": limit})
+        status, body = request(server, "GET", f"/v1/conversations/{cid}/items?{query}")
+        assert status == 400 and json.loads(body)["error"]["param"] == "limit", body
+    refused = chat_body(model, "Hi", logit_bias={"\u00b2": 1}, max_tokens=1)
+    status, body = request(server, "POST", "/v1/chat/completions", refused)
+    assert status == 400 and json.loads(body)["error"]["param"] == "logit_bias", body
+    status, body = request(server, "POST", "/v1/chat/completions", chat_body(model, "a\0b"))
+    assert status == 400 and "NUL" in json.loads(body)["error"]["message"], body
+    ask = {"model": model, "input": "a\0b", "max_output_tokens": 1}
+    status, body = request(server, "POST", "/v1/responses", json.dumps(ask).encode())
+    assert status == 400 and "NUL" in json.loads(body)["error"]["message"], body
+    item = {"type": "message", "role": "user", "content": "a\0b"}
+    status, body = request(
+        server, "POST", f"/v1/conversations/{cid}/items", json.dumps({"items": [item]}).encode()
+    )
+    ask = {"model": model, "input": "Hi", "conversation": cid, "max_output_tokens": 1}
+    status, body = request(server, "POST", "/v1/responses", json.dumps(ask).encode())
+    assert status == 400 and "NUL" in json.loads(body)["error"]["message"], body
+    with connect(server) as sock:  # a Content-Length in other digits
+        sock.sendall(head("POST", "/v1/chat/completions", {"Content-Length": "\u00b2"}))
+        status, _ = read_response(sock)
+    assert status == 400
 
 
 def test_clients_that_leave_give_their_session_back(server: Server) -> None:

@@ -257,3 +257,56 @@ async def test_a_damaged_database_or_a_fifo_is_refused_at_open(tmp_path: Path) -
     with anyio.fail_after(5), pytest.raises(StateError) as refused:
         await SqliteState.open(str(fifo), Bounds())
     assert "not a regular file" in str(refused.value)
+
+
+async def test_rows_of_the_wrong_type_fail_only_their_own_reads(tmp_path: Path) -> None:
+    async with opened("sqlite", tmp_path) as store:
+        await store.keep_response("alice", "resp_1", kept(1))
+        await store.keep_response("alice", "resp_2", kept(2))
+        await store.create_conversation("alice", "conv_1", ConversationHead(1, {}), [item(1)])
+        await store.create_conversation("alice", "conv_2", ConversationHead(1, {}), [item(2)])
+    db = sqlite3.connect(tmp_path / "state.sqlite3")
+    db.execute("UPDATE responses SET size = 'big', used = 'then' WHERE id = 'resp_1'")
+    db.execute("UPDATE conversations SET created_at = 'big', size = 'big' WHERE id = 'conv_1'")
+    db.execute("UPDATE items SET seq = 'x' WHERE conversation = 'conv_2'")
+    db.commit()
+    db.close()
+    async with opened("sqlite", tmp_path) as store:
+        for read in (store.response("alice", "resp_1"), store.conversation("alice", "conv_1")):
+            with pytest.raises(StateError) as damaged:
+                await read
+            assert damaged.value.kind == "damaged"
+        await store.keep_response("alice", "resp_3", kept(3))  # the tenant goes on
+        assert await store.response("alice", "resp_2") == kept(2)
+        assert await store.add_items("alice", "conv_2", [item(3)])
+        await store.create_conversation("alice", "conv_3", ConversationHead(1, {}), [item(4)])
+        assert await store.delete_conversation("alice", "conv_1")  # a damaged one can go
+
+
+async def test_foreign_and_oversized_values_on_the_shared_server_are_refused_unread(
+    redis_server: RedisServer,
+) -> None:
+    async with opened("redis", redis_server) as store:
+        await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [item(1)])
+        await store.create_conversation(None, "conv_2", ConversationHead(1, {}), [item(2)])
+        await store.keep_response(None, "resp_1", kept(1))
+    client: Any = redis.Redis.from_url(redis_server.url)
+    shared = kvrt.SharedStore(RemoteTier(redis_server.url, signer=Signer(SECRET)))
+    client.hset(shared.name("conversation-sizes", b"-\0"), "conv_9", "lots")
+    client.hset(shared.name("response-sizes", b"-\0"), "resp_9", "lots")
+    client.set(shared.name("item-seq", b"-\0conv_1"), "seven")
+    items = shared.name("items", b"-\0conv_2")
+    client.hset(items, "2", b"\0" * (65 * 2**20))  # past any request: never read
+    async with opened("redis", redis_server) as store:
+        assert await store.add_items(None, "conv_1", [item(3)])  # the tenant goes on
+        await store.keep_response(None, "resp_2", kept(2))
+        assert [i["id"] for i in await store.items(None, "conv_1") or []] == ["msg_1", "msg_3"]
+        sent = int(client.info("stats")["total_net_output_bytes"])
+        assert [i["id"] for i in await store.items(None, "conv_2") or []] == ["msg_2"]
+        assert int(client.info("stats")["total_net_output_bytes"]) - sent < 2**20
+        assert client.hlen(items) == 1  # the oversized item was deleted unread
+        client.hset(items, "7", b"forged")  # an item the head does not count
+        with pytest.raises(StateError) as refused:
+            await store.items(None, "conv_2")
+        assert refused.value.kind == "damaged" and "counts 1" in str(refused.value)
+        assert await store.delete_conversation(None, "conv_2")  # a damaged one can go

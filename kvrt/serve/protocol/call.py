@@ -191,7 +191,7 @@ def logit_bias(request: Any) -> dict[int, float] | None:
         return None
     bias: dict[int, float] = {}
     for key, value in given.items():
-        if not key.isdigit() or len(key) > 10:
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
             raise RequestError(
                 f"logit_bias keys are token ids (decimal integers), got {key[:40]!r}",
                 param="logit_bias",

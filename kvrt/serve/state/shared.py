@@ -453,18 +453,10 @@ class SharedState:
         await self._run("touching a conversation", touch)
 
     def _places(self, client: Client, cid: str, items_name: str, head: _Head) -> list[int]:
-        """The places of the conversation's items, in order; ``damaged`` when it holds
-        another number of items than its head counts (then none is listed or read)."""
-        if head.items is not None:
-            held = _count(client.hlen(items_name))
-            if held != head.items:
-                self.refused += 1
-                raise StateError(
-                    f"conversation {cid!r} holds {held} items where its head counts "
-                    f"{head.items}: items were added or removed without the replicas' "
-                    "secret; delete the conversation",
-                    kind="damaged",
-                )
+        """The places of the conversation's items, in order. Fields this store never
+        writes (a name that is no place, a value larger than any request adds) are
+        deleted unread; a conversation still holding another number of items than its
+        head counts is ``damaged``."""
         places, foreign = [], []
         for field in client.hkeys(items_name):
             seq = _seq(field)
@@ -472,9 +464,25 @@ class SharedState:
                 foreign.append(field)
             else:
                 places.append(seq)
+        if head.items is not None and len(places) != head.items:
+            pipe = client.pipeline(transaction=False)
+            for seq in places:
+                pipe.hstrlen(items_name, str(seq))
+            limit = MAX_ITEM + self.shared.tag_bytes
+            large = {s for s, n in zip(places, pipe.execute(), strict=True) if _count(n) > limit}
+            places = [s for s in places if s not in large]
+            foreign += [str(s) for s in large]
         if foreign:
             client.hdel(items_name, *foreign)
             self.refused += len(foreign)
+        if head.items is not None and len(places) != head.items:
+            self.refused += 1
+            raise StateError(
+                f"conversation {cid!r} holds {len(places)} items where its head counts "
+                f"{head.items}: items were added or removed without the replicas' secret; "
+                "delete the conversation",
+                kind="damaged",
+            )
         return sorted(places)
 
     def _fetch(self, client: Client, cid: str, items_name: str, places: list[int]) -> list[bytes]:
@@ -601,6 +609,19 @@ class SharedState:
             return None
         return (await anyio.to_thread.run_sync(self._decoded, cid, items_name, [found]))[0]
 
+    def _next_place(self, client: Client, items_name: str, seq_name: str, count: int) -> int:
+        """The place of the first of ``count`` new items: after the counter, unless the
+        counter (not signed) points at places that hold items, which are never
+        overwritten (then after the last item held)."""
+        first = _count(client.get(seq_name)) + 1
+        pipe = client.pipeline(transaction=False)
+        for seq in range(first, first + count):
+            pipe.hexists(items_name, str(seq))
+        if first > 1 and not any(pipe.execute()):
+            return first
+        held = [p for p in map(_seq, client.hkeys(items_name)) if p is not None]
+        return max([first - 1, *held]) + 1
+
     async def add_items(self, tenant: str | None, cid: str, items: list[Item]) -> bool:
         return await self.keep_turn(tenant, None, cid, items)
 
@@ -645,7 +666,7 @@ class SharedState:
                         f"than the server's {b.conversation_bytes:,}: delete some first",
                         kind="full",
                     )
-                first = _count(pipe.get(seq_name)) + 1
+                first = self._next_place(pipe, items_name, seq_name, len(items))
             pipe.multi()
             if cid is not None and head is not None and items:
                 count = None if head.items is None else head.items + len(items)
