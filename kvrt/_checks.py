@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import stat
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from ._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 __all__ = [
     "MAX_SALT",
@@ -27,6 +29,7 @@ __all__ = [
     "check_salt",
     "check_struct",
     "check_text",
+    "read_small_file",
 ]
 
 MAX_SALT = 256
@@ -154,3 +157,32 @@ def _bounds(low: float | None, high: float | None, *, low_open: bool = False) ->
     if high is not None:
         return f"<= {high}"
     return "a number"
+
+
+def read_small_file(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them: a
+    :class:`~kvrt.ConfigError` naming ``what`` for anything else (missing, unreadable, a
+    pipe or a device such as ``/dev/zero``, larger than ``limit``). Opened without
+    blocking, so a FIFO nobody writes is refused at once, never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(
+            f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"cannot read {what} {path}: not a regular file")
+        raw = b""
+        while len(raw) <= limit:
+            part = os.read(fd, limit + 1 - len(raw))
+            if not part:
+                break
+            raw += part
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise ConfigError(f"cannot read {what} {path}: larger than {limit:,} bytes")
+    return raw

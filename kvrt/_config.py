@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ._checks import read_small_file
 from ._errors import ArgumentTypeError, ConfigError
 from ._units import parse_size
 
@@ -46,6 +47,8 @@ KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "
 BackendName = Literal["llama", "openvino"]
 
 CONFIG_ENV = "KVRT_CONFIG"
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read."""
 
 
 class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -332,12 +335,7 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        raw = path.read_bytes()
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        raise ConfigError(
-            f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from None
+    raw = read_small_file(path, MAX_CONFIG_BYTES, "config file")
     try:
         if path.suffix.lower() == ".toml":
             data: Any = tomllib.loads(raw.decode("utf-8"))

@@ -23,10 +23,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from .._checks import read_small_file
 from .._errors import ConfigError, KvrtError
 
 __all__ = ["SECRET_ENV", "ForgedValueError", "Signer", "load_secret"]
@@ -36,6 +36,9 @@ SECRET_ENV = "KVRT_REMOTE_SECRET"
 line is visible to every user of the host)."""
 
 MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+"""The largest secret file read (a secret is a line of text; a device such as
+``/dev/zero`` is refused before it is read)."""
 TAG_BYTES = 32
 NAME_SPACE = "kvrt:v2"
 """Every name kvrt writes begins with this (the version of the names and values)."""
@@ -58,17 +61,11 @@ def load_secret(secret_file: str | None, env: Mapping[str, str] | None = None) -
         )
     if secret_file:
         path = Path(secret_file).expanduser()
-        try:
-            if stat.S_ISFIFO(path.stat().st_mode):
-                raise ConfigError(f"remote.secret_file {path} is a pipe, not a file")
-            raw = path.read_bytes()[: 1 << 16]
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"cannot read remote.secret_file {path}: {getattr(exc, 'strerror', None) or exc}"
-            ) from None
+        raw = read_small_file(path, MAX_SECRET_BYTES, "remote.secret_file")
         secret, where = raw.strip(), f"remote.secret_file {path}"
     elif given:
-        secret, where = given.strip().encode(), SECRET_ENV
+        # Any bytes make a secret: the environment's own, as the process received them.
+        secret, where = os.fsencode(given.strip()), SECRET_ENV
     else:
         return None
     if len(secret) < MIN_SECRET_BYTES:

@@ -11,12 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from kvrt import ConfigError
+from kvrt._checks import read_small_file
 from kvrt._runtime import check_policies
 from kvrt.native_bridge.memory import fix_mmap_threshold
 
 from .arguments import common, config_from, count, seconds, size
 
 __all__ = ["add", "main"]
+
+MAX_KEYS_BYTES = 1 << 20
+"""The largest API keys' file read (a key a line: thousands of keys)."""
 
 
 def add(sub: Any) -> None:
@@ -197,10 +201,11 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
     if not given:
         return {}
     if given.startswith("@"):
+        raw = read_small_file(Path(given[1:]), MAX_KEYS_BYTES, "the API keys' file")
         try:
-            lines = Path(given[1:]).read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read the API keys from {given[1:]}: {exc}") from None
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"the API keys' file {given[1:]} is not UTF-8 text: {exc}") from None
         entries = [
             (n, line.strip())
             for n, line in enumerate(lines, 1)

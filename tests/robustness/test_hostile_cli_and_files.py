@@ -108,6 +108,14 @@ BAD_SERVE = [
         ["--remote-url", "redis://127.0.0.1:1/0", "--remote-secret-file", "/nonexistent"],
         "cannot read remote.secret_file /nonexistent",
     ),
+    (
+        ["--remote-url", "redis://127.0.0.1:1/0", "--remote-secret-file", "/dev/zero"],
+        "cannot read remote.secret_file /dev/zero: not a regular file",
+    ),
+    (["--api-key", "@/dev/zero"], "cannot read the API keys' file /dev/zero: not a regular"),
+    (["--config", "/dev/zero"], "cannot read config file /dev/zero: not a regular file"),
+    (["--response-store", "0"], "--response-store (ServeConfig.response_store_bytes) is 0"),
+    (["--conversation-store", "1KiB"], "--conversation-store (ServeConfig.conversation_store"),
 ]
 
 
@@ -117,6 +125,34 @@ def test_settings_kvrt_serve_cannot_serve_with_are_refused_at_start(
 ) -> None:
     """Refused before a request comes (exit 2, one line), not a 500 for each request."""
     kvrt_main("serve", "--port", "0", "--disk-budget", "0", *args, expected=expected)
+
+
+def test_files_kvrt_serve_reads_are_bounded_and_never_waited_on(
+    kvrt_main: Callable[..., None], tmp_path: Path
+) -> None:
+    """A FIFO nobody writes is refused at once (not waited on at start), a file past its
+    bound refused before it is read whole, a key file that is not UTF-8 one line."""
+    fifo = tmp_path / "keys"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    kvrt_main("serve", "--port", "0", "--api-key", f"@{fifo}", expected="not a regular file")
+    assert time.monotonic() - started < 10
+    large = tmp_path / "secret"
+    large.write_bytes(b"s" * 10_000)
+    flags = ("--remote-url", "redis://127.0.0.1:1/0", "--remote-secret-file", str(large))
+    kvrt_main("serve", "--port", "0", *flags, expected="larger than 4,096 bytes")
+    latin = tmp_path / "latin"
+    latin.write_bytes(b"cl\xe9 alice\n")
+    kvrt_main("serve", "--port", "0", "--api-key", f"@{latin}", expected="is not UTF-8 text")
+
+
+def test_a_secret_of_any_bytes_is_taken_as_bytes() -> None:
+    """A secret from the environment that is not UTF-8 (Python holds its bytes as
+    surrogates) is those bytes, not a UnicodeEncodeError."""
+    from kvrt._cold.trust import load_secret
+
+    raw = b"\xff\xfe" + b"0123456789abcdef"
+    assert load_secret(None, env={"KVRT_REMOTE_SECRET": os.fsdecode(raw)}) == raw
 
 
 @pytest.mark.parametrize(("args", "expected"), BAD_FLAGS)
