@@ -8,6 +8,8 @@ abort the process.
 
 from __future__ import annotations
 
+import copy
+
 __all__ = [
     "ArgumentTypeError",
     "ColdBlockMismatchError",
@@ -139,3 +141,16 @@ class SessionClosedError(KvrtError):
 
 class OperationCancelledError(KvrtError):
     """A session call was cancelled; whatever it had done is kept consistent."""
+
+
+def detached(exc: KvrtError) -> KvrtError:
+    """A copy of ``exc`` with no traceback, to keep or to raise in another task: a
+    traceback holds the frames it passed, and worker threads' futures and outcomes hold
+    the error that holds it (cycles that would keep what those frames held, a refused
+    request's megabytes, until the garbage collector next looks)."""
+    try:
+        copied = copy.copy(exc)
+    except Exception:  # an error whose arguments cannot build it again
+        copied = KvrtError(str(exc))
+    copied.__traceback__ = None
+    return copied

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import anyio
 
+from .._threads import in_thread
 from .._types import TurnView
 from ..policy import EngineTurn
 
@@ -100,13 +101,13 @@ class EngineTurns:
         if light:
             began = time.perf_counter()
             try:
-                return await anyio.to_thread.run_sync(fn)
+                return await in_thread(fn)
             finally:
                 account.seconds += time.perf_counter() - began
         await self._acquire(account, call)
         began = time.perf_counter()
         try:
-            return await anyio.to_thread.run_sync(fn, limiter=self._threads)
+            return await in_thread(fn, limiter=self._threads)
         finally:
             account.seconds += time.perf_counter() - began
             self._release(account if served is not None else None)

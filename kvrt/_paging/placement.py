@@ -10,8 +10,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-import anyio
-
 from .._errors import (
     ColdBlockMismatchError,
     EngineError,
@@ -20,6 +18,7 @@ from .._errors import (
     NotVisibleError,
 )
 from .._reports import ContextStatus
+from .._threads import in_thread
 from .._types import PartialWindowQuery, Residency, RestoreQuery
 from .approximate import ApproximateHits
 from .computing import Computing
@@ -128,7 +127,7 @@ class Placement:
             if known is None:
                 prepared.cancel()  # not ready when its call began: of no more use
         tokenize = partial(self.tokenize, segments, known=known, replies=replies)
-        tokenized = await anyio.to_thread.run_sync(tokenize)
+        tokenized = await in_thread(tokenize)
         return await self.ensure_placed(tokenized, require)
 
     async def ensure_placed(

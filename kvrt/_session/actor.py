@@ -152,6 +152,9 @@ class Actor:
             async with self.receive:
                 async for call in self.receive:
                     await self._run_one(call)
+                    # An idle session holds nothing of its last call: its context may be
+                    # a conversation of many megabytes.
+                    del call
         finally:
             self._closing = True
             with anyio.CancelScope(shield=True):

@@ -3,12 +3,13 @@ replies: submit, wait for the outcome, give up (shielded while the actor settles
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._errors import SessionClosedError
+from .._errors import KvrtError, SessionClosedError, detached
 from .._reports import Piece
 from .actor import Actor, Call, Command
 
@@ -83,9 +84,21 @@ class Mailbox:
         finally:
             if call.done.is_set():
                 self.pending.discard(call)
-        if call.error is not None:
-            raise call.error
-        return call.result
+        # The call keeps neither, the actor's frames the error passed (all finished) keep
+        # no locals, and a kvrt error goes on as a copy (its cause the actor's): a worker
+        # thread's future or outcome holds the error, whose traceback holds the frame
+        # holding that (cycles that would keep the call's segments, and the caller's
+        # frames the error went on through, until the garbage collector next looks).
+        error, result, call.error, call.result = call.error, call.result, None, None
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+            try:
+                if isinstance(error, KvrtError):
+                    raise detached(error) from error
+                raise error
+            finally:
+                del error
+        return result
 
     async def request(self, command: Command) -> Any:
         return await self.outcome(await self.submit(command))

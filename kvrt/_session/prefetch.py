@@ -11,6 +11,7 @@ import anyio
 from .._paging.tokens import Prepared, TokenKey
 from .._paging.window import Placed, Segment
 from .._reports import PrefetchReport
+from .._threads import in_thread
 from .actor import Actor
 
 __all__ = ["Prefetch"]
@@ -75,9 +76,7 @@ class Prefetch:
             with self._scope:
                 tokens: dict[TokenKey, Placed] = {}
                 try:
-                    tokenized = await anyio.to_thread.run_sync(
-                        partial(actor.tokenize, segments, remember=tokens)
-                    )
+                    tokenized = await in_thread(partial(actor.tokenize, segments, remember=tokens))
                     keys = actor.window.keys_for(tokenized)
                 except Exception as exc:  # the caller's problem, never the runtime's
                     self._error = exc

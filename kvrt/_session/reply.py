@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._errors import KvrtError
+from .._errors import KvrtError, detached
 from .._reports import Completion, Piece, Timings, Usage
 from .actor import Call, Command
 from .generation import Generated
@@ -44,7 +44,7 @@ class Reply:
         self._sent = 0.0
         self._first: float | None = None
         self._result: Completion | None = None
-        self._error: BaseException | None = None
+        self._error: KvrtError | None = None
 
     def __aiter__(self) -> Reply:
         return self
@@ -77,7 +77,7 @@ class Reply:
         async for _ in self:
             pass
         if self._error is not None:
-            raise self._error
+            raise detached(self._error)
         if self._result is None:
             raise KvrtError("the reply was closed before it began")
         return self._result
@@ -128,7 +128,7 @@ class Reply:
         try:
             generated: Generated = await self._mail.outcome(call)
         except KvrtError as exc:
-            self._error = exc
+            self._error = detached(exc)
             raise
         self._result = _completion(generated, self._sent, time.perf_counter())
 

@@ -55,13 +55,12 @@ async def _exchange(
     tells the app its client has gone."""
     send, received = anyio.create_memory_object_stream[dict[str, Any]](buffer)
     gone = anyio.Event()
-    read = False
+    unread = [body]  # handed over once, then held no more (a cancelled wait below sits in
+    del body  # a reference cycle with its frame until the garbage collector looks)
 
     async def receive() -> dict[str, Any]:
-        nonlocal read
-        if not read:
-            read = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        if unread:
+            return {"type": "http.request", "body": unread.pop(), "more_body": False}
         await gone.wait()
         return {"type": "http.disconnect"}
 

@@ -8,7 +8,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,6 +17,7 @@ from .protocol.conversations import ID, body, canonical_items, metadata, not_kep
 from .protocol.responses import input_items, new_id, page
 from .reading import listing, read_json, tenant_of
 from .state import ConversationHead, KeptResponse, StateError, StateStore, refusal
+from .state.threads import in_thread
 
 __all__ = [
     "ConversationRoutes",
@@ -129,7 +129,7 @@ async def items_in(
 
 async def json_response(content: Any) -> Response:
     """``content`` as a JSON response, encoded in a worker thread (items may be large)."""
-    encoded = await anyio.to_thread.run_sync(msgspec.json.encode, content)
+    encoded = await in_thread(msgspec.json.encode, content)
     return Response(encoded, media_type="application/json")
 
 
@@ -161,7 +161,7 @@ class ConversationRoutes:
             unknown = sorted(set(sent) - {"items", "metadata"})
             if unknown:
                 raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
-            items = await anyio.to_thread.run_sync(canonical_items, sent.get("items") or [])
+            items = await in_thread(canonical_items, sent.get("items") or [])
             head = ConversationHead(int(time.time()), metadata(sent.get("metadata")))
             cid = new_id("conv")
             await store.create_conversation(tenant_of(request), cid, head, items)
@@ -198,7 +198,7 @@ class ConversationRoutes:
             store = await self.state()
             if request.method == "POST":
                 sent = await read_json(request)
-                added = await anyio.to_thread.run_sync(canonical_items, sent.get("items"))
+                added = await in_thread(canonical_items, sent.get("items"))
                 if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, added):
                     raise not_kept(cid)
                 return JSONResponse(page(added, limit=len(added) or 1, order="asc", after=None))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import msgspec
 from starlette.requests import Request
 
 from .protocol.errors import MAX_BODY, RequestError
+from .state.threads import in_thread
 
 __all__ = ["listing", "read_body", "read_json", "tenant_of"]
 
@@ -43,7 +43,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         return {}
     try:
         if len(body) > LARGE_BODY:  # decoded in a worker thread: the loop serves others
-            found = await anyio.to_thread.run_sync(msgspec.json.decode, body)
+            found = await in_thread(msgspec.json.decode, body)
         else:
             found = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):

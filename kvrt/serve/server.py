@@ -35,6 +35,7 @@ from .protocol import (
 from .reading import read_body, tenant_of
 from .state import KeptResponse, StateError, StateStats, StateStore, open_state
 from .state import refusal as state_refusal
+from .state.threads import in_thread
 from .streaming import EventStream, Started, until_gone
 
 __all__ = ["Server"]
@@ -403,18 +404,7 @@ class Server:
         request is a 400 (the thread finishes on its own; what it compiled is kept)."""
         limit = self.config.grammar_timeout
         with anyio.move_on_after(limit) as waited:
-            try:
-                return await anyio.to_thread.run_sync(
-                    partial(fn, *args), limiter=self.readers, abandon_on_cancel=True
-                )
-            except RequestError as exc:
-                # Raised afresh, the worker's traceback dropped: its frames (and the request
-                # body in them) sit in a reference cycle with the error, which would keep
-                # them until the garbage collector next looks (a 20 MB body stayed a while).
-                exc.__traceback__ = None
-                raise RequestError(
-                    str(exc), status=exc.status, param=exc.param, code=exc.code, kind=exc.kind
-                ) from None
+            return await in_thread(partial(fn, *args), limiter=self.readers, abandon_on_cancel=True)
         assert waited.cancelled_caught
         raise RequestError(
             f"reading the request and compiling its grammars took more than {limit:g} s "

@@ -97,7 +97,8 @@ ROOMS = [
     {"kvrt.policies"},  # the built-in policies
     {"kvrt.policy"},  # the policy contract
     # shared vocabulary
-    {"kvrt._config", "kvrt._units", "kvrt._checks", "kvrt._types", "kvrt._errors"},
+    {"kvrt._threads", "kvrt._config", "kvrt._units", "kvrt._checks", "kvrt._types"},
+    {"kvrt._errors"},
     {"kvrt._util", "kvrt._docs"},
 ]
 """Each room, from the top down: a module imports only its own room's and rooms below."""

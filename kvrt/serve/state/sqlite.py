@@ -35,6 +35,7 @@ from .records import (
     StateStats,
     decode_item,
 )
+from .threads import in_thread
 
 __all__ = ["SqliteState"]
 
@@ -97,7 +98,7 @@ class SqliteState:
         """The store at ``path``, created if missing; a :class:`StateError` says why one
         cannot be used (damaged, not a regular file, unwritable). ``max_file_bytes`` caps
         the database file (past it a write is ``full``), beside the per-tenant bounds."""
-        return await anyio.to_thread.run_sync(cls._open, path, bounds, max_file_bytes)
+        return await in_thread(cls._open, path, bounds, max_file_bytes)
 
     @classmethod
     def _open(cls, path: str, bounds: Bounds, max_file_bytes: int | None) -> SqliteState:
@@ -149,7 +150,7 @@ class SqliteState:
         return cls(db, where, bounds)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await anyio.to_thread.run_sync(self._locked, fn, *args, limiter=self._limiter)
+        return await in_thread(self._locked, fn, *args, limiter=self._limiter)
 
     def _locked(self, fn: Callable[..., T], *args: Any) -> T:
         with self._lock:
