@@ -54,9 +54,13 @@ class _Entries:
     replies: OrderedDict[tuple[str | None, str], tuple[list[int], str]] = field(
         default_factory=OrderedDict
     )
-    shown: OrderedDict[tuple[str | None, str], str] = field(default_factory=OrderedDict)
-    """What a caller saw of a reply (its content, or its tool calls' ids) -> the text
-    generated (a tool-call envelope)."""
+    shown: OrderedDict[tuple[str | None, str], tuple[str, list[int], str]] = field(
+        default_factory=OrderedDict
+    )
+    """What a caller saw of a reply (its content, or its tool calls: ids, names and
+    arguments) -> the text generated (a tool-call envelope), its tokens and the rest.
+    Calls carry ids of their own, so two generations of the same calls keep their own
+    tokens (tokens of one text differ between generations)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -116,7 +120,7 @@ class ReplyMemory:
             if content and content != text:
                 shown.append(content)
             for key in shown:
-                e.shown[scope, key] = text
+                e.shown[scope, key] = (text, list(tokens), text[len(tokens_text) :])
                 e.shown.move_to_end((scope, key))
             while len(e.replies) > e.capacity:
                 e.replies.popitem(last=False)
@@ -180,12 +184,16 @@ class ReplyMemory:
 
     def generated(
         self, *, content: str = "", calls: Sequence[tuple[str, str, str]] = ()
-    ) -> str | None:
-        """The text generated for a reply the caller saw as ``content``, or as the tool
-        calls ``calls`` (id, name, canonical arguments: all three must match); None when
-        not remembered."""
-        with self._entries.lock:
-            return self._entries.shown.get((self._scope, _calls_key(calls) if calls else content))
+    ) -> tuple[str, list[int], str] | None:
+        """The reply the caller saw as ``content``, or as the tool calls ``calls`` (id,
+        name, canonical arguments: all three must match): the text generated, the tokens
+        it was generated as and the text after them; None when not remembered."""
+        e, key = self._entries, (self._scope, _calls_key(calls) if calls else content)
+        with e.lock:
+            found = e.shown.get(key)
+            if found is not None:
+                e.shown.move_to_end(key)
+        return None if found is None else (found[0], list(found[1]), found[2])
 
 
 def _calls_key(calls: Sequence[tuple[str, str, str]]) -> str:

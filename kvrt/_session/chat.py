@@ -23,6 +23,7 @@ from .._chat.tools import Tool, canonical_arguments, tools_prompt
 from .._checks import check_choice, check_text
 from .._engine.contract import Engine
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
+from .._paging.tokens import ReplyTokens
 from .._paging.window import Segment
 from .._types import CacheClass
 
@@ -416,15 +417,18 @@ def with_tools(
     tools: Sequence[Tool],
     replies: ReplyMemory,
     calls: CallFormat,
-) -> list[Message]:
+) -> tuple[list[Message], dict[int, ReplyTokens]]:
     """``messages`` as the model sees them in a conversation with tools, whose calls are
     written in the format ``calls``: assistant messages as the text that was generated for
     them (remembered by their content or their calls' ids; else rendered as the format
     would have written them), so a tool loop reuses every earlier turn. A template that
     shows its tools reads tool results in its own way; otherwise (kvrt's envelope) the
     tools get a system section after the conversation's own system message and tool
-    results come back in the user's turn, named by their tool."""
+    results come back in the user's turn, named by their tool. With the messages, the
+    tokens each remembered reply was generated as, by its place among them (each
+    generation its own, where two generated the same text)."""
     out: list[Message] = []
+    generated: dict[int, ReplyTokens] = {}
     names: dict[str, str] = {}
     # A turn without tools (an agent handed off to, which has none) sees earlier calls
     # and answers as text: the envelope they were generated in would teach it to answer
@@ -434,7 +438,16 @@ def with_tools(
         # Segments keep the names the messages' own places and roles give them.
         message = msgspec.structs.replace(message, name=message.name or f"{i}:{message.role}")
         if message.role == "assistant":
-            content = _plain_text(message) if plain else _assistant_text(message, replies, calls)
+            found = None if plain else _remembered(message, replies)
+            if found is not None:
+                generated[len(out)] = found
+                content = found[0]
+            elif plain:
+                content = _plain_text(message)
+            else:
+                content = calls.render(
+                    message.content, [(name, args) for _, name, args in message.tool_calls]
+                )
             for call_id, name, _ in message.tool_calls:
                 names[call_id] = name
             message = msgspec.structs.replace(message, content=content, tool_calls=())
@@ -459,7 +472,8 @@ def with_tools(
         )
         at = 1 if out and out[0].role == "system" else 0
         out.insert(at, section)
-    return out
+        generated = {i + (i >= at): found for i, found in generated.items()}
+    return out, generated
 
 
 def _plain_text(message: Message) -> str:
@@ -471,16 +485,13 @@ def _plain_text(message: Message) -> str:
     return "\n".join(lines)
 
 
-def _assistant_text(message: Message, replies: ReplyMemory, calls: CallFormat) -> str:
-    # A call is found by its id, name and arguments: one sent back edited is rendered as
-    # the caller sent it, never placed with what was generated.
+def _remembered(message: Message, replies: ReplyMemory) -> ReplyTokens | None:
+    """The reply this runtime generated that the caller sent back as ``message``: found
+    by its calls' ids, names and arguments (one sent back edited is rendered as the
+    caller sent it, never placed with what was generated), or by its content."""
     calls_sent = message.tool_calls
     if calls_sent and all(call_id for call_id, _, _ in calls_sent):
-        found = replies.generated(calls=calls_sent)
-        if found is not None:
-            return found
+        return replies.generated(calls=calls_sent)
     if not calls_sent and message.content:
-        found = replies.generated(content=message.content)
-        if found is not None:
-            return found
-    return calls.render(message.content, [(name, args) for _, name, args in message.tool_calls])
+        return replies.generated(content=message.content)
+    return None

@@ -32,6 +32,7 @@ from .._paging.placement import Placement
 from .._paging.tokens import ReplyTokens
 from .._paging.window import Segment
 from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
+from .._threads import in_thread
 from .._types import CacheClass, Residency
 
 __all__ = ["Generate", "Generated", "Generation"]
@@ -113,7 +114,7 @@ class Generation:
         stream = cmd.calls.stream() if cmd.calls is not None else None
         constraint = None
         if cmd.grammar is not None:  # the first one on an engine reads its vocabulary
-            constraint = await anyio.to_thread.run_sync(Constraint, self.engine, cmd.grammar)
+            constraint = await in_thread(Constraint, self.engine, cmd.grammar)
         chosen: list[TokenLogprob] = []
         produced, first_at, finish = 0, None, "length"
         pending: Piece | None = None
@@ -208,7 +209,9 @@ class Generation:
                 content = stream.content  # complete, or cut short by max_tokens
             else:
                 content = stream.undecided(tail.text)
-            if tool_calls and finish != "closed":
+            # Cut by max_tokens (or a full window), the reply says so, whatever calls it
+            # completed before (a call cut short is not one: its arguments are not JSON).
+            if tool_calls and finish not in ("closed", "length"):
                 finish = "tool_calls"
         called = [(call.id, call.name, call.arguments) for call in tool_calls]
         remembered = tail.text  # the reply's text as the memory holds it

@@ -193,7 +193,7 @@ class Session(metaclass=NoPublicConstructor):
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any] | Tool] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool | None = None,
         response_format: Mapping[str, Any] | Grammar | None = None,
         logprobs: int | None = None,
         buffer: int | None = None,
@@ -216,7 +216,8 @@ class Session(metaclass=NoPublicConstructor):
 
         ``tools`` (OpenAI function definitions) with ``tool_choice`` (``auto``, ``none``,
         ``required`` or ``{"type": "function", "function": {"name": ...}}``) and
-        ``parallel_tool_calls`` let the model call them: the completion's ``tool_calls``
+        ``parallel_tool_calls`` (by default several calls, one when ``tool_choice`` names
+        a function) let the model call them: the completion's ``tool_calls``
         (``finish_reason`` ``tool_calls``), their arguments valid against each tool's
         schema, enforced by a grammar. ``response_format`` (``json_object``, ``json_schema``,
         or kvrt's ``regex`` and ``grammar``; or a :class:`kvrt.Grammar`) makes the answer
@@ -230,7 +231,10 @@ class Session(metaclass=NoPublicConstructor):
         tool_list = read_tools(tools, check_schemas=False)
         choice = read_tool_choice(tool_choice, tool_list)
         grammar, schema = read_response_format(response_format)
-        parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
+        if parallel_tool_calls is None:  # a named function is one call, as OpenAI makes it
+            parallel = not isinstance(choice, tuple)
+        else:
+            parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
         if tool_list and not self._chat.has_template:
             raise InvalidArgumentError(
                 "this model has no chat template (a base model), so it cannot be given tools: "
@@ -261,7 +265,7 @@ class Session(metaclass=NoPublicConstructor):
         )
         if answered:
             grammar = calls.grammar(tool_list, choice, parallel=parallel, response_schema=schema)
-        shown = with_tools(read, tool_list, self._actor.replies, calls)
+        shown, generated = with_tools(read, tool_list, self._actor.replies, calls)
         if template is not None:
             definitions = [tool.openai() for tool in tool_list] or None
             if definitions:
@@ -276,9 +280,13 @@ class Session(metaclass=NoPublicConstructor):
         )
         replies: dict[str, ReplyTokens] = {}
         recall: dict[str, str] = {}
-        for message, seg in zip(shown, conversation.segments, strict=False):
+        for i, (message, seg) in enumerate(zip(shown, conversation.segments, strict=False)):
             content = [text for text, special in seg.pieces() if not special]
             if message.role == "assistant" and content and content[-1]:
+                mine = generated.get(i)  # the tokens of this very generation
+                if mine is not None and mine[0] == content[-1]:
+                    replies[seg.name] = mine
+                    continue
                 found = self._actor.replies.lookup(content[-1])
                 if found is not None:
                     replies[seg.name] = (content[-1], *found)

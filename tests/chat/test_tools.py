@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 import kvrt
-from tests.support.models import NO_DISK, loaded
+from tests.support.models import NO_DISK, loaded, tiny
 
 pytestmark = pytest.mark.anyio
 
@@ -717,3 +717,119 @@ async def test_a_turn_without_tools_answers_in_text_after_calls(anyio_backend: s
         done = await s.chat(messages, max_tokens=24, temperature=0)
         assert done.text.strip() and not done.text.lstrip().startswith("{"), done.text
         assert "tool_calls" not in done.text
+
+
+PING = {
+    "type": "function",
+    "function": {
+        "name": "ping",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "enum": [7]}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""A tool whose one call is one text: its grammar admits nothing else."""
+
+
+async def test_two_generations_of_one_call_text_keep_their_own_tokens(anyio_backend: str) -> None:
+    """A tool loop that calls the same tool with the same arguments twice (LlamaIndex's,
+    at times): the two replies come back as one text, generated as different tokens (the
+    second repeated its call, was cut there and is sent back as its distinct call). Each
+    is placed with its own tokens, so the next step computes only what is new."""
+    engine = tiny("llama")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Ping twice."}]
+    done: list[kvrt.Completion] = []
+    async with (
+        kvrt.open_runtime(engine=engine, config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=2048) as session,
+    ):
+        # One call, its envelope closed by the grammar; then calls that repeat themselves.
+        for parallel in (False, True):
+            got = await session.chat(
+                messages,
+                tools=[PING],
+                tool_choice="required",
+                parallel_tool_calls=parallel,
+                max_tokens=96,
+            )
+            done.append(got)
+            (call,) = got.tool_calls
+            asked = {"name": call.name, "arguments": call.arguments}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call.id, "type": "function", "function": asked}],
+                }
+            )
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "pong"})
+        messages.append({"role": "user", "content": "Thanks."})
+        after = await session.chat(messages, tools=[PING], tool_choice="none", max_tokens=1)
+    assert [c.tool_calls[0].arguments for c in done] == ['{"n": 7}'] * 2
+    assert done[0].tokens != done[1].tokens  # the second was cut at its repeated call
+    # The new tool result, the user's turn and the reply's header: not the first call.
+    assert after.usage.prefilled_tokens < 40, after.usage
+
+
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {"s": {"type": "string", "maxLength": 3}},
+            "required": ["s"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def test_a_named_function_is_one_call_and_a_cut_reply_says_length(
+    anyio_backend: str,
+) -> None:
+    """``tool_choice`` naming a function makes one call unless ``parallel_tool_calls``
+    asks for more (as OpenAI does); a reply that ``max_tokens`` cuts inside a later call
+    finishes ``length``, with the calls it completed, never ``tool_calls``. The tiny
+    model's free choice is taken away: every token holding ``]`` is banned, so where the
+    grammar lets a reply go on it makes another call."""
+    engine = tiny("llama")
+    banned = {t: -100.0 for t in range(engine.facts.n_vocab) if b"]" in engine.token_bytes(t)}
+    sampling = kvrt.SamplingParams(temperature=0.0, logit_bias=banned)
+    named = {"type": "function", "function": {"name": "note"}}
+    messages = [{"role": "user", "content": "Take three notes."}]
+    async with (
+        kvrt.open_runtime(engine=engine, config=NO_DISK) as rt,
+        rt.open_session(hot_tokens=1024) as session,
+    ):
+        one = await session.chat(
+            messages, tools=[NOTE], tool_choice=named, sampling=sampling, max_tokens=200
+        )
+        several = await session.chat(
+            messages,
+            tools=[NOTE],
+            tool_choice=named,
+            parallel_tool_calls=True,
+            sampling=sampling,
+            max_tokens=200,
+        )
+        pieces = [
+            p
+            async for p in session.chat(
+                messages, tools=[NOTE], tool_choice="required", sampling=sampling, max_tokens=60
+            )
+        ]
+        first = next(i for i, p in enumerate(pieces) if p.tool_calls)
+        cut = await session.chat(
+            messages,
+            tools=[NOTE],
+            tool_choice="required",
+            sampling=sampling,
+            max_tokens=first + 4,
+        )
+    assert len(one.tool_calls) == 1 and one.finish_reason == "tool_calls", one
+    assert len(several.tool_calls) > 1, several
+    assert cut.finish_reason == "length" and len(cut.tool_calls) == 1, cut

@@ -155,7 +155,7 @@ def tool_options(
     if read:
         options["tools"] = tools
         options["tool_choice"] = tool_choice
-        options["parallel_tool_calls"] = parallel_tool_calls is not False
+        options["parallel_tool_calls"] = parallel_tool_calls
     if response_format is not None:
         options["response_format"] = response_format
     return options
