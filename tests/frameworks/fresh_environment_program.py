@@ -60,6 +60,10 @@ async def main() -> None:
         create = client.chat.completions.create
 
         async def counted(*args: Any, **kwargs: Any) -> Any:
+            # The agent's first step is told to call a tool (whether a tiny model calls
+            # one on its own differs between CPUs); the steps after it are the model's.
+            if kwargs.get("tools") and not steps:
+                kwargs["tool_choice"] = "required"
             before = await prefilled(client)
             reply = await create(*args, **kwargs)
             if kwargs.get("stream"):
