@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -122,6 +123,7 @@ class EventStream(StreamingResponse):
                 stalled = True
                 stream.cancel()
 
+        put = partial(self._put, to_client, watched=watch is not None)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(writer)
@@ -130,16 +132,13 @@ class EventStream(StreamingResponse):
                 try:
                     async with to_client:
                         start = {"type": "http.response.start", "status": self.status_code}
-                        await self._put(to_client, {**start, "headers": self.raw_headers})
+                        await put({**start, "headers": self.raw_headers})
                         if watch is not None:
-                            await self._put(to_client, _body(_PADDING))
+                            await put(_body(_PADDING))
                         async for chunk in self.body_iterator:
                             body = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
-                            await self._put(to_client, _body(body))
-                        await self._put(
-                            to_client,
-                            {"type": "http.response.body", "body": b"", "more_body": False},
-                        )
+                            await put(_body(body))
+                        await put({"type": "http.response.body", "body": b"", "more_body": False})
                     watching.cancel()  # done: the writer sends the rest
                 except Stalled:
                     stalled = True
@@ -160,7 +159,16 @@ class EventStream(StreamingResponse):
             if watch is not None:
                 watch.close()
 
-    async def _put(self, to_client: MemoryObjectSendStream[Message], message: Message) -> None:
+    async def _put(
+        self, to_client: MemoryObjectSendStream[Message], message: Message, *, watched: bool
+    ) -> None:
+        """Hand ``message`` to the writer. Where the connection is ``watched`` this waits
+        as long as the client takes bytes (a slow reader is not a stalled one: the
+        watcher ends the stream when it stops); elsewhere a wait past the timeout is the
+        stall."""
+        if watched:
+            await to_client.send(message)
+            return
         with anyio.move_on_after(self.stall_timeout) as waited:
             await to_client.send(message)
         if waited.cancelled_caught:

@@ -307,11 +307,17 @@ def test_the_shared_server_benchmark_compares_engine_turn_policies() -> None:
 
 
 def test_the_peer_benchmark_runs_kvrt_serve_beside_llama_server() -> None:
-    # llama-server is built once from the llama.cpp llama-cpp-python vendors (.ci/run
-    # builds it before the suite; elsewhere the first run here builds it).
-    from benchmarks._peer import llama_server
+    # llama-server is built once from the llama.cpp llama-cpp-python vendors, outside the
+    # test command (about six minutes on two cores): .ci/run builds it before the suite;
+    # elsewhere `python -m benchmarks._peer` does, and this test waits for it.
+    from benchmarks._peer import PeerUnavailable, llama_server
 
-    llama_server()
+    try:
+        llama_server(build=False)
+    except PeerUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"{exc}: .ci/run builds it before the suite")
+        pytest.skip(f"{exc}: build it with `python -m benchmarks._peer` (about six minutes)")
     argv = ["-m", "benchmarks.peer", "--model", zoo_path("llama"), "--agents", "2"]
     out = run(*argv, "--turns", "2", "--chats", "2", "--rounds", "2")
     agents, chats = out.split("concurrent chat:")

@@ -350,6 +350,27 @@ def test_clients_that_never_read_lose_their_session_soon_after_the_stall_timeout
         sock.close()
 
 
+def test_a_slow_steady_reader_gets_its_whole_stream(server: Server) -> None:
+    """A client reading 16 KB/s takes the stream's 192 KiB padding in 12 s, six stall
+    timeouts: as long as it takes bytes it is not stalled, and it gets every event."""
+    model = model_of(server)
+    body = chat_body(model, "Hi", max_tokens=8, stream=True)
+    before = gone(server, "stalled")
+    with connect(server, rcvbuf=8192) as sock:
+        sock.sendall(
+            head("POST", "/v1/chat/completions", {"Content-Length": str(len(body))}) + body
+        )
+        data, began = b"", time.monotonic()
+        while b"data: [DONE]" not in data:
+            part = sock.recv(4096)
+            assert part, data[-300:]  # the stream ends with its last event, never cut
+            data += part
+            time.sleep(0.25)
+    assert time.monotonic() - began > 4 * STALL  # slower than the timeout, all along
+    assert b'"finish_reason":' in data
+    assert gone(server, "stalled") == before
+
+
 def test_usage_adds_up_and_the_banner_names_the_served_model(server: Server) -> None:
     model = model_of(server)
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -310,3 +310,90 @@ async def test_foreign_and_oversized_values_on_the_shared_server_are_refused_unr
             await store.items(None, "conv_2")
         assert refused.value.kind == "damaged" and "counts 1" in str(refused.value)
         assert await store.delete_conversation(None, "conv_2")  # a damaged one can go
+
+
+CHILD = """
+import sys, subprocess, anyio
+from kvrt.serve.state import SqliteState, Bounds, ConversationHead, StateError
+
+async def main(path):
+    store = await SqliteState.open(path, Bounds())
+    await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [])
+    subprocess.run(["chattr", "+i", *__import__("glob").glob(path + "*")], check=True)
+    try:
+        await store.add_items(None, "conv_1", [{"type": "message", "id": "m", "content": "x"}])
+    except StateError as exc:
+        print(exc.kind)
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+def _root_with(tool: str) -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which(tool) is not None
+
+
+@pytest.mark.skipif(not _root_with("chattr"), reason="needs root and chattr")
+def test_files_made_immutable_under_the_store_are_an_error_not_a_sigbus(tmp_path: Path) -> None:
+    """A write-ahead log's index is a file mapped into memory: made immutable while the
+    server ran, the next write ended the process with SIGBUS. A rollback journal's
+    failure is an error."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "state.sqlite3"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(tmp_path)], check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["unavailable"], done.stdout
+
+
+@pytest.mark.skipif(not _root_with("mount"), reason="needs root to mount a small tmpfs")
+async def test_a_full_disk_still_lets_a_conversation_be_deleted(tmp_path: Path) -> None:
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("this sandbox cannot mount a tmpfs")
+    try:
+        store = await SqliteState.open(str(disk / "state.sqlite3"), Bounds())
+        try:
+            await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [])
+            with pytest.raises(StateError) as full:
+                for n in range(10_000):
+                    await store.add_items(None, "conv_1", [item(n, size=20_000)])
+            assert full.value.kind == "full"
+            assert await store.delete_conversation(None, "conv_1")
+            assert await store.conversation(None, "conv_1") is None
+        finally:
+            await store.aclose()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+async def test_a_page_of_a_large_conversation_reads_that_page_alone(
+    redis_server: RedisServer,
+) -> None:
+    """A one-item page, and one item, of a 20 MB conversation on the shared server read
+    that item (and the conversation's head and item names), not the 20 MB."""
+    client: Any = redis.Redis.from_url(redis_server.url)
+    async with opened("redis", redis_server) as store:
+        await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [])
+        for n in range(20):
+            await store.add_items(None, "conv_1", [item(n, size=1_000_000)])
+        sent = int(client.info("stats")["total_net_output_bytes"])
+        page = await store.item_page(None, "conv_1", limit=1, order="desc", after="msg_10")
+        one = await store.item(None, "conv_1", "msg_3")
+        read = int(client.info("stats")["total_net_output_bytes"]) - sent
+    assert page is not None and [i["id"] for i in page[0]] == ["msg_9"] and page[1]
+    assert one is not None and one["id"] == "msg_3"
+    assert read < 3_500_000, read  # the item after, the page's item and the one item

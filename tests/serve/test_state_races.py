@@ -215,3 +215,47 @@ def test_a_conversation_deleted_while_its_response_streams_ends_the_stream_clean
         assert events[-1]["type"] == "response.failed", events[-1]["type"]
         error = events[-1]["response"]["error"]
         assert error["code"] == "conversation_not_found" and cid in error["message"]
+
+
+def test_replicas_refuse_state_written_back_after_it_changed(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Whoever can write the server's keyspace but lacks the secret writes old values back
+    under their own names (``DUMP`` then ``RESTORE``): a deleted conversation or response
+    stays deleted on every replica (a signed tombstone), and metadata rolled back is
+    refused by the replicas that saw the newer."""
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    flags = ("--remote-url", redis_server.url, "--remote-secret-file", str(secret))
+    client: Any = redis.Redis.from_url(redis_server.url)
+
+    def snapshot() -> dict[bytes, bytes]:
+        return {key: client.dump(key) for key in client.keys("*")}
+
+    def write_back(values: dict[bytes, bytes]) -> None:
+        for key, value in values.items():
+            client.restore(key, 0, value, replace=True)
+
+    with servers(tmp_path, 2, *flags) as (a, b):
+        model = call(a, "GET", "/v1/models")[1]["data"][0]["id"]
+        conv = call(a, "POST", "/v1/conversations", {"items": [message("secret plan")]})[1]
+        kept = call(
+            a, "POST", "/v1/responses", {"model": model, "input": "Hi.", "max_output_tokens": 2}
+        )[1]
+        before = snapshot()
+        assert call(b, "DELETE", f"/v1/conversations/{conv['id']}")[0] == 200
+        assert call(b, "DELETE", f"/v1/responses/{kept['id']}")[0] == 200
+        write_back(before)
+        for url in (a, b):
+            assert call(url, "GET", f"/v1/conversations/{conv['id']}/items")[0] == 404
+            assert call(url, "GET", f"/v1/responses/{kept['id']}")[0] == 404
+
+        other = call(a, "POST", "/v1/conversations", {"metadata": {"v": "1"}})[1]
+        old = snapshot()
+        changed = call(a, "POST", f"/v1/conversations/{other['id']}", {"metadata": {"v": "2"}})
+        assert changed[1]["metadata"] == {"v": "2"}
+        assert call(b, "GET", f"/v1/conversations/{other['id']}")[1]["metadata"] == {"v": "2"}
+        write_back(old)
+        for url in (a, b):
+            status, got = call(url, "GET", f"/v1/conversations/{other['id']}")
+            assert status == 500 and got["error"]["code"] == "state_damaged", got

@@ -18,7 +18,8 @@ conversation holding more items than its head counts is refused.
 
 A deleted conversation or response leaves a signed tombstone for its age, and each
 replica remembers the latest version of the heads it has seen: an old value written back
-under its own name (a replay) is refused where either is found (:func:`replays`).
+under its own name (a replay) is gone again where its tombstone is, and refused where a
+replica saw a later version (docs/cold-tiers.md says what a replay can still do).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .records import (
 )
 from .threads import in_thread
 
-__all__ = ["SharedState", "page_of", "replays"]
+__all__ = ["SharedState", "page_of"]
 
 T = TypeVar("T")
 Client = Any
@@ -62,20 +63,6 @@ MAX_ITEM = MAX_BODY
 """The largest item read back: no request can have added a larger one."""
 REMEMBERED = 65536
 """Heads and deletions each replica remembers (to refuse what is replayed)."""
-
-
-def replays() -> str:
-    """What a writer of the server's keyspace who lacks the secret can still do, in the
-    trust model's words (the docs and ``kvrt describe`` quote it)."""
-    return (
-        "withhold or delete any value; and write back a value that was genuinely kept "
-        "earlier under its own name (a deleted conversation or response, older metadata, "
-        "a removed item): refused by every replica while its tombstone lives (the "
-        "conversation's or response's age) and by every replica that saw a later version "
-        "since it started; accepted by a replica that started after the tombstone was "
-        "removed too. Never: a value it wrote itself, one moved to another name, tenant "
-        "or place, or one tenant's state shown to another."
-    )
 
 
 def page_of(
@@ -232,8 +219,8 @@ class SharedState:
     def _replayed(self, name: str) -> StateError:
         self.refused += 1
         return StateError(
-            f"a kept value ({name}) was deleted or changed since: an earlier value written "
-            "back without the replicas' secret is not used",
+            f"a kept value ({name}) was changed since: an earlier value written back "
+            "without the replicas' secret is not used",
             kind="damaged",
         )
 
@@ -279,9 +266,10 @@ class SharedState:
         if value is None:
             return None
         tomb = await self._run("reading a response", lambda c: c.get(name + ":gone"))
-        if self._buried(name, tomb, deleted):
+        if self._buried(name, tomb, deleted):  # deleted, then written back: gone again
+            self.refused += 1
             await self._run("deleting a replayed response", lambda c: c.delete(name))
-            raise self._replayed(name)
+            return None
         try:
             kept = _response.decode(value)
         except (msgspec.DecodeError, TypeError) as exc:
@@ -333,11 +321,13 @@ class SharedState:
             for n, e in enumerate(encoded)
         }
 
-    def _read_head(self, client: Client, cid: str, head_name: str) -> _Head | None:
+    def _read_head(self, client: Client, cid: str, names: tuple[str, ...]) -> _Head | None:
         """The head as the server holds it now (inside a transaction: watched), checked;
-        None when the conversation is gone. One older than a version this replica saw
-        land before the read began is refused as replayed (compared with what was seen
-        before the read: a read may finish after later writes land)."""
+        None when the conversation is gone, or was deleted and written back (its values
+        are deleted again). One older than a version this replica saw land before the
+        read began is refused as replayed (compared with what was seen before the read:
+        a read may finish after later writes land)."""
+        head_name = names[0]
         floor, deleted = self._versions.get(head_name, 0), head_name in self._gone
         pipe = client.pipeline(transaction=False)
         pipe.strlen(head_name).getrange(head_name, 0, MAX_HEAD + 64).get(head_name + ":gone")
@@ -345,7 +335,9 @@ class SharedState:
         if not size:
             return None
         if self._buried(head_name, tomb, deleted):
-            raise self._replayed(head_name)
+            self.refused += 1
+            client.delete(*names)
+            return None
         if _count(size) > MAX_HEAD + self.shared.tag_bytes:
             self.refused += 1
             raise StateError(f"conversation {cid!r} has a head too large", kind="damaged")
@@ -363,7 +355,8 @@ class SharedState:
         self, tenant: str | None, cid: str, head: ConversationHead, items: list[Item]
     ) -> None:
         b = self.bounds
-        head_name, items_name, seq_name, ids_name = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        head_name, items_name, seq_name, ids_name = names
         index, sizes = self._name("conversations", tenant), self._name("conversation-sizes", tenant)
         encoded = [msgspec.json.encode(i) for i in items]
         stored = _Head(head.created_at, head.metadata, 1, len(items))
@@ -420,11 +413,12 @@ class SharedState:
         self._saw(head_name, stored.version)
 
     async def conversation(self, tenant: str | None, cid: str) -> ConversationHead | None:
-        head_name, items_name, _, _ = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        items_name = names[1]
         sizes = self._name("conversation-sizes", tenant)
 
         def read(client: Client) -> tuple[_Head, int, int] | None:
-            head = self._read_head(client, cid, head_name)
+            head = self._read_head(client, cid, names)
             if head is None:
                 return None
             held, size = client.pipeline().hlen(items_name).hget(sizes, cid).execute()
@@ -521,10 +515,11 @@ class SharedState:
         return out
 
     async def items(self, tenant: str | None, cid: str) -> list[Item] | None:
-        head_name, items_name, _, _ = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        items_name = names[1]
 
         def read(client: Client) -> list[tuple[int, bytes]] | None:
-            head = self._read_head(client, cid, head_name)
+            head = self._read_head(client, cid, names)
             if head is None:
                 return None
             places = self._places(client, cid, items_name, head)
@@ -540,20 +535,21 @@ class SharedState:
         self, tenant: str | None, cid: str, *, limit: int, order: str, after: str | None
     ) -> tuple[list[Item], bool] | None:
         """Only the page's items are read (and the item ``after``, to check its place)."""
-        head_name, items_name, _, ids_name = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        items_name, ids_name = names[1], names[3]
 
         def read(client: Client) -> tuple[list[tuple[int, bytes]], bool] | None:
-            head = self._read_head(client, cid, head_name)
+            head = self._read_head(client, cid, names)
             if head is None:
                 return None
             places = self._places(client, cid, items_name, head)
             if order == "desc":
                 places.reverse()
             if after is not None:
-                at = self._place_of(client, cid, items_name, ids_name, after)
-                if at is None or at not in places:
+                found = self._place_of(client, cid, items_name, ids_name, after)
+                if found is None or found[0] not in places:
                     raise KeyError(after)
-                places = places[places.index(at) + 1 :]
+                places = places[places.index(found[0]) + 1 :]
             chosen = places[:limit]
             return list(zip(chosen, self._fetch(client, cid, items_name, chosen), strict=True)), (
                 len(places) > limit
@@ -568,17 +564,17 @@ class SharedState:
 
     def _place_of(
         self, client: Client, cid: str, items_name: str, ids_name: str, iid: str
-    ) -> int | None:
-        """Where item ``iid`` is: from the index of ids, checked against the item itself
-        (an index entry is not signed); by reading every item where the index has none (a
-        conversation kept before the index)."""
+    ) -> tuple[int, bytes] | None:
+        """Where item ``iid`` is, and its stored value: from the index of ids, checked
+        against the item itself (an index entry is not signed); by reading every item
+        where the index has none (a conversation kept before the index)."""
         at = _seq(client.hget(ids_name, iid) or b"")
         if at is not None:
             stored = self._fetch(client, cid, items_name, [at])[0]
             if stored:
                 value = self._open(f"{items_name}:{at}", stored)
                 if decode_item(cid, at, value).get("id") == iid:
-                    return at
+                    return at, stored
             return None
         if client.hlen(ids_name):
             return None
@@ -588,21 +584,22 @@ class SharedState:
                 try:
                     value = self.shared.open(f"{items_name}:{seq}", bytes(stored))
                     if decode_item(cid, seq, value).get("id") == iid:
-                        return seq
+                        return seq, stored
                 except (kvrt.SharedValueError, StateError):
                     continue  # a damaged item is not the one asked for
         return None
 
     async def item(self, tenant: str | None, cid: str, iid: str) -> Item | None:
-        head_name, items_name, _, ids_name = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        items_name, ids_name = names[1], names[3]
 
         def read(client: Client) -> tuple[int, bytes] | None:
-            if self._read_head(client, cid, head_name) is None:
+            if self._read_head(client, cid, names) is None:
                 return None
-            at = self._place_of(client, cid, items_name, ids_name, iid)
-            if at is None:
+            found = self._place_of(client, cid, items_name, ids_name, iid)
+            if found is None:
                 raise KeyError(iid)
-            return at, self._fetch(client, cid, items_name, [at])[0]
+            return found
 
         found = await self._run("reading an item", read)
         if found is None:
@@ -645,7 +642,8 @@ class SharedState:
             sealed_response = self.shared.seal(name, record)
             index, rsizes = self._name("responses", tenant), self._name("response-sizes", tenant)
         if cid is not None:
-            head_name, items_name, seq_name, ids_name = self._conversation_names(tenant, cid)
+            names = self._conversation_names(tenant, cid)
+            head_name, items_name, seq_name, ids_name = names
             sizes = self._name("conversation-sizes", tenant)
             watched = [head_name, seq_name, sizes]
         encoded = [msgspec.json.encode(i) for i in items]
@@ -656,7 +654,7 @@ class SharedState:
         def keep(pipe: Client) -> bool:
             head = None
             if cid is not None:
-                head = self._read_head(pipe, cid, head_name)
+                head = self._read_head(pipe, cid, names)
                 if head is None:
                     return False
                 held = sum(_count(v) for v in pipe.hvals(sizes))
@@ -701,12 +699,13 @@ class SharedState:
         return done
 
     async def set_metadata(self, tenant: str | None, cid: str, metadata: dict[str, str]) -> bool:
-        head_name = self._conversation_names(tenant, cid)[0]
+        names = self._conversation_names(tenant, cid)
+        head_name = names[0]
         age = max(1, int(self.bounds.conversation_age))
         version: list[int] = []
 
         def update(pipe: Client) -> bool:
-            head = self._read_head(pipe, cid, head_name)
+            head = self._read_head(pipe, cid, names)
             if head is None:
                 return False
             new = msgspec.structs.replace(head, metadata=metadata, version=head.version + 1)
@@ -724,19 +723,20 @@ class SharedState:
         return bool(done)
 
     async def remove_item(self, tenant: str | None, cid: str, iid: str) -> bool | None:
-        head_name, items_name, _, ids_name = self._conversation_names(tenant, cid)
+        names = self._conversation_names(tenant, cid)
+        head_name, items_name, _, ids_name = names
         sizes = self._name("conversation-sizes", tenant)
         age = max(1, int(self.bounds.conversation_age))
         version: list[int] = []
 
         def remove(pipe: Client) -> bool | None:
-            head = self._read_head(pipe, cid, head_name)
+            head = self._read_head(pipe, cid, names)
             if head is None:
                 return None
-            at = self._place_of(pipe, cid, items_name, ids_name, iid)
-            if at is None:
+            found = self._place_of(pipe, cid, items_name, ids_name, iid)
+            if found is None:
                 return False
-            stored = self._fetch(pipe, cid, items_name, [at])[0]
+            at, stored = found
             value = self._open(f"{items_name}:{at}", stored)
             count = None if head.items is None else head.items - 1
             new = msgspec.structs.replace(head, version=head.version + 1, items=count)

@@ -1,14 +1,19 @@
 """The API state in one SQLite database (the default: a file beside the disk tier).
 
-Write-ahead logging, every write in one transaction committed with a full sync before it
-is acknowledged, several processes of one host sharing the file. Every call runs in a
-worker thread, one at a time (the event loop never waits on the disk). Bounds are kept
-per tenant (:class:`~.records.Bounds`): responses past them go, least recently used
-first; conversations past them are refused, and both expire once unused for their age.
+A rollback journal, every write in one transaction committed with a full sync before it
+is acknowledged, several processes of one host sharing the file. (Not write-ahead
+logging: its index is a file every process maps into memory, and one that cannot be
+written, an immutable file or a full disk, ends the process with SIGBUS when it is
+touched; a journal's failures are errors.) Every call runs in a worker thread, one at a
+time (the event loop never waits on the disk). Bounds are kept per tenant
+(:class:`~.records.Bounds`): responses past them go, least recently used first;
+conversations past them are refused, and both expire once unused for their age.
 
 What cannot be kept is an error, never silence: a full disk or a bound is ``full``, a
 read-only or unreachable file ``unavailable``. A row that does not decode is refused as
-``damaged``, naming what it holds; every other row stays readable.
+``damaged``, naming what it holds; every other row stays readable. A deletion on a full
+disk goes through: the store keeps a reserve file beside the database, given up to let a
+deletion write its journal (and taken again once there is room).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ CREATE INDEX IF NOT EXISTS items_by_id ON items (tenant, conversation, id);
 
 FULL = {"SQLITE_FULL"}
 DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_CORRUPT_INDEX", "SQLITE_CORRUPT_VTAB"}
+RESERVE_BYTES = 1 << 20
+"""The reserve kept beside the database for deletions on a full disk."""
 TOUCH_AFTER = 60.0
 """Seconds after which reading a row records its use again (not on every read)."""
 
@@ -83,8 +90,16 @@ class SqliteState:
     """Kept responses and conversations in the SQLite database at ``path`` (``:memory:``:
     in this process only). Open it with :meth:`open`."""
 
-    def __init__(self, connection: sqlite3.Connection, where: str, bounds: Bounds) -> None:
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        where: str,
+        bounds: Bounds,
+        reserve: Path | None = None,
+    ) -> None:
         self._db = connection
+        self._reserve = reserve
+        self._keep_reserve()
         self.where = where
         self.bounds = bounds
         self._lock = threading.Lock()
@@ -126,7 +141,7 @@ class SqliteState:
         try:
             db.execute("PRAGMA busy_timeout = 10000")
             if not memory:
-                db.execute("PRAGMA journal_mode = WAL")
+                db.execute("PRAGMA journal_mode = DELETE")
                 db.execute("PRAGMA synchronous = FULL")
             db.executescript(SCHEMA)
             if max_file_bytes is not None:
@@ -147,7 +162,7 @@ class SqliteState:
             raise
         if not memory:
             os.chmod(path, 0o600)
-        return cls(db, where, bounds)
+        return cls(db, where, bounds, None if memory else Path(path + ".reserve"))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await in_thread(self._locked, fn, *args, limiter=self._limiter)
@@ -172,6 +187,41 @@ class SqliteState:
             self._rollback()
             raise
         return result
+
+    def _freeing(self, fn: Callable[[], T]) -> T:
+        """A write that frees space (a deletion), run in one transaction even on a full
+        disk: there, the reserve is given up and the write made again."""
+        try:
+            return self._write(fn)
+        except sqlite3.Error as exc:
+            if _problem(exc, self.where).kind != "full" or not self._give_up_reserve():
+                raise
+        try:
+            return self._write(fn)
+        finally:
+            self._keep_reserve()
+
+    def _give_up_reserve(self) -> bool:
+        if self._reserve is None:
+            return False
+        try:
+            self._reserve.unlink()
+        except OSError:
+            return False
+        return True
+
+    def _keep_reserve(self) -> None:
+        """Take the reserve again where there is room (a disk that has none goes on
+        without it)."""
+        if self._reserve is None or self._reserve.exists():
+            return
+        try:
+            with self._reserve.open("wb") as file:
+                file.truncate(RESERVE_BYTES)
+                os.posix_fallocate(file.fileno(), 0, RESERVE_BYTES)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._reserve.unlink()
 
     def _rollback(self) -> None:
         """Undo the transaction under way, if SQLite has not already (it does on a full
@@ -313,7 +363,7 @@ class SqliteState:
         return await self._run(self._forget_response, _tenant(tenant), rid)
 
     def _forget_response(self, tenant: str, rid: str) -> bool:
-        gone = self._write(
+        gone = self._freeing(
             lambda: (
                 self._db.execute(
                     "DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid)
@@ -560,14 +610,14 @@ class SqliteState:
             )
             return True
 
-        return self._write(write)
+        return self._freeing(write)
 
     async def delete_conversation(self, tenant: str | None, cid: str) -> bool:
         """Delete a conversation and its items; whether there was one."""
         return await self._run(self._delete_conversation, _tenant(tenant), cid)
 
     def _delete_conversation(self, tenant: str, cid: str) -> bool:
-        return self._write(lambda: self._delete(tenant, cid))
+        return self._freeing(lambda: self._delete(tenant, cid))
 
     def _delete(self, tenant: str, cid: str) -> bool:
         self._db.execute("DELETE FROM items WHERE tenant = ? AND conversation = ?", (tenant, cid))
