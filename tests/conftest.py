@@ -169,7 +169,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (as do the OpenVINO module's own tests).
 
     Engines are called from worker threads, so what differs between loops is kvrt's own
-    code, which the llama.cpp runs cover on both; this keeps the suite near 15 minutes.
+    code, which the llama.cpp runs cover on both; this keeps the suite within its time (docs/development.md).
     """
     keep, drop = [], []
     for item in items:
