@@ -24,11 +24,14 @@ from tests.support.server import in_thread, kvrt_serve, post, server
 
 BIG = 500_000
 """Characters (or bytes) from which a string counts as a request's."""
+MARKS = ("refused ", "kept ")
+"""Words the requests' and the conversation's texts are made of: a large string holding
+one near its start is theirs (the worker's other tests hold large strings of their own)."""
 
 
 def conversation(url: str, megabytes: int) -> str:
     """A kept conversation holding ``megabytes`` of text: its id."""
-    item = {"type": "message", "role": "user", "content": "word " * 200_000}
+    item = {"type": "message", "role": "user", "content": "kept " * 200_000}
     status, conv, _ = post(url, "/v1/conversations", b'{"items": []}')
     assert status == 200, conv
     for _ in range(megabytes):
@@ -43,11 +46,11 @@ def refused(url: str, model: str, cid: str) -> None:
     4xx."""
     asks: list[tuple[str, dict[str, Any] | bytes]] = [
         ("/v1/responses", {"model": model, "input": "Hi.", "conversation": cid}),
-        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x " * 2_500_000}]}),
-        ("/v1/responses", {"model": model, "input": "x " * 2_500_000, "max_output_tokens": 2}),
-        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "y" * 3_000_000}}}]}),
-        (f"/v1/conversations/{cid}/items", {"items": [{"type": "nonsense", "text": "z" * 3_000_000}]}),
-        ("/v1/chat/completions", b'{"model": "' + b"q" * 3_000_000),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "refused " * 600_000}]}),
+        ("/v1/responses", {"model": model, "input": "refused " * 600_000, "max_output_tokens": 2}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "refused " * 400_000}}}]}),
+        (f"/v1/conversations/{cid}/items", {"items": [{"type": "nonsense", "text": "refused " * 400_000}]}),
+        ("/v1/chat/completions", b'{"model": "' + b"refused " * 400_000),
     ]  # fmt: skip
     for path, ask in asks:
         body = ask if isinstance(ask, bytes) else json.dumps(ask).encode()
@@ -66,13 +69,17 @@ def held_big_strings() -> tuple[int, int]:
     finally:
         gc.set_debug(0)
     in_cycles = _big_reachable(garbage)
-    alive = sum(
-        sys.getsizeof(r)
-        for o in gc.get_objects()
-        for r in gc.get_referents(o)
-        if type(r) in (str, bytes) and len(r) > BIG
-    )
-    return alive, in_cycles
+    alive = {id(r): len(r) for o in gc.get_objects() for r in gc.get_referents(o) if _theirs(r)}
+    return sum(alive.values()), in_cycles
+
+
+def _theirs(o: Any) -> bool:
+    """Whether ``o`` is a large string or bytes of the test's requests or conversation."""
+    if type(o) is str:
+        return len(o) > BIG and any(m in o[:2000] for m in MARKS)
+    if type(o) is bytes:
+        return len(o) > BIG and any(m.encode() in o[:2000] for m in MARKS)
+    return False
 
 
 _SKIPPED = (type(sys), type, *weakref.ProxyTypes)
@@ -87,7 +94,7 @@ def _big_reachable(roots: list[Any]) -> int:
             continue
         seen.add(id(o))
         if type(o) in (str, bytes):
-            total += len(o) if len(o) > BIG else 0
+            total += len(o) if _theirs(o) else 0
             continue
         queue.extend(gc.get_referents(o))
     return total
