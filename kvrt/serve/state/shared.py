@@ -45,7 +45,7 @@ from .records import (
 )
 from .threads import in_thread
 
-__all__ = ["SharedState", "page_of"]
+__all__ = ["SharedState"]
 
 T = TypeVar("T")
 Client = Any
@@ -63,20 +63,6 @@ MAX_ITEM = MAX_BODY
 """The largest item read back: no request can have added a larger one."""
 REMEMBERED = 65536
 """Heads and deletions each replica remembers (to refuse what is replayed)."""
-
-
-def page_of(
-    items: list[Item], *, limit: int, order: str, after: str | None
-) -> tuple[list[Item], bool]:
-    """``limit`` of ``items`` after the item ``after`` in ``order``, and whether more
-    follow (a ``KeyError`` when no item is ``after``)."""
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        at = next((i for i, item in enumerate(ordered) if item["id"] == after), None)
-        if at is None:
-            raise KeyError(after)
-        ordered = ordered[at + 1 :]
-    return ordered[:limit], len(ordered) > limit
 
 
 def _tenant(tenant: str | None) -> bytes:
