@@ -319,7 +319,9 @@ from kvrt.serve.state import SqliteState, Bounds, ConversationHead, StateError
 async def main(path):
     store = await SqliteState.open(path, Bounds())
     await store.create_conversation(None, "conv_1", ConversationHead(1, {}), [])
-    subprocess.run(["chattr", "+i", *__import__("glob").glob(path + "*")], check=True)
+    if subprocess.run(["chattr", "+i", *__import__("glob").glob(path + "*")]).returncode:
+        print("no-chattr")
+        return
     try:
         await store.add_items(None, "conv_1", [{"type": "message", "id": "m", "content": "x"}])
     except StateError as exc:
@@ -352,6 +354,8 @@ def test_files_made_immutable_under_the_store_are_an_error_not_a_sigbus(tmp_path
     finally:
         subprocess.run(["chattr", "-R", "-i", str(tmp_path)], check=False)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    if done.stdout.split() == ["no-chattr"]:
+        pytest.skip("this file system takes no immutable flag")
     assert done.stdout.split() == ["unavailable"], done.stdout
 
 
