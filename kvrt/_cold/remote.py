@@ -29,6 +29,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from .._threads import in_thread
 from . import blockfile
 from .entry import ColdEntry, ColdKey
 from .trust import ForgedValueError, Signer
@@ -191,7 +192,9 @@ class RemoteTier:
         import redis  # loaded with the client (redis_client)
 
         try:
-            return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+            # A kvrt error the call raises (a state store's refusal) comes back without
+            # the worker's traceback: no reference cycle keeps what the call was given.
+            return await in_thread(fn, limiter=self._limiter)
         except redis.ResponseError as exc:
             self.refused += 1
             self.warning = f"the remote tier refused a {what}: {exc}"

@@ -344,11 +344,11 @@ class SharedState:
         names = self._conversation_names(tenant, cid)
         head_name, items_name, seq_name, ids_name = names
         index, sizes = self._name("conversations", tenant), self._name("conversation-sizes", tenant)
-        encoded = [msgspec.json.encode(i) for i in items]
         stored = _Head(head.created_at, head.metadata, 1, len(items))
         sealed_head = self.shared.seal(head_name, stored.encode())
-        size = sum(len(e) for e in encoded)
         age = max(1, int(b.conversation_age))
+        encoded: list[bytes] = []  # in the worker thread: items may be many megabytes
+        size = 0
 
         def create(pipe: Client) -> bool:
             now = time.time()
@@ -392,10 +392,13 @@ class SharedState:
             pipe.expire(sizes, age)
             return True
 
-        await self._run(
-            "creating a conversation",
-            lambda c: c.transaction(create, index, sizes, value_from_callable=True),
-        )
+        def run(client: Client) -> bool:
+            nonlocal encoded, size
+            encoded = [msgspec.json.encode(i) for i in items]
+            size = sum(len(e) for e in encoded)
+            return bool(client.transaction(create, index, sizes, value_from_callable=True))
+
+        await self._run("creating a conversation", run)
         self._saw(head_name, stored.version)
 
     async def conversation(self, tenant: str | None, cid: str) -> ConversationHead | None:
@@ -619,25 +622,25 @@ class SharedState:
         both or neither. False (nothing kept) when the conversation is unknown."""
         b = self.bounds
         watched: list[str] = []
-        record = None
         if response is not None:
-            rid, kept = response
-            record = _encode.encode(kept)
-            self._check_response(record)
+            rid = response[0]
             name = self._name("response", tenant, rid)
-            sealed_response = self.shared.seal(name, record)
             index, rsizes = self._name("responses", tenant), self._name("response-sizes", tenant)
         if cid is not None:
             names = self._conversation_names(tenant, cid)
             head_name, items_name, seq_name, ids_name = names
             sizes = self._name("conversation-sizes", tenant)
             watched = [head_name, seq_name, sizes]
-        encoded = [msgspec.json.encode(i) for i in items]
-        size = sum(len(e) for e in encoded)
         age, response_age = max(1, int(b.conversation_age)), max(1, int(b.response_age))
         version: list[int] = []
+        # Encoded and sealed in the worker thread, not on the event loop: a kept response
+        # holds its whole conversation (many megabytes, at times).
+        record = sealed_response = b""
+        encoded: list[bytes] = []
+        size = 0
 
         def keep(pipe: Client) -> bool:
+            version.clear()  # an attempt that another client's write undid wrote nothing
             head = None
             if cid is not None:
                 head = self._read_head(pipe, cid, names)
@@ -665,7 +668,7 @@ class SharedState:
                 pipe.hincrby(sizes, cid, size)
                 for expiring in (items_name, ids_name, sizes):
                     pipe.expire(expiring, age)
-            if record is not None:
+            if response is not None:
                 pipe.set(name, sealed_response, ex=response_age)
                 pipe.zadd(index, {rid: time.time()})
                 pipe.hset(rsizes, rid, len(record))
@@ -674,8 +677,15 @@ class SharedState:
             return True
 
         def run(client: Client) -> bool:
+            nonlocal record, sealed_response, encoded, size
+            if response is not None:
+                record = _encode.encode(response[1])
+                self._check_response(record)
+                sealed_response = self.shared.seal(name, record)
+            encoded = [msgspec.json.encode(i) for i in items]
+            size = sum(len(e) for e in encoded)
             done = bool(client.transaction(keep, *watched, value_from_callable=True))
-            if done and record is not None:
+            if done and response is not None:
                 self._trim_responses(client, tenant)
             return done
 
@@ -691,6 +701,7 @@ class SharedState:
         version: list[int] = []
 
         def update(pipe: Client) -> bool:
+            version.clear()
             head = self._read_head(pipe, cid, names)
             if head is None:
                 return False
@@ -704,7 +715,7 @@ class SharedState:
             "setting metadata",
             lambda c: c.transaction(update, head_name, value_from_callable=True),
         )
-        if done:
+        if version:
             self._saw(head_name, version[0])
         return bool(done)
 
@@ -716,6 +727,7 @@ class SharedState:
         version: list[int] = []
 
         def remove(pipe: Client) -> bool | None:
+            version.clear()
             head = self._read_head(pipe, cid, names)
             if head is None:
                 return None

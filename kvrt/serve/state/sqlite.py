@@ -73,6 +73,11 @@ _response = msgspec.msgpack.Decoder(KeptResponse)
 _metadata = msgspec.json.Decoder(dict[str, str])
 
 
+def _encoded(items: list[Item]) -> list[bytes]:
+    """Items as they are stored (in a worker thread: they may be large)."""
+    return [msgspec.json.encode(item) for item in items]
+
+
 def _tenant(tenant: str | None) -> str:
     return "-" if tenant is None else "+" + tenant
 
@@ -261,10 +266,10 @@ class SqliteState:
         both or neither. False (nothing kept) when the conversation is unknown; a
         :class:`StateError` when either cannot be kept."""
         record = None
-        if response is not None:
-            record = (response[0], _encode.encode(response[1]))
+        if response is not None:  # a conversation of many megabytes, at times
+            record = (response[0], await in_thread(_encode.encode, response[1]))
             self._check_response(len(record[1]))
-        encoded = [msgspec.json.encode(item) for item in items]
+        encoded = await in_thread(_encoded, items)
         return await self._run(self._keep_turn, _tenant(tenant), record, cid, items, encoded)
 
     def _check_response(self, size: int) -> None:
@@ -379,7 +384,7 @@ class SqliteState:
     ) -> None:
         """A new conversation holding ``items``; ``full`` when the tenant holds as many
         as its bound, or its items would pass the bytes bound."""
-        encoded = [msgspec.json.encode(item) for item in items]
+        encoded = await in_thread(_encoded, items)  # many megabytes, at times
         meta = msgspec.json.encode(head.metadata)
         await self._run(self._create, _tenant(tenant), cid, head.created_at, meta, items, encoded)
 
