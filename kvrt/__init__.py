@@ -76,7 +76,7 @@ from ._errors import SessionClosedError as SessionClosedError
 from ._errors import SharedValueError as SharedValueError
 from ._errors import UnknownPolicyError as UnknownPolicyError
 from ._errors import UnknownSegmentError as UnknownSegmentError
-from ._paging.window import Segment as Segment
+from ._paging.segments import Segment as Segment
 from ._reports import BlockReport as BlockReport
 from ._reports import Completion as Completion
 from ._reports import ContextStatus as ContextStatus

@@ -114,6 +114,10 @@ class SessionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Blocks overlapping the first ``sink_tokens`` stay hot (attention sinks)."""
     recent_tokens: Annotated[int, msgspec.Meta(ge=1)] = 128
     """Blocks overlapping the last ``recent_tokens`` stay hot."""
+    long_context: bool = False
+    """Serve contexts past the model's trained one, as long as the cold tiers hold: shown
+    to the engine a window at a time, at window positions, the blocks chosen by relevance
+    to the query; never exact, and labelled so. Contexts that fit are placed as without."""
     mailbox: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
     """Commands a session queues before callers wait."""
     stream_buffer: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
@@ -238,6 +242,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),
     Setting("session", "recent_tokens", "KVRT_RECENT_TOKENS"),
+    Setting("session", "long_context", "KVRT_LONG_CONTEXT"),
     Setting("session", "cold_wait", "KVRT_COLD_WAIT"),
     Setting("disk", "path", "KVRT_DISK_PATH"),
     Setting("disk", "budget", "KVRT_DISK_BUDGET", "size"),

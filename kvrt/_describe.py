@@ -10,6 +10,7 @@ from ._engine.capacity import (
     Capacity,
     CapacityInputs,
     LayerProfile,
+    Limit,
     MemoryPolicy,
     MemoryReading,
     resolve_capacity,
@@ -17,8 +18,10 @@ from ._engine.capacity import (
 from ._engine.contract import ModelFacts
 from ._engine.memory import read_memory
 from ._engine.registry import open_engine
+from ._errors import ConfigError
+from ._units import format_size
 
-__all__ = ["ModelInfo", "capacity_inputs", "describe_model", "model_info"]
+__all__ = ["ModelInfo", "capacity_inputs", "check_limits", "describe_model", "model_info"]
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,3 +97,39 @@ def model_info(facts: ModelFacts, config: Config) -> ModelInfo:
         capacity=resolve_capacity(capacity_inputs(facts, config, memory)),
         memory=memory,
     )
+
+
+_LIMIT_SETTING = {
+    Limit.MEMORY: "memory (memory.max, memory.reserve, memory.headroom, memory.cold)",
+    Limit.REQUEST: "engine.context",
+    Limit.HOT_CAP: "engine.hot_tokens",
+    Limit.TRAINED_CONTEXT: "the model's trained context",
+}
+
+
+def check_limits(info: ModelInfo, cfg: Config) -> None:
+    """Refuse limits that leave no session room, or a cold budget beyond usable memory."""
+    cap = info.capacity
+    asked = cfg.memory.cold
+    if asked is not None and cap.usable_bytes is not None and asked > cap.usable_bytes:
+        raise ConfigError(
+            f"memory.cold of {format_size(asked)} is more than the {format_size(cap.usable_bytes)} "
+            "kvrt may use (free memory less memory.reserve and memory.headroom, capped by "
+            "memory.max); lower memory.cold or raise memory.max"
+        )
+    most = info.model.max_block_tokens
+    if most is not None and cfg.session.block_tokens > most:
+        raise ConfigError(
+            f"session.block_tokens of {cfg.session.block_tokens} is more than this model's "
+            f"{most}-token sliding window: the engine keeps a windowed layer's KV only for the "
+            f"last {most} positions of a block, so a block holds at most {most} tokens"
+        )
+    least = 4 * cfg.session.block_tokens
+    if cap.hot_context_tokens < least:
+        by = ", ".join(_LIMIT_SETTING.get(limit, str(limit)) for limit in cap.hot_limited_by)
+        usable = "unknown" if cap.usable_bytes is None else format_size(cap.usable_bytes)
+        raise ConfigError(
+            f"the limits leave a hot window of {cap.hot_context_tokens} tokens, less than the "
+            f"smallest session's {least} (four blocks of {cfg.session.block_tokens}); limited by "
+            f"{by} (usable memory {usable}, weights {format_size(info.model.weight_bytes)})"
+        )

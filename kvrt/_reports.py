@@ -15,6 +15,7 @@ __all__ = [
     "BlockReport",
     "Completion",
     "ContextStatus",
+    "LongContextStatus",
     "Piece",
     "PrefetchReport",
     "SegmentReport",
@@ -56,6 +57,28 @@ class TokenOrigins(msgspec.Struct, frozen=True, kw_only=True):
             + self.generated
             + self.not_hot
         )
+
+
+class LongContextStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """How a long context was shown to the engine: a window of it at window positions —
+    the sinks, the blocks chosen for the query and the recent tail. Never exact: blocks
+    shown at other positions than where they were computed, and what follows them, are
+    approximate (``ContextStatus.approximate_tokens`` and ``approximate_context_tokens``)."""
+
+    shown_tokens: int
+    """Tokens of the context in the window shown (all that generation attends to)."""
+    blocks: int
+    """Blocks of the whole context."""
+    chosen_blocks: int
+    """Blocks the hot-eviction policy chose to show besides the sinks and the tail."""
+    computed_tokens: int
+    """Tokens computed by this call (the context's new blocks, a window at a time)."""
+    windows: int
+    """Windows placed: one per window of new blocks computed, and the last one."""
+    scoring_seconds: float
+    """Time spent choosing the blocks to show (scoring every block for the query)."""
+    sketch_bytes: int = 0
+    """RAM the session holds for scoring: a sketch of each block's keys."""
 
 
 class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +141,9 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     session only, never served to others as an exact hit, and computed again once its
     whole prefix fits hot (the ``partial_window`` policy). With
     ``approximate_context_tokens``, 0 means the hot context equals a fresh prefill."""
+    long: LongContextStatus | None = None
+    """What a long context (past the planner context, in a session opened with
+    ``long_context=True``) showed the engine; None for a context that fits."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):

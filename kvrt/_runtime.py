@@ -20,14 +20,22 @@ from ._chat.templates import JinjaTemplate, read_template_file
 from ._checks import check_bool, check_choice, check_int, check_salt, check_text
 from ._cold import ColdStats, ColdStore, RemoteTier, SharedStore, salted
 from ._config import Config, EngineConfig, check_config, load_config
-from ._describe import ModelInfo, model_info
+from ._describe import ModelInfo, check_limits, model_info
 from ._engine.capacity import Limit, planner_context
 from ._engine.contract import Engine
 from ._engine.registry import open_engine
 from ._engine.spare import SpareRelease
 from ._engine.turns import EngineTurns
-from ._errors import ArgumentTypeError, ConfigError, EngineError, SessionClosedError
-from ._paging.window import HotWindow, Segment
+from ._errors import (
+    ArgumentTypeError,
+    ConfigError,
+    EngineError,
+    KvrtError,
+    SessionClosedError,
+)
+from ._paging.long import long_limit
+from ._paging.segments import Segment
+from ._paging.window import HotWindow
 from ._session import (
     Actor,
     SavedSession,
@@ -216,6 +224,7 @@ class Runtime(metaclass=NoPublicConstructor):
         message_class: str | None = None,
         resume: str | os.PathLike[str] | SavedSession | None = None,
         cache_salt: str | None = None,
+        long_context: bool | None = None,
     ) -> AsyncIterator[Session]:
         """Open a session whose hot window holds at most ``hot_tokens`` tokens.
 
@@ -231,6 +240,9 @@ class Runtime(metaclass=NoPublicConstructor):
         every tier and across restarts (it is part of each block's identity). Sessions
         without one share theirs with each other (one user's machine); give each user or
         tenant its own where several share a runtime.
+        ``long_context`` (default ``session.long_context``) serves contexts past the
+        model's trained one, as long as the cold tiers hold (see :mod:`kvrt._paging.long`);
+        its blocks are chosen by the ``relevance`` hot-eviction policy unless another is named.
 
         >>> async with rt.open_session(hot_tokens=512, name="reviewer") as session:
         ...     await session.ensure_context([kvrt.Segment("user", "Hi")])
@@ -243,6 +255,12 @@ class Runtime(metaclass=NoPublicConstructor):
             check_int("hot_tokens", hot_tokens)
         if cache_salt is not None:
             check_salt(cache_salt)
+        long = check_bool(
+            "long_context",
+            self.config.session.long_context if long_context is None else long_context,
+        )
+        if long and hot_eviction is None and self.config.policies.hot_eviction == "class_lru":
+            hot_eviction = "relevance"
         saved = None
         if resume is not None:
             if isinstance(resume, SavedSession):
@@ -305,6 +323,14 @@ class Runtime(metaclass=NoPublicConstructor):
                 share=self.shared is not None,
             )
         )
+        if long:
+            try:
+                window.long_limit = long_limit(
+                    ctx, facts, cap.cold_store_tokens, cap.disk_store_tokens
+                )
+            except KvrtError:
+                ctx.close()
+                raise
         await self._tg.start(actor.run)
         session = Session._create(actor, label, self._tg, self._chat)
         self._sessions.add(session)
@@ -326,42 +352,6 @@ class Runtime(metaclass=NoPublicConstructor):
             for session in list(self._sessions):
                 await session.aclose()
         self._cold.close()
-
-
-_LIMIT_SETTING = {
-    Limit.MEMORY: "memory (memory.max, memory.reserve, memory.headroom, memory.cold)",
-    Limit.REQUEST: "engine.context",
-    Limit.HOT_CAP: "engine.hot_tokens",
-    Limit.TRAINED_CONTEXT: "the model's trained context",
-}
-
-
-def _check_fits(info: ModelInfo, cfg: Config) -> None:
-    """Refuse limits that leave no session room, or a cold budget beyond usable memory."""
-    cap = info.capacity
-    asked = cfg.memory.cold
-    if asked is not None and cap.usable_bytes is not None and asked > cap.usable_bytes:
-        raise ConfigError(
-            f"memory.cold of {format_size(asked)} is more than the {format_size(cap.usable_bytes)} "
-            "kvrt may use (free memory less memory.reserve and memory.headroom, capped by "
-            "memory.max); lower memory.cold or raise memory.max"
-        )
-    most = info.model.max_block_tokens
-    if most is not None and cfg.session.block_tokens > most:
-        raise ConfigError(
-            f"session.block_tokens of {cfg.session.block_tokens} is more than this model's "
-            f"{most}-token sliding window: the engine keeps a windowed layer's KV only for the "
-            f"last {most} positions of a block, so a block holds at most {most} tokens"
-        )
-    least = 4 * cfg.session.block_tokens
-    if cap.hot_context_tokens < least:
-        by = ", ".join(_LIMIT_SETTING.get(limit, str(limit)) for limit in cap.hot_limited_by)
-        usable = "unknown" if cap.usable_bytes is None else format_size(cap.usable_bytes)
-        raise ConfigError(
-            f"the limits leave a hot window of {cap.hot_context_tokens} tokens, less than the "
-            f"smallest session's {least} (four blocks of {cfg.session.block_tokens}); limited by "
-            f"{by} (usable memory {usable}, weights {format_size(info.model.weight_bytes)})"
-        )
 
 
 def _resolve(backend: str | None, model: str | None, config: Config | None) -> Config:
@@ -441,7 +431,7 @@ async def open_runtime(
         engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
     try:
         info = model_info(engine.facts, cfg)
-        _check_fits(info, cfg)
+        check_limits(info, cfg)
         chat = _configured_template(engine, cfg)
         budget = info.capacity.host_cold_budget_bytes
         if budget <= 0:

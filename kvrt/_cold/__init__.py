@@ -11,7 +11,7 @@
 """
 
 from .disk import BlockIO, DiskStats, DiskTier, default_disk_path
-from .entry import PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
+from .entry import LONG_PREFIX, PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
 from .remote import RemoteStats, RemoteTier
 from .shared import SharedStore
 from .stats import ColdStats
@@ -20,6 +20,7 @@ from .tier import ColdTier
 from .trust import ForgedValueError, Signer, load_secret
 
 __all__ = [
+    "LONG_PREFIX",
     "PARTIAL_PREFIX",
     "BlockIO",
     "ColdEntry",

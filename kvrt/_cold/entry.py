@@ -13,11 +13,16 @@ import numpy.typing as npt
 from .._engine.contract import ColdBlock, ColdBlockMeta
 from .._types import CacheClass
 
-__all__ = ["PARTIAL_PREFIX", "ColdEntry", "ColdKey", "salted", "token_digest"]
+__all__ = ["LONG_PREFIX", "PARTIAL_PREFIX", "ColdEntry", "ColdKey", "salted", "token_digest"]
 
 PARTIAL_PREFIX = "pw"
 """How the prefix field of a partial-window block's key begins (an exact key's prefix is
 a hex digest, which never does): see :mod:`kvrt._paging.provenance`."""
+
+LONG_PREFIX = "lw"
+"""How the prefix field of a long-context block's key begins: KV a session computed at
+window positions of a context longer than the model's trained one (see
+:mod:`kvrt._paging.long`)."""
 
 
 def token_digest(tokens: Sequence[int], seed: bytes = b"", lone: Iterable[int] = ()) -> str:
@@ -63,8 +68,15 @@ class ColdKey(msgspec.Struct, frozen=True):
     def session_local(self) -> bool:
         """A partial-window block's key: KV computed while earlier blocks of its context
         were not hot, which only the session that computed it asks for. Such entries stay
-        in RAM: never written to the tiers below, never an exact hit for anyone else."""
-        return self.prefix.startswith(PARTIAL_PREFIX)
+        in RAM: never written to the tiers below, never an exact hit for anyone else.
+        Long-context blocks (:attr:`spills`) are session-local too."""
+        return self.prefix.startswith((PARTIAL_PREFIX, LONG_PREFIX))
+
+    @property
+    def spills(self) -> bool:
+        """A long-context block's key: session-local KV that may go to the disk tier (a
+        context as long as the tiers lives mostly there), never to a shared one."""
+        return self.prefix.startswith(LONG_PREFIX)
 
     def digest(self) -> str:
         """One name for the key (hex), the same in every process: file names and remote keys."""

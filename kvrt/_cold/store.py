@@ -428,7 +428,7 @@ class ColdStore:
         async with receive:
             async for entry in receive:
                 try:
-                    for tier in self.tiers:
+                    for tier in self._lower(entry.key):
                         await tier.write(entry)  # a failure is counted by the tier
                     # Held nowhere now (every write failed, RAM dropped it meanwhile)? Back
                     # in as a spare copy if there is free room, else tokens only (counted).
@@ -470,15 +470,21 @@ class ColdStore:
         through RAM (a replica shares what it answered before it answers); whether every
         tier holds it after."""
         done = True
-        for tier in self.tiers:
+        for tier in self._lower(entry.key):
             if entry.key not in tier:
                 done = await tier.write(entry) and done
         return done
 
+    def _lower(self, key: ColdKey) -> tuple[ColdTier, ...]:
+        """The tiers below RAM ``key`` may go to: every one; the disk tier alone for a
+        long-context block; none for partial-window KV."""
+        if not key.session_local:
+            return self.tiers
+        return tuple(t for t in self.tiers if key.spills and t.name == "disk")
+
     def _needs_lower(self, key: ColdKey) -> bool:
-        """Whether a tier below RAM lacks ``key`` (so a commit writes it through).
-        Session-local entries (partial-window KV) never go below RAM."""
-        return not key.session_local and any(key not in t for t in self.tiers)
+        """Whether a tier ``key`` may go to lacks it (so a commit writes it through)."""
+        return any(key not in t for t in self._lower(key))
 
     def _dropped(self, key: ColdKey) -> None:
         """A RAM victim: demoted if a tier below holds it (or is about to), else lost to

@@ -51,6 +51,13 @@ class ApproximateHits:
         )
         if query.shift and not self.ctx.capabilities.position_shift:
             return None
+        if self.window.virtual:
+            # A long context's window: how its blocks come back, except those it computes.
+            return (
+                None
+                if block.key(self.window.fingerprint) in self.window.long_copies
+                else (entry, query)
+            )
         return (entry, query) if self.policies.approximate.accept(query) else None
 
     async def hit(

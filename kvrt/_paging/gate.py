@@ -33,7 +33,7 @@ from ..policy import (
     Restore,
     WriteThrough,
 )
-from .provenance import APPROXIMATE, Place, Provenance, partial_key
+from .provenance import APPROXIMATE, Place, Provenance, is_approximate, partial_key
 from .window import Block, HotWindow, runs_of
 
 __all__ = ["EngineGate", "SessionParts", "SessionPolicies", "Tally", "Written"]
@@ -273,7 +273,7 @@ class EngineGate:
         resident = self.resident()
         missing = self._missing_before(position, resident)
         labels = self.provenance.labels(0, position, resident)
-        if APPROXIMATE in labels:
+        if any(is_approximate(label) for label in labels):
             return APPROXIMATE, missing
         if missing or labels:
             return self.provenance.new_label(), missing
@@ -327,14 +327,18 @@ class EngineGate:
     def stored_key(self, block: Block) -> ColdKey | None:
         """The key ``block``'s resident KV is stored under: its exact key when the KV is
         exact, a key of its own when it is partial-window (:func:`partial_key`), None when
-        it is approximate (never stored)."""
+        it is approximate (never stored) — except in a long context, where the key the
+        session gave it (:attr:`.HotWindow.long_copies`), or the key of the long-context
+        copy it was restored from, in place."""
         resident = self.resident()
         labels = self.provenance.labels(block.start, block.end, resident)
         exact = block.key(self.window.fingerprint)
         if not labels:
             return exact
-        if APPROXIMATE in labels:
-            return None
+        if any(is_approximate(label) for label in labels):
+            if len(labels) == 1 and APPROXIMATE not in labels:
+                return partial_key(exact, labels)  # the long copy it came from
+            return self.window.long_copies.get(exact)
         return partial_key(exact, labels)
 
     async def tidy(self) -> Tally:

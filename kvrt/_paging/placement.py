@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from .._errors import (
     ColdBlockMismatchError,
@@ -18,7 +17,6 @@ from .._errors import (
     NotVisibleError,
 )
 from .._reports import ContextStatus
-from .._threads import in_thread
 from .._types import PartialWindowQuery, Residency, RestoreQuery
 from .approximate import ApproximateHits
 from .computing import Computing
@@ -37,8 +35,9 @@ from .planner import (
     query_first,
 )
 from .scoring import Scoring
-from .tokens import Prepared, ReplyTokens, TokenKey, check_fits, segment_tokens
-from .window import Block, Placed, Segment
+from .segments import Placed, Segment
+from .tokens import ReplyTokens, TokenKey, check_fits, segment_tokens
+from .window import Block
 
 __all__ = ["LEADING_MIN_TOKENS", "Placement"]
 
@@ -89,7 +88,7 @@ class Placement:
         generated tokens (a plain segment whose whole text is a reply this runtime
         generated is placed so without being named).
         """
-        check_fits(self.engine, segments, self.window.planner_context)
+        check_fits(self.engine, segments, self.window.context_limit)
         out = []
         cache = known or {}
         replies = replies or {}
@@ -111,24 +110,6 @@ class Placement:
         if not any(p.tokens for p in out):
             raise InvalidContextError("the context is empty: every segment's text is empty")
         return [p for p in out if p.tokens]
-
-    async def ensure(
-        self,
-        segments: Sequence[Segment],
-        prepared: Prepared | None = None,
-        replies: Mapping[str, ReplyTokens] | None = None,
-        require: tuple[str, ...] = (),
-    ) -> tuple[ContextStatus, Tally]:
-        """Place ``segments``: what the context is now, and what placing it did."""
-        self.gate.counters.ensure_calls += 1
-        known = None
-        if prepared is not None:
-            known = prepared.tokens
-            if known is None:
-                prepared.cancel()  # not ready when its call began: of no more use
-        tokenize = partial(self.tokenize, segments, known=known, replies=replies)
-        tokenized = await in_thread(tokenize)
-        return await self.ensure_placed(tokenized, require)
 
     async def ensure_placed(
         self, tokenized: list[Placed], require: tuple[str, ...] = ()

@@ -6,7 +6,9 @@ of the context was hot, with exact KV, when it was computed (or it is a restore 
 token's bytes). Otherwise it is one of:
 
 - *approximate* (:data:`APPROXIMATE`): restored from a copy computed after another prefix,
-  or computed while such a token was hot before it. Never stored.
+  or computed while such a token was hot before it. Never stored, but in a long context
+  (:mod:`.long`), where the session stores it under a key of its own (its prefix, which
+  begins with ``LONG_PREFIX``, is then the mark of a copy restored in place).
 - *partial-window*: computed while some earlier token of the context was out of the hot
   window (or itself partial-window). It is what that window gives, not what the key of an
   exact block promises, so it is stored only under a key of its own that no other session
@@ -39,12 +41,18 @@ import hashlib
 import os
 from collections.abc import Container, Iterable, Mapping
 
-from .._cold import PARTIAL_PREFIX, ColdKey
+from .._cold import LONG_PREFIX, PARTIAL_PREFIX, ColdKey
 
-__all__ = ["APPROXIMATE", "FOREIGN", "Provenance", "partial_key"]
+__all__ = ["APPROXIMATE", "FOREIGN", "Provenance", "is_approximate", "partial_key"]
 
 APPROXIMATE = "~"
 """The mark of approximate KV."""
+
+
+def is_approximate(label: str) -> bool:
+    """Whether a mark is approximate KV: :data:`APPROXIMATE`, or a long-context copy's."""
+    return label == APPROXIMATE or label.startswith(LONG_PREFIX)
+
 
 FOREIGN = -1
 """What a resident position shows in place of its token when its KV was computed in
@@ -63,7 +71,7 @@ def partial_key(exact: ColdKey, labels: frozenset[str]) -> ColdKey:
     """
     if len(labels) == 1:
         (only,) = labels
-        if only.startswith(PARTIAL_PREFIX):
+        if only.startswith((PARTIAL_PREFIX, LONG_PREFIX)):
             return ColdKey(exact.fingerprint, only, exact.tokens, exact.start)
     h = hashlib.blake2b(exact.prefix.encode(), digest_size=16)
     for label in sorted(labels):
@@ -137,11 +145,11 @@ class Provenance:
 
     def approximate(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
         """Whether any resident position in ``[start, end)`` holds approximate KV."""
-        return APPROXIMATE in self.labels(start, end, resident)
+        return any(is_approximate(label) for label in self.labels(start, end, resident))
 
     def partial(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
         """Whether any resident position in ``[start, end)`` holds partial-window KV."""
-        return any(label != APPROXIMATE for label in self.labels(start, end, resident))
+        return not all(is_approximate(label) for label in self.labels(start, end, resident))
 
     def inexact(self, start: int, end: int, resident: Mapping[int, int]) -> bool:
         """Whether any resident position in ``[start, end)`` holds KV that is not exact."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from .._engine.contract import Engine
 from .._errors import ContextTooLargeError
-from .window import Placed, Segment
+from .segments import Placed, Segment
 
 __all__ = [
     "Prepared",

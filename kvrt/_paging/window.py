@@ -10,21 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-import msgspec
-
-from .._checks import check_bool, check_choice, check_int, check_number, check_text
 from .._cold import ColdKey, token_digest
 from .._errors import (
-    ArgumentTypeError,
     ContextTooLargeError,
     InvalidContextError,
     UnknownSegmentError,
 )
 from .._types import BlockView, CacheClass, Residency
+from .segments import Placed, Segment
 
-__all__ = ["Block", "HotWindow", "Placed", "Segment", "runs_of"]
+__all__ = ["Block", "HotWindow", "runs_of"]
 
 
 def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
@@ -36,88 +32,6 @@ def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
         else:
             ranges.append((p, p + 1))
     return ranges
-
-
-class Segment(msgspec.Struct, frozen=True):
-    """A named piece of context the agent sends.
-
-    >>> Segment("system", "You are a careful reviewer.", cache_class=CacheClass.TASK_PINNED)
-    Segment(name='system', text='You are a careful reviewer.', cache_class=...)
-
-    Text is read as plain text: markup such as ``<|im_start|>`` in it stays characters and
-    never becomes a control token, so content from users, tools and files cannot forge
-    chat structure. :meth:`kvrt.Runtime.chat_segment` marks the chat template's own markup
-    in ``markup``; ``parse_special=True`` reads the whole text as markup (only for text you
-    wrote yourself). Fields are checked when the segment is built.
-    """
-
-    name: str
-    """Unique within a context: how the session matches this segment across calls."""
-    text: str
-    """The segment's text, read as plain text unless ``markup``/``parse_special`` say otherwise."""
-    cache_class: CacheClass = CacheClass.VOLATILE
-    """How readily its blocks leave the hot window (``volatile`` first)."""
-    parse_special: bool = False
-    """Read every special-token string in ``text`` (such as ``<|im_start|>``) as the
-    special token. Never set it for text that comes from users, tools or files."""
-    score: float | None = None
-    """Importance for the ``score_lru`` hot-eviction policy (higher stays longer), e.g. the
-    attention mass the caller measured on it; ``None`` ranks lowest within its class."""
-    markup: tuple[tuple[int, int], ...] = ()
-    """Character ranges ``[start, end)`` of ``text`` that are chat-template markup, read
-    with special tokens; everything else is plain text. Sorted, not overlapping."""
-
-    def __post_init__(self) -> None:
-        check_text("Segment.name", self.name, empty=False)
-        check_text(f"the text of segment {self.name!r}", self.text)
-        if not isinstance(self.cache_class, CacheClass):
-            chosen = check_choice("Segment.cache_class", self.cache_class, CacheClass)
-            msgspec.structs.force_setattr(self, "cache_class", chosen)
-        check_bool("Segment.parse_special", self.parse_special)
-        if self.score is not None:
-            check_number("Segment.score", self.score)
-        if self.markup or not isinstance(self.markup, tuple):
-            msgspec.structs.force_setattr(self, "markup", _markup(self.markup, len(self.text)))
-
-    def pieces(self) -> Iterator[tuple[str, bool]]:
-        """The text in order, each piece with whether it is read with special tokens."""
-        if not self.markup or self.parse_special:
-            yield self.text, self.parse_special
-            return
-        at = 0
-        for start, end in self.markup:
-            if start > at:
-                yield self.text[at:start], False
-            yield self.text[start:end], True
-            at = end
-        if at < len(self.text):
-            yield self.text[at:], False
-
-
-def _markup(spans: object, length: int) -> tuple[tuple[int, int], ...]:
-    expected = "a sequence of (start, end) character ranges"
-    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
-        raise ArgumentTypeError(f"Segment.markup must be {expected}, got {type(spans).__name__}")
-    out: list[tuple[int, int]] = []
-    at = 0
-    for span in spans:
-        if isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2:
-            raise ArgumentTypeError(f"Segment.markup must be {expected}, got item {span!r}")
-        start = check_int("a Segment.markup start", span[0], low=at)
-        end = check_int("a Segment.markup end", span[1], low=start + 1, high=length)
-        out.append((start, end))
-        at = end
-    return tuple(out)
-
-
-class Placed(NamedTuple):
-    """A segment as a session places it: its tokens, and which of them are computed alone
-    (the tokens of a reply the runtime generated, placed as they were generated)."""
-
-    segment: Segment
-    tokens: list[int]
-    lone: frozenset[int] = frozenset()
-    """Offsets into ``tokens``."""
 
 
 @dataclass(slots=True, eq=False)
@@ -187,6 +101,7 @@ class HotWindow:
         sink_tokens: int,
         recent_tokens: int,
         planner_note: str = "",
+        long_limit: int = 0,
     ) -> None:
         self.fingerprint = fingerprint
         self.planner_context = planner_context
@@ -200,6 +115,15 @@ class HotWindow:
         """Block id -> relevance to the query, when the hot-eviction policy scores it."""
         self.relevance_scoring: str | None = None
         """How the last scores were made (see :attr:`SessionReport.relevance_scoring`)."""
+        self.long_limit = long_limit
+        """Tokens a long context may span (the cold tiers' worth, past the trained
+        context); 0: the session serves none (see :mod:`.long`)."""
+        self.virtual = False
+        """The context placed is what a long context shows the engine (see :mod:`.long`):
+        its blocks come back at other positions whenever they have a copy."""
+        self.long_copies: dict[ColdKey, ColdKey] = {}
+        """A block's exact key -> the key its approximate KV is stored under, for the
+        blocks a long context computes at window positions (see :mod:`.long`)."""
         self.partial_copies: dict[ColdKey, ColdKey] = {}
         """A block's exact key -> the key of this session's own cold copy of its
         partial-window KV (see :mod:`.provenance`), which no other session asks for."""
@@ -215,6 +139,11 @@ class HotWindow:
         self.clock = 0
 
     # -- layout --
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens a context sent to this session may hold."""
+        return max(self.planner_context, self.long_limit)
 
     @property
     def length(self) -> int:
@@ -242,7 +171,7 @@ class HotWindow:
         current = {(b.prefix, b.start, tuple(b.tokens), frozenset(b.lone)): b for b in self.blocks}
         now = self.tick()
         layout: list[Block] = []
-        for seg, index, pos, chunk, prefix, lone in self._chunks(segments):
+        for seg, index, pos, chunk, prefix, lone in self.chunks(segments):
             block = current.pop((prefix, pos, tuple(chunk), frozenset(lone)), None)
             if block is None or block.segment != seg.name or block.cache_class != seg.cache_class:
                 self._next_id += 1
@@ -267,10 +196,10 @@ class HotWindow:
         """The cold-store keys the blocks of ``segments`` would have (nothing changes)."""
         return [
             ColdKey(self.fingerprint, prefix, token_digest(chunk, lone=lone), pos)
-            for _, _, pos, chunk, prefix, lone in self._chunks(segments)
+            for _, _, pos, chunk, prefix, lone in self.chunks(segments)
         ]
 
-    def _chunks(
+    def chunks(
         self, segments: Sequence[Placed]
     ) -> Iterator[tuple[Segment, int, int, list[int], str, set[int]]]:
         """Each block-sized chunk: its segment, index in it, start, tokens, prefix digest
@@ -425,7 +354,7 @@ class HotWindow:
         length = sum(len(p.tokens) for p in segments)
         return sum(
             len(chunk)
-            for seg, _, pos, chunk, _, _ in self._chunks(segments)
+            for seg, _, pos, chunk, _, _ in self.chunks(segments)
             if self._stays_hot(seg.name, pos, pos + len(chunk), length, required)
         )
 

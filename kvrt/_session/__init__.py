@@ -18,10 +18,10 @@ synchronous bookkeeping, no ``await``).
 
 from .._paging.gate import SessionParts as SessionParts
 from .._paging.gate import SessionPolicies as SessionPolicies
+from .._paging.segments import Segment as Segment
 from .._paging.tokens import context_tokens as context_tokens
 from .._paging.tokens import segment_tokens as segment_tokens
 from .._paging.window import HotWindow as HotWindow
-from .._paging.window import Segment as Segment
 from .actor import Actor as Actor
 from .handle import Session as Session
 from .prefetch import Prefetch as Prefetch

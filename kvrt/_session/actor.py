@@ -32,11 +32,13 @@ from .._errors import (
     SessionClosedError,
 )
 from .._paging.gate import EngineGate, SessionParts, Tally
+from .._paging.long import LongContext
 from .._paging.moves import Paging
 from .._paging.placement import Placement
 from .._paging.scoring import Scoring
+from .._paging.segments import Segment
 from .._paging.tokens import Prepared
-from .._paging.window import Block, Segment
+from .._paging.window import Block
 from .._reports import BlockReport, SessionReport, segment_reports
 from .._types import CacheClass, Residency
 from .generation import Generate, Generation
@@ -120,7 +122,8 @@ class Actor:
         self.paging = Paging(gate)
         self.scoring = Scoring(gate)
         self.placement = Placement(gate, self.paging, self.scoring)
-        self.generation = Generation(gate, self.paging, self.placement)
+        self.contexts = LongContext(self.placement)
+        self.generation = Generation(gate, self.paging, self.placement, self.contexts)
         self.engine, self.ctx, self.window = parts.engine, parts.ctx, parts.window
         self.cold, self.turns = parts.cold, parts.turns
         self.policies, self.config, self.replies = parts.policies, parts.config, parts.replies
@@ -229,7 +232,7 @@ class Actor:
     async def _dispatch(self, command: Command) -> Any:
         match command:
             case Ensure(segments, prepared, require):
-                status, _ = await self.placement.ensure(segments, prepared, require=require)
+                status, _ = await self.contexts.ensure(segments, prepared, require=require)
                 return status
             case Generate():
                 return await self.generation.generate(command)

@@ -17,7 +17,7 @@ from .._errors import (
     InvalidArgumentError,
     InvalidContextError,
 )
-from .._paging.window import Segment
+from .._paging.segments import Segment
 
 __all__ = ["grammar", "logprobs", "required", "sampling", "segments", "stops", "target"]
 

@@ -23,8 +23,8 @@ from .._chat.tools import Tool, canonical_arguments, tools_prompt
 from .._checks import check_choice, check_text
 from .._engine.contract import Engine
 from .._errors import ArgumentTypeError, EngineError, InvalidArgumentError
+from .._paging.segments import Segment
 from .._paging.tokens import ReplyTokens
-from .._paging.window import Segment
 from .._types import CacheClass
 
 __all__ = ["ChatTemplate", "Conversation", "Message", "messages_of", "with_tools"]

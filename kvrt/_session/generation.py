@@ -27,10 +27,11 @@ from .._chat.tools import ToolCall, ToolCallDelta
 from .._engine.contract import Logits, SamplingParams
 from .._errors import ContextNotPlacedError, InvalidRangeError
 from .._paging.gate import EngineGate, Tally, Written
+from .._paging.long import LongContext
 from .._paging.moves import Paging
 from .._paging.placement import Placement
+from .._paging.segments import Segment
 from .._paging.tokens import ReplyTokens
-from .._paging.window import Segment
 from .._reports import ContextStatus, Piece, TokenLogprob, TokenOrigins
 from .._threads import in_thread
 from .._types import CacheClass, Residency
@@ -94,8 +95,11 @@ class Generated:
 class Generation:
     """Continues the context, streaming pieces."""
 
-    def __init__(self, gate: EngineGate, paging: Paging, placement: Placement) -> None:
+    def __init__(
+        self, gate: EngineGate, paging: Paging, placement: Placement, contexts: LongContext
+    ) -> None:
         self.gate, self.paging, self.placement = gate, paging, placement
+        self.contexts = contexts
         self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
 
     async def generate(self, cmd: Generate) -> Generated:
@@ -106,7 +110,7 @@ class Generation:
         self.gate.served.left = cmd.max_tokens
         if cmd.context is not None:
             replies = await self._recalled(cmd)
-            placed, placing = await self.placement.ensure(cmd.context, replies=replies)
+            placed, placing = await self.contexts.ensure(cmd.context, replies=replies)
         placed_at = time.perf_counter()
         self.gate.counters.generate_calls += 1
         tally = Tally()

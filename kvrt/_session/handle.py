@@ -22,8 +22,8 @@ from .._errors import (
     InvalidArgumentError,
     SessionClosedError,
 )
+from .._paging.segments import Segment
 from .._paging.tokens import ReplyTokens
-from .._paging.window import Segment
 from .._reports import ContextStatus, Piece, SessionReport
 from .._types import CacheClass
 from .._util import NoPublicConstructor
@@ -71,6 +71,13 @@ class Session(metaclass=NoPublicConstructor):
     @property
     def closed(self) -> bool:
         return self._mail.closed
+
+    @property
+    def progress(self) -> tuple[int, int] | None:
+        """``(tokens computed, tokens to compute)`` of the long context a call is placing
+        now (see ``long_context``), updated after each window; None when none is. Safe to
+        read from any task: a long document takes minutes on a few cores."""
+        return self._actor.contexts.progress
 
     # -- the API --
 

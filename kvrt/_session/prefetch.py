@@ -8,8 +8,8 @@ from functools import partial
 
 import anyio
 
+from .._paging.segments import Placed, Segment
 from .._paging.tokens import Prepared, TokenKey
-from .._paging.window import Placed, Segment
 from .._reports import PrefetchReport
 from .._threads import in_thread
 from .actor import Actor

@@ -27,8 +27,8 @@ import anyio
 import msgspec
 
 from .._errors import InvalidArgumentError, InvalidContextError, InvalidTokenError
+from .._paging.segments import Placed, Segment
 from .._paging.tokens import Prepared
-from .._paging.window import Placed, Segment
 from .._reports import ContextStatus
 from .._types import CacheClass
 from .actor import Actor, Command, Ensure, Snapshot
@@ -83,6 +83,10 @@ async def save_session(
 ) -> SavedSession:
     """Snapshot the context through ``request``, wait for its blocks to reach the tiers
     below RAM (within the disk tier's flush timeout) and write the file atomically."""
+    if actor.window.virtual:
+        raise InvalidArgumentError(
+            "save() of a long context is not supported: it would keep only the window shown"
+        )
     segments, keys = await request(Snapshot())
     cold = actor.cold
     await cold.wait_written(keys, cold.flush_timeout)

@@ -38,6 +38,7 @@ HELP = {
     "backend": "engine backend: llama or openvino",
     "openvino_profile": "OpenVINO compile settings: deterministic or default",
     "require_exact": "refuse a KV precision whose restores cannot be bit-exact (true/false)",
+    "long_context": "serve contexts past the model's trained one, approximately (true/false)",
     "model": "path of a GGUF model (default: the embedded SmolLM2-135M-Instruct)",
     "kv_type": "KV cache type: f32, f16, bf16, q8_0, ... (OpenVINO: f32, f16, bf16, u8)",
     "flash_attention": "llama.cpp flash attention: auto, on or off (default auto)",

@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> None:
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(info)).decode() + "\n")
     else:
-        print_info(info)
+        print_info(info, long_context=config.session.long_context)
 
 
 _NAMES = {
@@ -102,7 +102,7 @@ def _held(m: Any, budget: int, tokens: int) -> str:
     return f"{tokens:,} tokens"
 
 
-def print_info(info: ModelInfo) -> None:
+def print_info(info: ModelInfo, *, long_context: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -194,6 +194,15 @@ def print_info(info: ModelInfo) -> None:
             f"{c.planner_effective_context:,} tokens (limited by {', '.join(c.planner_limited_by)})",
         ),
         ("effective context", f"{c.effective_context:,} tokens (dense)"),
+        (
+            "long context",
+            (
+                f"{c.hot_context_tokens + c.cold_store_tokens + c.disk_store_tokens:,} tokens "
+                "(hot + cold + disk; approximate past the planner context)"
+                if long_context
+                else "off (session.long_context)"
+            ),
+        ),
     ]
     for key, value in rows:
         table.add_row(key, value)

@@ -29,7 +29,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -515,10 +515,12 @@ def _metadata(v: Variant) -> Iterator[tuple[str, Any, Any, Any]]:
         yield f"{a}.{key}", value, *kind
 
 
-def write(name: str, folder: str | os.PathLike[str]) -> Path:
+def write(name: str, folder: str | os.PathLike[str], *, context: int | None = None) -> Path:
     """Write the variant ``name`` as ``<folder>/<name>.gguf`` (once: an existing file
-    written by this zoo is kept) and return its path. Needs the ``gguf`` package (the
-    ``test`` extra), which kvrt itself does not install."""
+    written by this zoo is kept) and return its path; with ``context``, trained on that
+    many tokens instead, as ``<name>-<context>.gguf`` (a context past a short trained one
+    is cheap to test). Needs the ``gguf`` package (the ``test`` extra), which kvrt itself
+    does not install."""
     try:
         import gguf
     except ImportError:
@@ -528,6 +530,9 @@ def write(name: str, folder: str | os.PathLike[str]) -> Path:
         ) from None
 
     v = VARIANTS[name]
+    if context is not None:
+        v = replace(v, context=context)
+        name = f"{name}-{context}"
     target = Path(folder) / f"{name}.gguf"
     if target.is_file():
         return target

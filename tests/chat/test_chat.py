@@ -328,7 +328,7 @@ async def test_concurrent_sessions_share_a_stable_prefix_computed_once(
             kvrt.Segment("user", QUESTIONS[i]),
         ]
 
-    async def ask(rt: kvrt.Runtime, i: int, out: dict[int, Any], **policy: str) -> None:
+    async def ask(rt: kvrt.Runtime, i: int, out: dict[int, Any], **policy: Any) -> None:
         async with rt.open_session(hot_tokens=1024, **policy) as s:
             status = await s.ensure_context(context(i))
             out[i] = (status, (await s.generate(12)).text)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
 import kvrt
 from tests.support.models import FILE_A, FILE_B, REPO_MAP, SYSTEM
 
-SMALL = dict(block_tokens=16, sink_tokens=4, recent_tokens=16)
+SMALL: dict[str, Any] = dict(block_tokens=16, sink_tokens=4, recent_tokens=16)
 
 
 PIECES = {

@@ -63,12 +63,12 @@ def close_loaded() -> None:
 _ZOO: list[str] = []
 
 
-def zoo_path(name: str) -> str:
+def zoo_path(name: str, *, context: int | None = None) -> str:
     """A tiny random-weight GGUF of the zoo's variant ``name`` (:mod:`kvrt.testing.zoo`),
-    written once per test run."""
+    written once per test run (trained on ``context`` tokens where given)."""
     if not _ZOO:
         _ZOO.append(tempfile.mkdtemp(prefix="kvrt-zoo-"))
-    return str(zoo.write(name, _ZOO[0]))
+    return str(zoo.write(name, _ZOO[0], context=context))
 
 
 def tiny(

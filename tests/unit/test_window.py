@@ -16,7 +16,8 @@ import kvrt
 from kvrt import policies
 from kvrt._cold.entry import token_digest
 from kvrt._paging.provenance import FOREIGN, Provenance
-from kvrt._paging.window import Block, HotWindow, Placed
+from kvrt._paging.segments import Placed
+from kvrt._paging.window import Block, HotWindow
 
 BLOCK = 4
 

@@ -1,0 +1,380 @@
+"""Every context a session is sent, placed: through :mod:`.placement` where it fits the
+planner context, and, in a session opened with ``long_context=True``, as a *long context*
+past it — as long as the cold tiers hold, however short the model's trained context.
+
+A long context is kept as blocks at their logical positions (:class:`LongBlock`), each
+block's KV in the cold store, and shown to the engine through *windows*: contexts that
+fit the hot window, placed by :mod:`.placement` as any other, at positions from 0, so
+attention never sees a position the model was not trained on.
+
+- Blocks no window has computed yet are computed a window at a time (an *ingest*): the
+  sinks, the tokens just before the new blocks (half the window at most), then as many new
+  blocks as fit. The first window is the context itself, exact; later ones see what came
+  just before them, not the whole context.
+- The last window shows the sinks, the blocks the session's hot-eviction policy keeps for
+  the query (scored by relevance to the context's last segment, with key sketches kept in
+  RAM, so scoring reads no KV), and the recent tail, which holds the query.
+- A block shown at another position than where it was computed comes back from its copy
+  with its keys turned by the engine's own shift (an approximate hit), and what is
+  computed after it is approximate too: every such token is labelled so, never an exact
+  hit for anyone. Blocks computed at window positions are stored under this session's own
+  keys (``LONG_PREFIX``), in RAM and on the disk tier, never in a shared one.
+
+Positions past the window never exist: a long context costs the engine a window's
+attention per token, whatever its length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import msgspec
+
+from .._cold import LONG_PREFIX, ColdKey, token_digest
+from .._engine.contract import EngineContext, KeySketching, ModelFacts
+from .._errors import ContextTooLargeError, InvalidArgumentError, NotVisibleError
+from .._reports import ContextStatus, LongContextStatus
+from .._threads import in_thread
+from .._types import BlockView, Residency
+from ..policy import KeyScoring, LexicalBlending, Relevance
+from .gate import Tally
+from .placement import Placement
+from .segments import Placed, Segment
+from .tokens import Prepared, ReplyTokens
+
+__all__ = ["LongBlock", "LongContext", "long_limit"]
+
+
+def long_limit(ctx: EngineContext, facts: ModelFacts, cold: int, disk: int) -> int:
+    """Tokens a long context may span in ``ctx`` (its hot window plus the cold tiers'
+    budgets, ``cold`` and ``disk`` tokens); refused, with the reason, where the engine
+    cannot show a long context's blocks at other positions."""
+    why = ""
+    if facts.recurrent is not None:
+        why = f"{facts.architecture} keeps a recurrent state, which no window can skip"
+    elif not ctx.capabilities.position_shift:
+        why = "its engine context cannot shift positions (turn a block's keys)"
+    elif not ctx.capabilities.remove_middle:
+        why = "its engine context cannot remove blocks from the middle of the window"
+    if why:
+        raise InvalidArgumentError(f"long_context: this model cannot serve one: {why}")
+    return ctx.n_ctx + cold + disk
+
+
+@dataclass(slots=True, eq=False)
+class LongBlock:
+    """One block of a long context, at its logical position."""
+
+    segment: Segment
+    name: str
+    """Its name in the windows shown to the engine: the segment's, with ``#k`` added for
+    its k-th block where the segment spans several."""
+    start: int
+    tokens: list[int]
+    lone: frozenset[int]
+    """Offsets of the tokens computed alone (a generated reply's)."""
+    key: ColdKey
+    """Its identity at its logical position (as an exact block's key)."""
+
+    def placed(self) -> Placed:
+        seg = Segment(self.name, "", cache_class=self.segment.cache_class, score=self.segment.score)
+        return Placed(seg, self.tokens, self.lone)
+
+
+class LongContext:
+    """Places a session's contexts, long ones as windows (see the module's text)."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.gate, self.paging = placement.gate, placement.paging
+        self.ctx, self.window, self.cold = placement.ctx, placement.window, placement.cold
+        self.policies = placement.policies
+        self.copies: dict[ColdKey, ColdKey] = {}
+        """A block's logical key -> the key of its KV's copy in the cold store."""
+        self.sketches: dict[ColdKey, object] = {}
+        """A block's logical key -> the sketch of its keys (RoPE undone), for scoring."""
+        self.progress: tuple[int, int] | None = None
+        """(tokens computed, tokens to compute) of the long context being placed now."""
+        self._salt = os.urandom(16)
+
+    async def ensure(
+        self,
+        segments: Sequence[Segment],
+        prepared: Prepared | None = None,
+        replies: Mapping[str, ReplyTokens] | None = None,
+        require: tuple[str, ...] = (),
+    ) -> tuple[ContextStatus, Tally]:
+        """Place ``segments``: what the context is now, and what placing it did."""
+        self.gate.counters.ensure_calls += 1
+        known = None
+        if prepared is not None:
+            known = prepared.tokens
+            if known is None:
+                prepared.cancel()  # not ready when its call began: of no more use
+        tokenize = partial(self.placement.tokenize, segments, known=known, replies=replies)
+        tokenized = await in_thread(tokenize)
+        total = sum(len(p.tokens) for p in tokenized)
+        if not self.window.long_limit or total <= self.window.planner_context:
+            self.window.virtual, self.window.long_copies = False, {}
+            return await self.placement.ensure_placed(tokenized, require)
+        return await self._ensure_long(tokenized, require)
+
+    # -- a long context --
+
+    async def _ensure_long(
+        self, tokenized: list[Placed], require: tuple[str, ...]
+    ) -> tuple[ContextStatus, Tally]:
+        blocks = self._blocks(tokenized)
+        total = blocks[-1].start + len(blocks[-1].tokens)
+        if total > self.window.long_limit:
+            raise ContextTooLargeError(
+                f"the context needs {total} tokens but the session's long context holds "
+                f"{self.window.long_limit} (the hot window plus what memory.cold and the disk "
+                "tier's budget hold): raise memory.cold or disk.budget"
+            )
+        try:
+            return await self._place_long(blocks, require)
+        finally:
+            self.progress = None
+            current = {b.key for b in blocks}  # what the next context may ask for again
+            self.copies = {k: v for k, v in self.copies.items() if k in current}
+            self.sketches = {k: v for k, v in self.sketches.items() if k in current}
+
+    async def _place_long(
+        self, blocks: list[LongBlock], require: tuple[str, ...]
+    ) -> tuple[ContextStatus, Tally]:
+        """Compute the blocks no window has computed yet, a window at a time, then show
+        the last window: the sinks, the blocks chosen for the query, the tail."""
+        cap = self.ctx.n_ctx - self.window.block_tokens  # a restore splices through one spare block
+        sinks = [i for i, b in enumerate(blocks) if b.start < max(1, self.window.sink_tokens)]
+        tail = self._tail(blocks, cap)
+        fixed = {*sinks, *tail} | {i for i, b in enumerate(blocks) if b.segment.name in require}
+        room = cap - self._size(blocks, set(sinks))
+        if room < 2 * self.window.block_tokens or self._size(blocks, fixed) > cap:
+            raise NotVisibleError(
+                f"a hot window of {self.ctx.n_ctx} tokens is too small to show a long context "
+                f"of {self.window.block_tokens}-token blocks with its sinks, the recent window "
+                "and the segments required visible: open the session with more hot_tokens"
+            )
+        self.window.virtual = True
+        todo = [i for i in range(len(blocks)) if i not in tail and not self._held(blocks[i])]
+        due = self._size(blocks, {i for i in range(len(blocks)) if not self._held(blocks[i])})
+        tally, windows, computed = Tally(), 0, 0
+        self.progress = (0, due)
+        while todo:
+            shown, new = self._ingest_window(blocks, sinks, todo, room)
+            tally += await self._show(blocks, shown, new)
+            windows += 1
+            computed += self._size(blocks, set(new))
+            self.progress = (computed, due)
+            done = set(new)
+            todo = [i for i in todo if i not in done]
+        began = time.perf_counter()
+        chosen = await self._choose(blocks, fixed, cap - self._size(blocks, fixed))
+        scoring = time.perf_counter() - began
+        shown = sorted(fixed | chosen)
+        new = [i for i in shown if not self._held(blocks[i])]
+        tally += await self._show(blocks, shown, new)
+        computed += self._size(blocks, set(new))
+        self.progress = (computed, due)
+        status = self._status(
+            self.gate.status(tally), blocks, shown, len(chosen), computed, windows + 1, scoring
+        )
+        return status, tally
+
+    def _blocks(self, tokenized: list[Placed]) -> list[LongBlock]:
+        fingerprint = self.window.fingerprint
+        spans = {p.segment.name: len(p.tokens) > self.window.block_tokens for p in tokenized}
+        out = []
+        for seg, index, pos, chunk, prefix, lone in self.window.chunks(tokenized):
+            name = f"{seg.name}#{index}" if spans[seg.name] else seg.name
+            key = ColdKey(fingerprint, prefix, token_digest(chunk, lone=lone), pos)
+            out.append(LongBlock(seg, name, pos, chunk, frozenset(lone), key))
+        return out
+
+    @staticmethod
+    def _size(blocks: Sequence[LongBlock], which: set[int]) -> int:
+        return sum(len(blocks[i].tokens) for i in which)
+
+    def _tail(self, blocks: Sequence[LongBlock], cap: int) -> list[int]:
+        """The last blocks, holding the query: the recent window, at least a quarter of
+        the window shown."""
+        want = max(self.window.recent_tokens, cap // 4)
+        tail: list[int] = []
+        size = 0
+        for i in range(len(blocks) - 1, 0, -1):
+            if size >= want:
+                break
+            tail.insert(0, i)
+            size += len(blocks[i].tokens)
+        return tail
+
+    def _held(self, block: LongBlock) -> bool:
+        """Whether a cold tier holds a copy of ``block``'s KV."""
+        copy = self.copies.get(block.key)
+        return copy is not None and copy in self.cold
+
+    def _ingest_window(
+        self, blocks: Sequence[LongBlock], sinks: list[int], todo: list[int], room: int
+    ) -> tuple[list[int], list[int]]:
+        """The blocks of the next ingest window (sinks, what comes just before the first
+        block still to compute, then new blocks), and the new ones."""
+        first = todo[0]
+        recent: list[int] = []
+        size = 0
+        for i in range(first - 1, -1, -1):
+            if i in sinks or size + len(blocks[i].tokens) > room // 2:
+                break
+            recent.insert(0, i)
+            size += len(blocks[i].tokens)
+        wanted = set(todo)
+        new: list[int] = []
+        for i in range(first, len(blocks)):
+            if i not in wanted or size + len(blocks[i].tokens) > room:
+                break
+            new.append(i)
+            size += len(blocks[i].tokens)
+        shown = sorted({*sinks, *recent, *new})
+        return shown, [i for i in shown if i in wanted]
+
+    async def _show(self, blocks: Sequence[LongBlock], shown: list[int], new: list[int]) -> Tally:
+        """Place the window of ``shown`` blocks; copy the ``new`` ones it computed to the
+        cold store, under this session's own keys where their KV is approximate."""
+        placed = [blocks[i].placed() for i in shown]
+        fresh = set(new)
+        fingerprint = self.window.fingerprint
+        self.window.long_copies = {}
+        for i, (_, _, pos, chunk, prefix, lone) in zip(
+            shown, self.window.chunks(placed), strict=True
+        ):
+            if i in fresh:
+                key = ColdKey(fingerprint, prefix, token_digest(chunk, lone=lone), pos)
+                self.window.long_copies[key] = self._copy_key(blocks[i], key)
+        held = [c for i in shown if i not in fresh and (c := self.copies.get(blocks[i].key))]
+        for key in held:
+            if self.cold.tier(key) not in (None, "ram"):
+                await self.cold.promote(key)
+        with self.cold.pinned(held):
+            _, tally = await self.placement.ensure_placed(placed)
+        shown_blocks = dict(zip(shown, self.window.blocks, strict=True))
+        computed = [shown_blocks[i] for i in new]
+        await self.paging.write_back(computed, local=True)
+        resident = self.gate.resident()
+        hot = []
+        for i in new:
+            block = shown_blocks[i]
+            stored = self.gate.stored_key(block)
+            if stored is not None and stored in self.cold:
+                self.copies[blocks[i].key] = stored
+            if self.window.residency(block, resident, ()) is Residency.HOT:
+                hot.append((i, block))
+        if hot and isinstance(self.ctx, KeySketching):
+            ranges = [(b.start, b.end) for _, b in hot]
+            sketches = await self.gate.call("sketch hot", self.ctx.key_sketches, ranges)
+            for (i, _), sketch in zip(hot, sketches, strict=True):
+                if sketch is not None:
+                    self.sketches[blocks[i].key] = sketch
+        return tally
+
+    def _copy_key(self, block: LongBlock, shown: ColdKey) -> ColdKey:
+        """This session's key for ``block``'s KV computed as ``shown`` (the key of the
+        block in the window): unique to the session and to where it was computed."""
+        h = hashlib.blake2b(self._salt, digest_size=16)
+        h.update(block.key.prefix.encode() + b"\0" + shown.prefix.encode())
+        return ColdKey(shown.fingerprint, LONG_PREFIX + h.hexdigest(), shown.tokens, shown.start)
+
+    async def _choose(self, blocks: Sequence[LongBlock], fixed: set[int], budget: int) -> set[int]:
+        """The blocks shown besides ``fixed``: all of them, less those the hot-eviction
+        policy lets go first (by relevance to the query, for a policy that scores), until
+        the rest fit ``budget``."""
+        body = [i for i in range(len(blocks)) if i not in fixed]
+        scores = await self._scores(blocks, body)
+        views = [
+            BlockView(
+                id=i,
+                cache_class=blocks[i].segment.cache_class,
+                start=blocks[i].start,
+                n_tokens=len(blocks[i].tokens),
+                last_used=i,
+                score=blocks[i].segment.score,
+                relevance=score,
+            )
+            for i, score in zip(body, scores, strict=True)
+        ]
+        chosen = set(body)
+        size = self._size(blocks, chosen)
+        for i in self.policies.hot_eviction.order(views):
+            if size <= budget:
+                break
+            chosen.discard(i)
+            size -= len(blocks[i].tokens)
+        return chosen
+
+    async def _scores(self, blocks: Sequence[LongBlock], body: list[int]) -> list[float | None]:
+        """Each body block's relevance to the query (the last segment's last window of
+        tokens), as the session's hot-eviction policy scores it; None where it scores
+        nothing."""
+        policy = self.policies.hot_eviction
+        if not isinstance(policy, Relevance) or not body:
+            return [None] * len(body)
+        last = blocks[-1].segment.name
+        query = [t for b in blocks if b.segment.name == last for t in b.tokens]
+        query = query[-self.window.block_tokens :]
+        tokens = [blocks[i].tokens for i in body]
+        lexical = await in_thread(policy.relevance, tokens, query)
+        if isinstance(policy, KeyScoring) and isinstance(self.ctx, KeySketching):
+            wanted = await self.gate.call("sketch query", self.ctx.query_sketch, tuple(query))
+            sketches = [self.sketches.get(blocks[i].key) for i in body]
+            if wanted is not None and any(s is not None for s in sketches):
+                keys = await in_thread(policy.key_relevance, sketches, wanted)
+                if isinstance(policy, LexicalBlending):
+                    return policy.blend(keys, lexical)
+                return keys
+        return list(lexical)
+
+    def _status(
+        self,
+        status: ContextStatus,
+        blocks: Sequence[LongBlock],
+        shown: list[int],
+        chosen: int,
+        computed: int,
+        windows: int,
+        scoring: float,
+    ) -> ContextStatus:
+        """``status`` (of the last window) told of the whole long context."""
+        total = blocks[-1].start + len(blocks[-1].tokens)
+        seen = set(shown)
+        hidden = [i for i in range(len(blocks)) if i not in seen]
+        cold = self._size(blocks, {i for i in hidden if self._held(blocks[i])})
+        unseen: list[str] = []
+        for i in hidden:
+            if blocks[i].segment.name not in unseen:
+                unseen.append(blocks[i].segment.name)
+        shown_tokens = self._size(blocks, seen)
+        origins = msgspec.structs.replace(
+            status.origins, not_hot=status.origins.not_hot + total - shown_tokens
+        )
+        return msgspec.structs.replace(
+            status,
+            logical_tokens=total,
+            cold_tokens=status.cold_tokens + cold,
+            dropped_tokens=status.dropped_tokens + total - shown_tokens - cold,
+            invisible_segments=tuple(unseen),
+            origins=origins,
+            exact=False,  # a window of the context, never what computing all of it gives
+            long=LongContextStatus(
+                shown_tokens=shown_tokens,
+                blocks=len(blocks),
+                chosen_blocks=chosen,
+                computed_tokens=computed,
+                windows=windows,
+                scoring_seconds=scoring,
+                sketch_bytes=sum(getattr(s, "nbytes", 0) for s in self.sketches.values()),
+            ),
+        )

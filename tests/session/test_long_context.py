@@ -1,0 +1,222 @@
+"""Contexts past the model's trained one (``long_context=True``), on the zoo's tiny llama
+trained on 256 tokens, so "past it" is cheap: eight, sixteen times over in a second.
+
+What is checked is the mechanism, never what the random-weight model answers: no position
+the engine sees reaches the trained context; the window shown holds the sinks, the tail
+and the block the query's rare words point at; every token shown away from where it was
+computed is labelled approximate and the status never says exact; a follow-up computes
+only what is new; copies spill to the disk tier within the RAM budget and come back from
+it; a context past every budget, or a model that cannot shift positions, is refused
+naming why; and a context that fits is placed bit for bit as without the setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import kvrt
+from kvrt import Residency, Segment
+from tests.support.models import next_logits, zoo_path
+
+pytestmark = pytest.mark.anyio
+
+TRAINED = 256
+SESSION = kvrt.SessionConfig(block_tokens=32, sink_tokens=4, recent_tokens=32)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. "
+NEEDLE = "The violet walrus keeps quartz marbles in Helsinki. "
+QUESTION = "Where does the violet walrus keep quartz marbles?"
+
+_ENGINES: dict[str, kvrt.backend.Engine] = {}
+
+
+def short_model(backend: str = "llama") -> kvrt.backend.Engine:
+    """The zoo's llama trained on ``TRAINED`` tokens, loaded once."""
+    if backend not in _ENGINES:
+        flags = {"model": zoo_path("llama", context=TRAINED)}
+        _ENGINES[backend] = kvrt.load_engine(backend, config=kvrt.load_config(flags=flags))
+    return _ENGINES[backend]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines() -> object:
+    yield
+    while _ENGINES:
+        _ENGINES.popitem()[1].close()
+
+
+def config(**changes: object) -> kvrt.Config:
+    disk = changes.pop("disk", kvrt.DiskConfig(budget=0))
+    memory = changes.pop("memory", kvrt.MemoryConfig())
+    return kvrt.Config(session=SESSION, disk=disk, memory=memory)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def long_session(cfg: kvrt.Config) -> AsyncIterator[tuple[kvrt.Runtime, kvrt.Session]]:
+    async with (
+        kvrt.open_runtime(engine=short_model(), config=cfg) as rt,
+        rt.open_session(hot_tokens=TRAINED, long_context=True) as session,
+    ):
+        yield rt, session
+
+
+def haystack(fillers: int, needle_at: int | None = None) -> list[Segment]:
+    """A document of ``fillers`` filler sentences (the needle after ``needle_at`` of
+    them, as a segment of its own), then the question."""
+    segments = [Segment("intro", "Read this and remember what matters. ")]
+    if needle_at is None:
+        segments.append(Segment("doc", FILLER * fillers))
+    else:
+        segments += [
+            Segment("before", FILLER * needle_at),
+            Segment("needle", NEEDLE),
+            Segment("after", FILLER * (fillers - needle_at)),
+        ]
+    return [*segments, Segment("q", QUESTION)]
+
+
+def shown_positions(session: kvrt.Session) -> int:
+    """The end of the last position the session's window holds."""
+    report = session.explain()
+    return max(b.start + b.n_tokens for b in report.blocks if b.residency is Residency.HOT)
+
+
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+async def test_a_context_past_the_trained_one_is_shown_at_window_positions(
+    backend: str,
+) -> None:
+    engine = short_model(backend)
+    async with kvrt.open_runtime(engine=engine, config=config()) as rt:
+        assert rt.model_info.model.trained_context == TRAINED
+        async with rt.open_session(hot_tokens=TRAINED) as plain:
+            with pytest.raises(kvrt.ContextTooLargeError, match="planner context"):
+                await plain.ensure_context(haystack(100))
+        async with rt.open_session(hot_tokens=TRAINED, long_context=True) as session:
+            status = await session.ensure_context(haystack(120, needle_at=30))
+            assert status.long is not None
+            assert status.logical_tokens > 8 * TRAINED
+            assert status.long.shown_tokens <= TRAINED
+            assert status.long.computed_tokens == status.logical_tokens
+            assert status.long.windows > 8
+            assert shown_positions(session) <= TRAINED
+            # Shown away from where they were computed: approximate, and so is what follows.
+            assert not status.exact
+            assert status.approximate_tokens > 0
+            assert status.approximate_context_tokens > 0
+            assert "before" in status.invisible_segments
+            assert "needle" not in status.invisible_segments  # its rare words are the query's
+            hot = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}
+            assert "needle" in hot and "q" in hot and "intro" in hot  # sinks, needle, tail
+            # Generation continues at window positions too.
+            reply = await session.generate(max_tokens=8, temperature=0)
+            assert reply.usage.completion_tokens > 0
+            assert shown_positions(session) <= TRAINED
+
+
+async def test_a_follow_up_computes_only_what_is_new() -> None:
+    async with long_session(config()) as (rt, session):
+        first = await session.ensure_context(haystack(100, needle_at=60))
+        assert first.long is not None
+        more = [*haystack(100, needle_at=60), Segment("q2", " And who keeps them?")]
+        second = await session.ensure_context(more)
+        assert second.long is not None
+        asked = len(rt.engine.tokenize(" And who keeps them?", add_special=False))
+        assert second.long.computed_tokens == asked
+        assert second.logical_tokens == first.logical_tokens + asked
+        assert second.long.windows == 1
+        assert "needle" not in second.invisible_segments
+
+
+async def test_a_context_that_fits_is_placed_as_without_the_setting() -> None:
+    """The default stays exact: below the planner context nothing changes, to the bit."""
+    context = haystack(8, needle_at=3)
+    async with kvrt.open_runtime(engine=short_model(), config=config()) as rt:
+        logits = []
+        for long in (False, True):
+            async with rt.open_session(hot_tokens=TRAINED, long_context=long) as session:
+                status = await session.ensure_context(context)
+                assert status.long is None and status.exact
+                logits.append(await next_logits(session))
+        assert np.array_equal(logits[0], logits[1])
+
+
+async def test_copies_spill_to_disk_within_the_ram_budget(tmp_path: Path) -> None:
+    """A context whose KV is many times the RAM budget lives on the disk tier; a block
+    asked for later comes back from there."""
+    budget = 256 << 10
+    cfg = config(
+        disk=kvrt.DiskConfig(path=str(tmp_path), budget=64 << 20),
+        memory=kvrt.MemoryConfig(cold=budget),
+    )
+    async with long_session(cfg) as (rt, session):
+        status = await session.ensure_context(haystack(200, needle_at=20))
+        assert status.dropped_tokens == 0
+        stats = rt.cold_stats()
+        assert stats.bytes <= budget and stats.disk is not None
+        assert stats.disk.bytes > 2 * budget
+        # The needle, computed early and pushed out of RAM since, comes back for a
+        # question that points at it.
+        status = await session.ensure_context(
+            [*haystack(200, needle_at=20), Segment("q2", " Violet walrus quartz?")]
+        )
+        assert "needle" not in status.invisible_segments
+        stats = rt.cold_stats()
+        assert stats.disk is not None and stats.disk.hits > 0
+
+
+async def test_a_context_past_every_budget_is_refused_naming_it() -> None:
+    cfg = config(memory=kvrt.MemoryConfig(cold=1 << 20))
+    async with long_session(cfg) as (_, session):
+        with pytest.raises(kvrt.ContextTooLargeError, match=r"memory\.cold"):
+            await session.ensure_context(haystack(400))
+        status = await session.ensure_context(haystack(8))  # still usable
+        assert status.exact
+
+
+async def test_a_model_that_cannot_skip_its_state_refuses_long_context() -> None:
+    flags = {"model": zoo_path("mamba2")}
+    engine = kvrt.load_engine("llama", config=kvrt.load_config(flags=flags))
+    try:
+        async with kvrt.open_runtime(engine=engine, config=config()) as rt:
+            with pytest.raises(kvrt.InvalidArgumentError, match="recurrent"):
+                async with rt.open_session(long_context=True):
+                    pass
+            async with rt.open_session() as session:  # the runtime is still usable
+                await session.ensure_context([Segment("a", "Hello there.")])
+    finally:
+        engine.close()
+
+
+async def test_progress_is_reported_while_a_long_context_is_computed() -> None:
+    async with long_session(config()) as (_, session):
+        seen: list[tuple[int, int]] = []
+
+        async def watch() -> None:
+            while True:
+                if (now := session.progress) is not None:
+                    seen.append(now)
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            status = await session.ensure_context(haystack(120))
+            tg.cancel_scope.cancel()
+        assert session.progress is None
+        assert all(0 <= done <= due == status.logical_tokens for done, due in seen)
+        assert len({done for done, _ in seen}) > 4  # a figure a window
+
+
+async def test_saving_a_long_context_is_refused_not_cut(tmp_path: Path) -> None:
+    async with long_session(config()) as (_, session):
+        await session.ensure_context(haystack(120))
+        with pytest.raises(kvrt.InvalidArgumentError, match="long context"):
+            await session.save(tmp_path / "saved.json")
+        assert not (tmp_path / "saved.json").exists()
+        await session.ensure_context(haystack(8))  # fits again: saved as any context
+        await session.save(tmp_path / "saved.json")
