@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import msgspec
 
@@ -98,6 +99,8 @@ class LongContext:
         """A block's logical key -> the key of its KV's copy in the cold store."""
         self.sketches: dict[ColdKey, object] = {}
         """A block's logical key -> the sketch of its keys (RoPE undone), for scoring."""
+        self.last: _Hidden | None = None
+        """What the window of the long context placed last leaves out."""
         self.progress: tuple[int, int] | None = None
         """(tokens computed, tokens to compute) of the long context being placed now."""
         self._salt = os.urandom(16)
@@ -182,10 +185,8 @@ class LongContext:
         tally += await self._show(blocks, shown, new)
         computed += self._size(blocks, set(new))
         self.progress = (computed, due)
-        status = self._status(
-            self.gate.status(tally), blocks, shown, len(chosen), computed, windows + 1, scoring
-        )
-        return status, tally
+        self.last = self._summary(blocks, shown, len(chosen), computed, windows + 1, scoring)
+        return self.told(self.gate.status(tally)), tally
 
     def _blocks(self, tokenized: list[Placed]) -> list[LongBlock]:
         fingerprint = self.window.fingerprint
@@ -337,44 +338,69 @@ class LongContext:
                 return keys
         return list(lexical)
 
-    def _status(
+    def _summary(
         self,
-        status: ContextStatus,
         blocks: Sequence[LongBlock],
         shown: list[int],
         chosen: int,
         computed: int,
         windows: int,
         scoring: float,
-    ) -> ContextStatus:
-        """``status`` (of the last window) told of the whole long context."""
-        total = blocks[-1].start + len(blocks[-1].tokens)
+    ) -> _Hidden:
+        """What the window ``shown`` leaves out of the whole context, and how it was shown."""
         seen = set(shown)
         hidden = [i for i in range(len(blocks)) if i not in seen]
-        cold = self._size(blocks, {i for i in hidden if self._held(blocks[i])})
         unseen: list[str] = []
         for i in hidden:
             if blocks[i].segment.name not in unseen:
                 unseen.append(blocks[i].segment.name)
-        shown_tokens = self._size(blocks, seen)
-        origins = msgspec.structs.replace(
-            status.origins, not_hot=status.origins.not_hot + total - shown_tokens
+        long = LongContextStatus(
+            shown_tokens=self._size(blocks, seen),
+            blocks=len(blocks),
+            chosen_blocks=chosen,
+            computed_tokens=computed,
+            windows=windows,
+            scoring_seconds=scoring,
+            sketch_bytes=sum(getattr(s, "nbytes", 0) for s in self.sketches.values()),
         )
+        cold = self._size(blocks, {i for i in hidden if self._held(blocks[i])})
+        return _Hidden(self._size(blocks, set(hidden)), cold, tuple(unseen), long)
+
+    @property
+    def hidden_tokens(self) -> int:
+        """Tokens of the context placed last that the window shown leaves out (0 unless it
+        is a long context)."""
+        return self.last.tokens if self.window.virtual and self.last is not None else 0
+
+    @property
+    def hidden_segments(self) -> tuple[str, ...]:
+        """Segments of the long context placed last not shown whole (none unless it is)."""
+        return self.last.segments if self.window.virtual and self.last is not None else ()
+
+    def told(self, status: ContextStatus) -> ContextStatus:
+        """``status`` of the window shown, told of the whole context placed last (itself
+        unless that is a long context)."""
+        if not self.window.virtual or self.last is None:
+            return status
+        hidden, cold, unseen, long = self.last
+        origins = msgspec.structs.replace(status.origins, not_hot=status.origins.not_hot + hidden)
         return msgspec.structs.replace(
             status,
-            logical_tokens=total,
+            logical_tokens=status.logical_tokens + hidden,
             cold_tokens=status.cold_tokens + cold,
-            dropped_tokens=status.dropped_tokens + total - shown_tokens - cold,
-            invisible_segments=tuple(unseen),
+            dropped_tokens=status.dropped_tokens + hidden - cold,
+            invisible_segments=unseen,
             origins=origins,
             exact=False,  # a window of the context, never what computing all of it gives
-            long=LongContextStatus(
-                shown_tokens=shown_tokens,
-                blocks=len(blocks),
-                chosen_blocks=chosen,
-                computed_tokens=computed,
-                windows=windows,
-                scoring_seconds=scoring,
-                sketch_bytes=sum(getattr(s, "nbytes", 0) for s in self.sketches.values()),
-            ),
+            long=long,
         )
+
+
+class _Hidden(NamedTuple):
+    """What a long context's window leaves out: tokens, those with a cold copy, the
+    segments not shown whole; and how it was shown."""
+
+    tokens: int
+    cold: int
+    segments: tuple[str, ...]
+    long: LongContextStatus

@@ -129,6 +129,10 @@ class Generation:
             prompt = self.gate.origins([placing, tally], end=start)
             visible = self.gate.residency_tokens()[Residency.HOT]
             invisible = self.gate.invisible_segments()
+            hidden = self.contexts.hidden_tokens  # a long context: the rest of its window
+            if hidden:
+                prompt = msgspec.structs.replace(prompt, not_hot=prompt.not_hot + hidden)
+                invisible = self.contexts.hidden_segments
             if self.gate.override is not None:
                 logits: Logits = self.gate.override
             else:
@@ -243,7 +247,7 @@ class Generation:
             await self.gate.replies.publish(remembered)
             await self.paging.share(self.window.blocks)
         self.gate.record(tally)
-        status = self.gate.status(tally)
+        status = self.contexts.told(self.gate.status(tally))
         return Generated(
             text=content,
             raw_text=tail.text,
@@ -252,7 +256,7 @@ class Generation:
             tokens=tokens,
             produced=produced,
             finish_reason=finish,
-            prompt_tokens=start,
+            prompt_tokens=start + hidden,
             prompt=prompt,
             visible_tokens=visible,
             invisible_segments=invisible,

@@ -138,6 +138,9 @@ def _completion(g: Generated, sent: float, done: float) -> Completion:
     prefilled = sum(s.prefilled_tokens for s in work)
     first = g.first_token_at
     decode = (g.ended - first) if first is not None else 0.0
+    computed = g.prompt.prefilled  # of a long context, also what left its window since
+    if g.placed is not None and g.placed.long is not None:
+        computed = max(computed, g.placed.long.computed_tokens)
     return Completion(
         text=g.text,
         finish_reason=g.finish_reason,
@@ -145,7 +148,7 @@ def _completion(g: Generated, sent: float, done: float) -> Completion:
             prompt_tokens=g.prompt_tokens,
             completion_tokens=g.produced,
             total_tokens=g.prompt_tokens + g.produced,
-            cached_tokens=g.prompt_tokens - g.prompt.prefilled,
+            cached_tokens=g.prompt_tokens - computed,
             reused_tokens=sum(s.reused_tokens for s in work),
             restored_tokens=sum(s.restored_tokens for s in work),
             prefilled_tokens=prefilled,

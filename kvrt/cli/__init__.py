@@ -1,5 +1,5 @@
-"""The ``kvrt`` command line, one module per command (``describe``, ``run``, ``bench``,
-``serve``); each registers its parser and the function that runs it."""
+"""The ``kvrt`` command line, one module per command (``describe``, ``run``, ``ask``,
+``bench``, ``serve``); each registers its parser and the function that runs it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvrt import KvrtError, __version__
 
-from . import bench, describe, run, serve
+from . import ask, bench, describe, run, serve
 from .arguments import Parser, kvrt_error
 
 __all__ = ["main"]
@@ -18,7 +18,7 @@ def parser() -> Parser:
     top = Parser(prog="kvrt", description="Lossless long context for local LLM engines.")
     top.add_argument("--version", action="version", version=f"kvrt {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (describe, run, bench, serve):
+    for command in (describe, run, ask, bench, serve):
         command.add(sub)
     return top
 

@@ -102,6 +102,42 @@ def test_kvrt_run_restores_the_resent_file(backend: str) -> None:
         assert all(t["text"] for t in session["turns"])
 
 
+def test_kvrt_ask_reads_a_document_past_the_trained_context(tmp_path: Path) -> None:
+    """On the zoo's llama trained on 256 tokens: a document many times that is read a
+    window at a time (a line on stderr, not a terminal) and answered, labelled
+    approximate; files it cannot read are one line and exit status 2."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The grass is green. The sky is blue. " * 300)
+    model = zoo_path("llama", context=256)
+    flags = ["--model", model, "--hot-tokens", "256", "--block-tokens", "32", "--disk-budget", "0"]
+    argv = [*flags, "--max-tokens", "4", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrt", "ask", str(doc), "-q", "What colour is the sky?", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    status = report["status"]
+    assert status["logical_tokens"] > 8 * 256 and not status["exact"]
+    assert status["long"]["shown_tokens"] <= 256
+    assert status["long"]["computed_tokens"] > 8 * 256
+    assert "tokens read" in proc.stderr
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe not text")
+    for bad in ("bad.txt", "missing.txt"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvrt", "ask", str(tmp_path / bad), "-q", "?", *flags],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 2 and proc.stderr.startswith("kvrt: error: ")
+        assert len(proc.stderr.strip().splitlines()) == 1 and bad in proc.stderr
+
+
 def test_kvrt_run_on_a_recurrent_model_holds_the_context_and_restores_the_prefix() -> None:
     """Mamba-2 pages nothing out of its window: the demo's window holds each whole
     context, and the file sent again comes back as the state after it."""
