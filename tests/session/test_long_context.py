@@ -220,3 +220,44 @@ async def test_saving_a_long_context_is_refused_not_cut(tmp_path: Path) -> None:
         assert not (tmp_path / "saved.json").exists()
         await session.ensure_context(haystack(8))  # fits again: saved as any context
         await session.save(tmp_path / "saved.json")
+
+
+def cancel_at(session: kvrt.Session, k: int, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` and the session's call at its ``k``-th await point."""
+    seen: list[str] = []
+
+    def hook(label: str) -> None:
+        seen.append(label)
+        if len(seen) == k + 1:
+            scope.cancel()
+            current = session._actor.current
+            assert current is not None
+            current.abandon()
+
+    session._actor.fault = hook
+
+
+async def test_a_cancelled_long_context_sent_again_is_as_if_never_cancelled() -> None:
+    """Cancelled at await points spread over the windows of an ingest, the session stays
+    consistent, and the same context sent again ends with the next logits, bit for bit,
+    of a session never cancelled (each window is the same whatever was done before)."""
+    context = haystack(120, needle_at=50)
+    async with long_session(config()) as (_, session):
+        points: list[str] = []
+        session._actor.fault = points.append
+        await session.ensure_context(context)
+        session._actor.fault = None
+        reference = await next_logits(session)
+    assert len(points) > 50
+    for k in range(3, len(points), len(points) // 4):
+        async with long_session(config()) as (_, session):
+            with anyio.CancelScope() as scope:
+                cancel_at(session, k, scope)
+                await session.ensure_context(context)
+            session._actor.fault = None
+            assert scope.cancelled_caught, k
+            report = session.explain()
+            assert report.consistent, report.problems
+            status = await session.ensure_context(context)
+            assert status.long is not None and not status.exact
+            assert np.array_equal(await next_logits(session), reference), k
