@@ -15,7 +15,8 @@ A session answers its prompts one after another, each prompt's body sharing the 
 before its first needle with the one before it (prompts go deepest needle first): those
 blocks are restored, bit for bit what computing them again gives, so ingest figures count
 only the tokens computed. Per cell: accuracy (the greedy answer holds everything asked),
-the mean teacher-forced log-prob of the gold answer, ingest tokens/s, time to first token
+whether the blocks holding the asked needles were in the window at the question, the
+mean teacher-forced log-prob of the gold answer, ingest tokens/s, time to first token
 of a follow-up question (the question asked again after the answer), the time spent
 scoring blocks per question, peak RSS above the runtime's (``/proc`` high-water mark,
 reset per cell) against the bound a long context keeps (hot window + cold RAM budget +
@@ -39,10 +40,11 @@ import numpy as np
 
 import kvrt
 from kvrt import Config, Engine, Segment, load_engine, open_runtime
+from kvrt.native_bridge.memory import fix_mmap_threshold
 
 from ._common import config_of, count, int_list, parser, run_main, section
 from .passkey import log_softmax
-from .ruler import Prompt, make_prompt
+from .ruler import Prompt, make_prompt, needle_positions
 
 __all__ = ["LongCell", "main", "run_long_context_bench"]
 
@@ -61,6 +63,9 @@ class LongCell(msgspec.Struct, frozen=True, kw_only=True):
     prompts: int
     accuracy: float
     gold_logprob: float
+    shown: float | None = None
+    """Share of prompts whose asked needles were all in the window at the question (None:
+    the window held the whole context)."""
     ingest_tps: float | None = None
     """Tokens computed per second while placing a new body (None: nothing computed)."""
     follow_up_s: float | None = None
@@ -101,17 +106,31 @@ def _prompts(task: str, length: int, n: int, engine: Engine, seed: str) -> list[
     return sorted(drawn, key=lambda p: -p.needles[0][0])  # deepest first: shared filler restored
 
 
+def _needles_shown(
+    session: kvrt.Session, engine: Engine, prompt: Prompt, block_tokens: int
+) -> bool:
+    """Whether every block holding a token of the asked needles is in the window."""
+    spans = needle_positions(prompt, lambda t: engine.tokenize(t, add_special=True))
+    want = {
+        f"body#{k}" for a, b in spans for k in range(a // block_tokens, (b - 1) // block_tokens + 1)
+    }
+    hot = {b.segment for b in session.explain().blocks if b.residency is kvrt.Residency.HOT}
+    return want <= hot
+
+
 async def _answer(
-    session: kvrt.Session, engine: Engine, prompt: Prompt
-) -> tuple[bool, float, kvrt.ContextStatus, float, float]:
-    """Right, gold log-prob, the status of the first placement, its seconds, and the
-    seconds to the first token of the question asked again after the answer."""
+    session: kvrt.Session, engine: Engine, prompt: Prompt, block_tokens: int
+) -> tuple[bool, bool, float, kvrt.ContextStatus, float, float]:
+    """Right, the asked needles shown, gold log-prob, the status of the first placement,
+    its seconds, and the seconds to the first token of the question asked again after
+    the answer."""
     body = Segment("body", prompt.body)
     gold = engine.tokenize(prompt.gold, add_special=False)
     text = [engine.detokenize(gold[:k]) for k in range(len(gold))]
     began = time.perf_counter()
     status = await session.ensure_context([body, Segment("q", prompt.question)])
     placed = time.perf_counter() - began
+    shown = _needles_shown(session, engine, prompt, block_tokens)
     first = np.asarray(await session.next_logits(), dtype=np.float64)
     reply = (await session.generate(max_tokens=len(gold) + 2, temperature=0)).text
     began = time.perf_counter()
@@ -125,7 +144,7 @@ async def _answer(
             await session.ensure_context([body, Segment("q", prompt.question + text[k])])
         logits = first if k == 0 else np.asarray(await session.next_logits(), dtype=np.float64)
         logprob += float(log_softmax(logits)[token])
-    return all(e in reply for e in prompt.expected), logprob, status, placed, follow_up
+    return all(e in reply for e in prompt.expected), shown, logprob, status, placed, follow_up
 
 
 async def _kvrt_cell(
@@ -138,15 +157,18 @@ async def _kvrt_cell(
     gc.collect()
     base = _rss_mib()
     _rss_peak_reset()
-    rights, logprobs, follow_ups, scorings = [], [], [], []
+    rights, shown, logprobs, follow_ups, scorings = [], [], [], [], []
     computed, seconds = 0, 0.0
     bound = None
     async with open_runtime(engine=engine, config=config) as rt:
         hot = window if window is not None else trained
         async with rt.open_session(hot_tokens=hot, long_context=window is not None) as s:
             for prompt in prompts:
-                right, logprob, status, placed, follow_up = await _answer(s, engine, prompt)
+                right, seen, logprob, status, placed, follow_up = await _answer(
+                    s, engine, prompt, config.session.block_tokens
+                )
                 rights.append(right)
+                shown.append(seen)
                 logprobs.append(logprob)
                 follow_ups.append(follow_up)
                 if status.long is not None:
@@ -169,6 +191,7 @@ async def _kvrt_cell(
         prompts=len(prompts),
         accuracy=statistics.fmean(rights),
         gold_logprob=statistics.fmean(logprobs),
+        shown=statistics.fmean(shown) if window is not None else None,
         ingest_tps=computed / seconds if computed else None,
         follow_up_s=statistics.median(follow_ups),
         scoring_ms=statistics.median(scorings) if scorings else None,
@@ -277,14 +300,15 @@ def print_long_context(cells: list[LongCell]) -> None:
         return "-" if v is None else format(v, fmt)
 
     print(
-        "| task | condition | tokens | prompts | accuracy | gold log-prob | ingest tok/s "
-        "| follow-up s | scoring ms | peak RSS MiB | bound MiB | disk MiB |"
+        "| task | condition | tokens | prompts | accuracy | needles shown | gold log-prob "
+        "| ingest tok/s | follow-up s | scoring ms | peak RSS MiB | bound MiB | disk MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         print(
             f"| {c.task} | {c.condition} | {c.length} | {c.prompts} | {c.accuracy:.0%} "
-            f"| {c.gold_logprob:.2f} | {f(c.ingest_tps, '.0f')} | {f(c.follow_up_s, '.2f')} "
+            f"| {f(c.shown, '.0%')} | {c.gold_logprob:.2f} | {f(c.ingest_tps, '.0f')} "
+            f"| {f(c.follow_up_s, '.2f')} "
             f"| {f(c.scoring_ms, '.0f')} | {f(c.peak_rss_mib, '.0f')} | {f(c.bound_mib, '.0f')} "
             f"| {f(c.disk_mib, '.0f')} |"
         )
@@ -305,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown := [t for t in args.tasks if t not in TASKS]:
         raise kvrt.ConfigError(f"unknown task {unknown[0]!r}: one of {', '.join(TASKS)}")
     config = config_of(args)
+    fix_mmap_threshold()  # as `kvrt run` and `kvrt serve` do: what is freed is given back
     steps = len(args.tasks) * (
         len(args.lengths) * len(args.windows)
         + (not args.no_full)

@@ -109,22 +109,48 @@ class KeyRelevance(LexicalRelevance):
     """
 
     lexical_weight = 1.0
+    DEFAULT_FOLLOW = 0.0
+
+    def __init__(self, follow: str | float = DEFAULT_FOLLOW) -> None:
+        """``follow`` (``"relevance:0.9"``): the block right after a relevant one ranks at
+        least this share of its relevance, so the end of a sentence cut by a block edge
+        (a key named in one block, its value in the next) stays with its start; 0, the
+        default, ranks each block on its own."""
+        try:
+            value = float(follow)
+        except ValueError:
+            raise ValueError(
+                f"the follow share must be a number in [0, 1], got {follow!r}"
+            ) from None
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"the follow share must be a number in [0, 1], got {follow!r}")
+        self.follow = value
 
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
-        """One score per block (None where it has no sketch), higher is more relevant."""
-        have = [i for i, b in enumerate(blocks) if b is not None]
-        out: list[float | None] = [None] * len(blocks)
+        """One score per block (None where it has no sketch), higher is more relevant.
+
+        Computed a layer at a time, so what it holds beside the sketches is a layer's
+        worth (about 7 KB a block) whatever the context's length."""
+        have = [np.asarray(b) for b in blocks if b is not None]
         if not have:
-            return out
+            return [None] * len(blocks)
         q = np.asarray(query, dtype=np.float32)  # [layer, head, token, dim]
-        sketches = np.stack([np.asarray(blocks[i], dtype=np.float32) for i in have])
-        centre = sketches[:, :, :, 0].mean(axis=0)  # the context's mean key [layer, head, dim]
-        reps = _unit(sketches[:, :, :, 1:] - centre[None, :, :, None])
-        qn = _unit(q - centre[:, :, None])
-        best = np.einsum("lhqd,blhrd->blhqr", qn, reps, optimize=True).max(axis=-1)
-        for i, score in zip(have, best.mean(axis=(1, 2, 3)), strict=True):
-            out[i] = float(score)
-        return out
+        n_layer, n_head, vectors, dim = have[0].shape
+        n, n_query = len(have), q.shape[2]
+        # The context's mean key [layer, head, dim]: the mean of its blocks' means.
+        centre = np.stack([b[:, :, 0] for b in have]).astype(np.float32).mean(axis=0)
+        total = np.zeros(n, dtype=np.float64)
+        for layer in range(n_layer):
+            reps = np.stack([b[layer] for b in have], axis=1).astype(np.float32)
+            reps = reps.reshape(n_head, n * vectors, dim) - centre[layer][:, None]
+            norms = np.sqrt(np.einsum("hvd,hvd->hv", reps, reps))
+            qn = _unit(q[layer] - centre[layer][:, None])
+            cosines = reps @ qn.transpose(0, 2, 1)  # [head, block x vector, query token]
+            cosines /= np.maximum(norms, 1e-6)[:, :, None]
+            best = cosines.reshape(n_head, n, vectors, n_query)[:, :, 1:].max(axis=2)
+            total += best.sum(axis=(0, 2))
+        scores = iter(total / (n_layer * n_head * n_query))
+        return [None if b is None else float(next(scores)) for b in blocks]
 
     def blend(self, keys: Sequence[float | None], lexical: Sequence[float]) -> list[float | None]:
         """Key scores plus the BM25 scores over the best block's, times ``lexical_weight``."""
@@ -137,10 +163,16 @@ class KeyRelevance(LexicalRelevance):
     def order(self, candidates: Sequence[BlockView]) -> list[int]:
         scored = [b.relevance for b in candidates if b.relevance is not None]
         middle = statistics.median(scored) if scored else 0.0
+        own = {b.id: middle if b.relevance is None else b.relevance for b in candidates}
+        ranked = dict(own)
+        if self.follow:
+            before = {b.start + b.n_tokens: b.id for b in candidates}
+            for b in candidates:
+                if (prev := before.get(b.start)) is not None:
+                    ranked[b.id] = max(own[b.id], self.follow * own[prev])
 
         def key(b: BlockView) -> tuple[int, float, int, int]:
-            relevance = middle if b.relevance is None else b.relevance
-            return (b.cache_class.rank, relevance, b.last_used, b.start)
+            return (b.cache_class.rank, ranked[b.id], b.last_used, b.start)
 
         return [b.id for b in sorted(candidates, key=key)]
 

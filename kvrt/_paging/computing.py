@@ -13,7 +13,7 @@ import anyio
 
 from .gate import EngineGate, Tally, Written
 from .moves import PARTIAL_KV, Paging
-from .provenance import APPROXIMATE
+from .provenance import APPROXIMATE, is_approximate
 from .window import Block
 
 __all__ = ["Computing", "lineage_runs"]
@@ -119,7 +119,8 @@ class Computing:
         Each token is computed the way its block says (:attr:`.Block.lone`): the tokens
         of a reply the runtime generated one at a time, as they were generated, so their
         KV, and everything computed after it, has the bits the generating session's had;
-        the rest in batches. Never as a one-token batch when it can be helped: such a
+        the rest in batches (all in one after approximate KV in a long context's window:
+        no bits to keep there). Never as a one-token batch when it can be helped: such a
         token is computed together with the resident token before it (llama.cpp runs
         one-token batches through other kernels than longer ones, and their logits differ
         from what computing the context in any other cut gives; batches of two tokens or
@@ -145,7 +146,14 @@ class Computing:
             moved.prefilled += 1
         moved += await self.paging.make_room(len(tokens), keep)
         label, missing = self.gate.label_at(at)
-        for a, b, lone in lineage_runs(at, at + len(tokens), alone):
+        runs = lineage_runs(at, at + len(tokens), alone)
+        if self.window.virtual and label is not None and is_approximate(label):
+            # After approximate KV in a long context's window there are no bits to keep:
+            # one batch, its replies' tokens still marked as theirs so their blocks match.
+            runs, batched = [(at, at + len(tokens), False)], frozenset(alone)
+        else:
+            batched = frozenset()
+        for a, b, lone in runs:
             piece = tokens[a - at : b - at]
             if lone:
                 for p, token in zip(range(a, b), piece, strict=True):
@@ -157,7 +165,7 @@ class Computing:
             if b - a == 1 and alone and mark is None:
                 mark = self.gate.provenance.new_label()  # a one-token batch after lone ones
             began = time.perf_counter()
-            marks = [Written(a, b, mark, "prefilled")]
+            marks = [Written(a, b, mark, "prefilled", lone=batched)]
             await self.gate.call(
                 "prefill",
                 self.ctx.prefill,

@@ -324,12 +324,14 @@ class LongContext:
         if not isinstance(policy, Relevance) or not body:
             return [None] * len(body)
         last = blocks[-1].segment.name
-        query = [t for b in blocks if b.segment.name == last for t in b.tokens]
-        query = query[-self.window.block_tokens :]
+        segment = tuple(t for b in blocks if b.segment.name == last for t in b.tokens)
+        query = segment[-self.window.block_tokens :]
         tokens = [blocks[i].tokens for i in body]
         lexical = await in_thread(policy.relevance, tokens, query)
         if isinstance(policy, KeyScoring) and isinstance(self.ctx, KeySketching):
-            wanted = await self.gate.call("sketch query", self.ctx.query_sketch, tuple(query))
+            # The whole last segment, as the window's placement asks (the engine keeps its
+            # last tokens): one sketch for both.
+            wanted = await self.placement.scoring.query_sketch(self.ctx, segment)
             sketches = [self.sketches.get(blocks[i].key) for i in body]
             if wanted is not None and any(s is not None for s in sketches):
                 keys = await in_thread(policy.key_relevance, sketches, wanted)

@@ -312,18 +312,27 @@ class Placement:
         dropped = [(i, b) for i, b in enumerate(layout) if states[i] is Residency.DROPPED]
         fingerprint = self.window.fingerprint
         protected = self.window.protected()
+        approximate = frozenset(
+            i
+            for i, b in dropped
+            if self.approximate.entry(b, placing.approximate_runs.get(b.id)) is not None
+        )
+        # In a long context's window a copy restored whole beats computing a block's rest
+        # after its resident first tokens: both are approximate, the copy costs no compute.
+        resumes = tuple(
+            0
+            if self.window.virtual and i in approximate
+            else self.window.resident_prefix(b, resident)
+            for i, b in enumerate(layout)
+        )
         return Scene(
             sizes=tuple(b.n_tokens for b in layout),
             starts=tuple(b.start for b in layout),
             states=states,
-            resumes=tuple(self.window.resident_prefix(b, resident) for b in layout),
+            resumes=resumes,
             planned=frozenset(i for i, b in enumerate(layout) if b.id in planned),
             protected=frozenset(i for i, b in enumerate(layout) if b.id in protected),
-            approximate=frozenset(
-                i
-                for i, b in dropped
-                if self.approximate.entry(b, placing.approximate_runs.get(b.id)) is not None
-            ),
+            approximate=approximate,
             elsewhere=frozenset(
                 i for i, b in dropped if self.cold.computed(b.key(fingerprint)) is not None
             ),

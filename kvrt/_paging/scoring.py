@@ -59,9 +59,14 @@ class Scoring:
 
     async def _sketch_query(self) -> object | None:
         assert isinstance(self.ctx, KeySketching)
-        tokens = tuple(self.window.query_tokens())
+        return await self.query_sketch(self.ctx, tuple(self.window.query_tokens()))
+
+    async def query_sketch(self, ctx: KeySketching, tokens: tuple[int, ...]) -> object | None:
+        """The sketch of a query's keys (see :class:`kvrt.backend.KeySketching`), computed
+        again only when the query changed: a long context's window and its placement ask
+        for the same one."""
         if self._query_sketch is None or self._query_sketch[0] != tokens:
-            sketch = await self.gate.call("sketch query", self.ctx.query_sketch, tokens)
+            sketch = await self.gate.call("sketch query", ctx.query_sketch, tokens)
             self._query_sketch = (tokens, sketch)
         return self._query_sketch[1]
 

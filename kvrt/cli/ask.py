@@ -63,6 +63,9 @@ def read_documents(paths: list[str]) -> list[tuple[str, str]]:
 def main(args: argparse.Namespace) -> None:
     import anyio
 
+    from kvrt.native_bridge.memory import fix_mmap_threshold
+
+    fix_mmap_threshold()  # a long context frees large buffers: they go back to the system
     config = config_from(args)
     documents = read_documents(args.files)
     content = "".join(f"{name}:\n{text}\n\n" for name, text in documents) + args.question

@@ -133,6 +133,36 @@ async def test_a_follow_up_computes_only_what_is_new() -> None:
         assert "needle" not in second.invisible_segments
 
 
+async def test_a_reply_shown_again_is_computed_in_one_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply sent back after a window laid out anew is approximate KV whatever the cut:
+    computed in one batch with what follows, not a token at a time as it was generated,
+    and it still matches the blocks that hold it (the next turn computes only its own)."""
+    async with long_session(config()) as (rt, session):
+        context = haystack(100, needle_at=60)
+        await session.ensure_context(context)
+        reply = await session.generate(max_tokens=8, temperature=0)
+        steps = 0
+        step = session._actor.ctx.step
+
+        def counting(*args: object, **kwargs: object) -> object:
+            nonlocal steps
+            steps += 1
+            return step(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(session._actor.ctx, "step", counting)
+        asked = [*context, Segment("a", reply.text), Segment("q2", "\nWhere is the walrus?")]
+        status = await session.ensure_context(asked)
+        assert status.approximate_tokens > 0  # the window before the reply was laid anew
+        assert status.prefilled_tokens >= reply.usage.completion_tokens  # so it was computed
+        assert steps == 0  # in one batch
+        more = [*asked[:-1], Segment("q2", "\nWhere is the walrus? Say")]
+        again = await session.ensure_context(more)
+        asked_again = len(rt.engine.tokenize(more[-1].text, add_special=False))
+        assert again.prefilled_tokens <= asked_again  # the reply's blocks still match
+
+
 async def test_a_context_that_fits_is_placed_as_without_the_setting() -> None:
     """The default stays exact: below the planner context nothing changes, to the bit."""
     context = haystack(8, needle_at=3)

@@ -93,6 +93,18 @@ def test_key_relevance_scores_the_block_whose_keys_match_the_query() -> None:
     assert policy.order([view(5, -1.0, CacheClass.TASK_PINNED), view(6, 0.9)]) == [6, 5]
 
 
+def test_the_block_after_a_relevant_one_follows_it_with_the_follow_share() -> None:
+    """``relevance:F``: a block right after a relevant one ranks at least F of its
+    relevance (its own where higher); a block after a gap, or a knob out of range, not."""
+    views = [view(0, 0.1), view(1, 0.9), view(2, 0.2), view(3, 0.3), view(5, 0.4)]
+    assert policies.get("hot_eviction", "relevance").order(views) == [0, 2, 3, 5, 1]
+    # 2 follows 1 (0.9 x 0.5 = 0.45 > 0.4); 3 follows 2 by its own 0.2 only; 5 after a gap.
+    assert policies.get("hot_eviction", "relevance:0.5").order(views) == [0, 3, 5, 2, 1]
+    for bad in ("1.5", "near"):
+        with pytest.raises(kvrt.ConfigError, match="follow share"):
+            policies.get("hot_eviction", f"relevance:{bad}")
+
+
 def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
     """Four needles whose keys score alike: the one sharing the query's rare words wins once
     the BM25 scores are blended in; without a lexical signal the keys decide as they were;
