@@ -109,12 +109,18 @@ def _prompts(task: str, length: int, n: int, engine: Engine, seed: str) -> list[
 def _needles_shown(
     session: kvrt.Session, engine: Engine, prompt: Prompt, block_tokens: int
 ) -> bool:
-    """Whether every block holding a token of the asked needles is in the window."""
+    """Whether every block holding a token of the asked needles is in the window. The
+    body's k-th block is ``body#k`` in a long context's window, ``body`` at index k in a
+    context that fits."""
     spans = needle_positions(prompt, lambda t: engine.tokenize(t, add_special=True))
-    want = {
-        f"body#{k}" for a, b in spans for k in range(a // block_tokens, (b - 1) // block_tokens + 1)
-    }
-    hot = {b.segment for b in session.explain().blocks if b.residency is kvrt.Residency.HOT}
+    want = {k for a, b in spans for k in range(a // block_tokens, (b - 1) // block_tokens + 1)}
+    hot = set()
+    for block in session.explain().blocks:
+        if block.residency is kvrt.Residency.HOT:
+            if block.segment == "body":
+                hot.add(block.index)
+            elif block.segment.startswith("body#"):
+                hot.add(int(block.segment.removeprefix("body#")))
     return want <= hot
 
 

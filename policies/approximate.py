@@ -6,6 +6,8 @@ import math
 
 from kvrt.policy import ApproximateQuery, CacheClass, register
 
+from ._knobs import share
+
 __all__ = ["AllowApproximate", "AllowStableApproximate", "BlendApproximate", "NeverApproximate"]
 
 KIND = "approximate"
@@ -64,13 +66,7 @@ class BlendApproximate:
     DEFAULT_RATIO = 0.0
 
     def __init__(self, ratio: str | float = DEFAULT_RATIO) -> None:
-        try:
-            value = float(ratio)
-        except ValueError:
-            raise ValueError(f"the blend ratio must be a number in [0, 1], got {ratio!r}") from None
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"the blend ratio must be a number in [0, 1], got {ratio!r}")
-        self.ratio = value
+        self.ratio = share(ratio, "blend ratio")
 
     def accept(self, query: ApproximateQuery) -> bool:
         return query.n_tokens >= self.min_tokens

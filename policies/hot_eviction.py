@@ -12,6 +12,8 @@ import numpy.typing as npt
 
 from kvrt.policy import BlockView, register
 
+from ._knobs import share
+
 __all__ = ["ClassThenLRU", "KeyRelevance", "LexicalRelevance", "ScoreThenLRU"]
 
 KIND = "hot_eviction"
@@ -116,15 +118,7 @@ class KeyRelevance(LexicalRelevance):
         least this share of its relevance, so the end of a sentence cut by a block edge
         (a key named in one block, its value in the next) stays with its start; 0, the
         default, ranks each block on its own."""
-        try:
-            value = float(follow)
-        except ValueError:
-            raise ValueError(
-                f"the follow share must be a number in [0, 1], got {follow!r}"
-            ) from None
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"the follow share must be a number in [0, 1], got {follow!r}")
-        self.follow = value
+        self.follow = share(follow, "follow share")
 
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
         """One score per block (None where it has no sketch), higher is more relevant.

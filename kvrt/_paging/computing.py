@@ -149,7 +149,8 @@ class Computing:
         runs = lineage_runs(at, at + len(tokens), alone)
         if self.window.virtual and label is not None and is_approximate(label):
             # After approximate KV in a long context's window there are no bits to keep:
-            # one batch, its replies' tokens still marked as theirs so their blocks match.
+            # one batch, its replies' tokens still marked as theirs so their blocks match
+            # (the mark is approximate: no exact claim rides on it).
             runs, batched = [(at, at + len(tokens), False)], frozenset(alone)
         else:
             batched = frozenset()

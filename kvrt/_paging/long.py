@@ -331,7 +331,7 @@ class LongContext:
         if isinstance(policy, KeyScoring) and isinstance(self.ctx, KeySketching):
             # The whole last segment, as the window's placement asks (the engine keeps its
             # last tokens): one sketch for both.
-            wanted = await self.placement.scoring.query_sketch(self.ctx, segment)
+            wanted = await self.placement.scoring.query_sketch(segment)
             sketches = [self.sketches.get(blocks[i].key) for i in body]
             if wanted is not None and any(s is not None for s in sketches):
                 keys = await in_thread(policy.key_relevance, sketches, wanted)

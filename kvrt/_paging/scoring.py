@@ -41,7 +41,7 @@ class Scoring:
             how = "lexical: the engine gives no key vectors"
             if isinstance(self.ctx, KeySketching):
                 how = "lexical: the engine cannot read this model's keys"
-                query = await self._sketch_query()
+                query = await self.query_sketch(tuple(self.window.query_tokens()))
                 if query is not None:
                     blocks = await self._sketch_blocks()
                     if any(s is not None for s in blocks):
@@ -57,16 +57,13 @@ class Scoring:
         self.window.score_relevance(policy.relevance)
         self.window.relevance_scoring = how
 
-    async def _sketch_query(self) -> object | None:
-        assert isinstance(self.ctx, KeySketching)
-        return await self.query_sketch(self.ctx, tuple(self.window.query_tokens()))
-
-    async def query_sketch(self, ctx: KeySketching, tokens: tuple[int, ...]) -> object | None:
+    async def query_sketch(self, tokens: tuple[int, ...]) -> object | None:
         """The sketch of a query's keys (see :class:`kvrt.backend.KeySketching`), computed
         again only when the query changed: a long context's window and its placement ask
         for the same one."""
+        assert isinstance(self.ctx, KeySketching)
         if self._query_sketch is None or self._query_sketch[0] != tokens:
-            sketch = await self.gate.call("sketch query", ctx.query_sketch, tokens)
+            sketch = await self.gate.call("sketch query", self.ctx.query_sketch, tokens)
             self._query_sketch = (tokens, sketch)
         return self._query_sketch[1]
 

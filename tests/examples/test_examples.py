@@ -235,19 +235,28 @@ def test_the_tiers_benchmark_measures_every_tier() -> None:
 
 
 def test_the_long_context_benchmark_reports_every_cell() -> None:
-    """On the zoo's llama trained on 256 tokens: prompts four times that, two windows."""
+    """On the zoo's llama trained on 256 tokens: prompts four times that (and a short
+    one, which the larger window holds whole), two windows."""
     argv = ["-m", "benchmarks.long_context", "--model", zoo_path("llama", context=256)]
-    argv += ["--tasks", "passkey,multi_key", "--lengths", "1024", "--windows", "128,256"]
+    argv += ["--tasks", "passkey,multi_key", "--lengths", "120,1024", "--windows", "128,256"]
     argv += ["--prompts", "2", "--no-full", "--json"]
     env = {"KVRT_BLOCK_TOKENS": "32", "KVRT_RECENT_TOKENS": "32"}
     cells = json.loads(run(*argv, env=env))
-    assert [(c["task"], c["condition"]) for c in cells] == [
-        (task, f"kvrt@{w}") for task in ("passkey", "multi_key") for w in (128, 256)
+    assert [(c["task"], c["length"], c["condition"]) for c in cells] == [
+        (task, n, f"kvrt@{w}")
+        for task in ("passkey", "multi_key")
+        for n in (120, 1024)
+        for w in (128, 256)
     ]
     for cell in cells:
-        assert cell["prompts"] == 2 and cell["length"] == 1024
+        assert cell["prompts"] == 2
         assert cell["shown"] in (0.0, 0.5, 1.0)  # the needles' blocks, looked up per prompt
-        assert cell["ingest_tps"] > 0 and cell["follow_up_s"] > 0 and cell["scoring_ms"] > 0
+        if cell["length"] == 120 and cell["condition"] == "kvrt@256":
+            assert cell["shown"] == 1.0  # the whole context is in the window
+        assert cell["ingest_tps"] > 0 and cell["follow_up_s"] > 0
+        # Blocks are chosen (and the choice timed) past the trained context only.
+        assert (cell["scoring_ms"] is not None) == (cell["length"] == 1024)
+        assert cell["scoring_ms"] is None or cell["scoring_ms"] > 0
         assert cell["disk_mib"] is not None and 0 < cell["peak_rss_mib"] < cell["bound_mib"]
 
 

@@ -23,6 +23,7 @@ import pytest
 
 import kvrt
 from kvrt import Residency, Segment
+from tests.support.fuzz import canceller
 from tests.support.models import next_logits, zoo_path
 
 pytestmark = pytest.mark.anyio
@@ -252,21 +253,6 @@ async def test_saving_a_long_context_is_refused_not_cut(tmp_path: Path) -> None:
         await session.save(tmp_path / "saved.json")
 
 
-def cancel_at(session: kvrt.Session, k: int, scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` and the session's call at its ``k``-th await point."""
-    seen: list[str] = []
-
-    def hook(label: str) -> None:
-        seen.append(label)
-        if len(seen) == k + 1:
-            scope.cancel()
-            current = session._actor.current
-            assert current is not None
-            current.abandon()
-
-    session._actor.fault = hook
-
-
 async def test_a_cancelled_long_context_sent_again_is_as_if_never_cancelled() -> None:
     """Cancelled at await points spread over the windows of an ingest, the session stays
     consistent, and the same context sent again ends with the next logits, bit for bit,
@@ -282,7 +268,7 @@ async def test_a_cancelled_long_context_sent_again_is_as_if_never_cancelled() ->
     for k in range(3, len(points), len(points) // 4):
         async with long_session(config()) as (_, session):
             with anyio.CancelScope() as scope:
-                cancel_at(session, k, scope)
+                session._actor.fault = canceller(session, scope, at=k)
                 await session.ensure_context(context)
             session._actor.fault = None
             assert scope.cancelled_caught, k
