@@ -63,5 +63,6 @@ from ._engine.model_files import GgufMetadata as GgufMetadata
 from ._engine.model_files import expand_path as expand_path
 from ._engine.model_files import file_digest as file_digest
 from ._engine.model_files import read_gguf_metadata as read_gguf_metadata
+from ._types import KeySketch as KeySketch
 from ._util import physical_cores as physical_cores
 from .models import resolve_model_path as resolve_model_path

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvrt.policy import BlockView, register
+from kvrt.policy import BlockView, KeySketch, register
 
 from ._knobs import share
 
@@ -111,6 +111,11 @@ class KeyRelevance(LexicalRelevance):
     """
 
     lexical_weight = 1.0
+    hold = 0.05
+    """A block the window shows ranks this share of the spread of the scores (the best
+    one's over the median's) higher than one it leaves out: blocks scored alike (filler,
+    look-alikes) keep their places when the query barely changes, so a follow-up computes
+    only what is new; a block clearly more relevant still comes in."""
     DEFAULT_FOLLOW = 0.0
 
     def __init__(self, follow: str | float = DEFAULT_FOLLOW) -> None:
@@ -123,25 +128,36 @@ class KeyRelevance(LexicalRelevance):
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
         """One score per block (None where it has no sketch), higher is more relevant.
 
-        Computed a layer at a time, so what it holds beside the sketches is a layer's
-        worth (about 7 KB a block) whatever the context's length."""
-        have = [np.asarray(b) for b in blocks if b is not None]
+        Computed a layer at a time from the int8 keys, so what it holds beside the
+        sketches is a layer's worth (about 7 KB a block) whatever the context's length. With
+        ``k`` a key, ``c`` the centre and ``q`` a unit query key, the cosine of ``k - c`` and
+        ``q`` is ``(k.q - c.q) / |k - c|``, and ``|k - c|^2 = |k|^2 - 2 k.c + |c|^2``: one
+        product of the keys with ``[q; c]`` gives both, the keys are never centred."""
+        have = [_sketch(b) for b in blocks if b is not None]
         if not have:
             return [None] * len(blocks)
         q = np.asarray(query, dtype=np.float32)  # [layer, head, token, dim]
         n_layer, n_head, vectors, dim = have[0].shape
-        n, n_query = len(have), q.shape[2]
+        n, n_query, r = len(have), q.shape[2], vectors - 1
+        every = np.stack([b.keys for b in have], axis=3)  # [layer, head, vector, block, dim]
+        scales = np.stack([b.scale for b in have], axis=3)  # [layer, head, vector, block]
         # The context's mean key [layer, head, dim]: the mean of its blocks' means.
-        centre = np.stack([b[:, :, 0] for b in have]).astype(np.float32).mean(axis=0)
+        centre = np.einsum("lhnd,lhn->lhd", every[:, :, 0], scales[:, :, 0]) / n
+        keys = np.empty((n_head, r, n, dim), dtype=np.float32)
+        flat = keys.reshape(n_head, r * n, dim)
         total = np.zeros(n, dtype=np.float64)
         for layer in range(n_layer):
-            reps = np.stack([b[layer] for b in have], axis=1).astype(np.float32)
-            reps = reps.reshape(n_head, n * vectors, dim) - centre[layer][:, None]
-            norms = np.sqrt(np.einsum("hvd,hvd->hv", reps, reps))
-            qn = _unit(q[layer] - centre[layer][:, None])
-            cosines = reps @ qn.transpose(0, 2, 1)  # [head, block x vector, query token]
-            cosines /= np.maximum(norms, 1e-6)[:, :, None]
-            best = cosines.reshape(n_head, n, vectors, n_query)[:, :, 1:].max(axis=2)
+            np.copyto(keys, every[layer, :, 1:], "unsafe")
+            scale = scales[layer, :, 1:].reshape(n_head, r * n, 1)
+            c = centre[layer]  # [head, dim]
+            qn = _unit(q[layer] - c[:, None])  # [head, query token, dim]
+            both = flat @ np.concatenate([qn, c[:, None]], axis=1).transpose(0, 2, 1)
+            both *= scale  # [head, vector x block, query token + 1]: k.q, then k.c
+            square = np.einsum("hvd,hvd->hv", flat, flat)[:, :, None] * np.square(scale)
+            square += np.einsum("hd,hd->h", c, c)[:, None, None] - 2.0 * both[:, :, -1:]
+            cosines = both[:, :, :-1] - np.einsum("hqd,hd->hq", qn, c)[:, None, :]
+            cosines /= np.sqrt(np.maximum(square, 1e-12))
+            best = cosines.reshape(n_head, r, n, n_query).max(axis=1)  # [head, block, token]
             total += best.sum(axis=(0, 2))
         scores = iter(total / (n_layer * n_head * n_query))
         return [None if b is None else float(next(scores)) for b in blocks]
@@ -164,11 +180,20 @@ class KeyRelevance(LexicalRelevance):
             for b in candidates:
                 if (prev := before.get(b.start)) is not None:
                     ranked[b.id] = max(own[b.id], self.follow * own[prev])
+        hold = self.hold * (max(scored) - middle) if scored else 0.0
+        for b in candidates:
+            if b.shown:
+                ranked[b.id] += hold
 
         def key(b: BlockView) -> tuple[int, float, int, int]:
             return (b.cache_class.rank, ranked[b.id], b.last_used, b.start)
 
         return [b.id for b in sorted(candidates, key=key)]
+
+
+def _sketch(block: object) -> KeySketch:
+    """A block's sketch as int8 keys, whether an adapter gave one or its vectors."""
+    return block if isinstance(block, KeySketch) else KeySketch.quantize(np.asarray(block))
 
 
 def _unit(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:

@@ -429,9 +429,9 @@ class EngineContext(Protocol):
 class KeySketching(Protocol):
     """Optional for a context: sketches of its keys, for relevance scoring by key vectors.
 
-    A sketch is an opaque object the ``relevance_keys`` policy understands (for kvrt's
-    adapters, ``float32[layer, kv_head, vector, head_dim]`` of keys rotated back to position
-    0). Any method may return None where the engine cannot say; scoring then falls back to
+    A sketch is an object the ``relevance`` policy understands: a block's is a
+    :class:`~kvrt.backend.KeySketch` (or an array of its vectors), a query's
+    ``float32[layer, kv_head, token, head_dim]``, keys rotated back to position 0. Any method may return None where the engine cannot say; scoring then falls back to
     the policy's lexical score.
     """
 

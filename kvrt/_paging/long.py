@@ -101,6 +101,8 @@ class LongContext:
         """A block's logical key -> the sketch of its keys (RoPE undone), for scoring."""
         self.last: _Hidden | None = None
         """What the window of the long context placed last leaves out."""
+        self.shown: set[ColdKey] = set()
+        """The logical keys of the blocks the window of the long context placed last shows."""
         self.progress: tuple[int, int] | None = None
         """(tokens computed, tokens to compute) of the long context being placed now."""
         self._salt = os.urandom(16)
@@ -170,6 +172,7 @@ class LongContext:
         tally, windows, computed = Tally(), 0, 0
         self.progress = (0, due)
         while todo:
+            self.shown = set()  # an ingest window takes the engine's window
             shown, new = self._ingest_window(blocks, sinks, todo, room)
             tally += await self._show(blocks, shown, new)
             windows += 1
@@ -182,7 +185,9 @@ class LongContext:
         scoring = time.perf_counter() - began
         shown = sorted(fixed | chosen)
         new = [i for i in shown if not self._held(blocks[i])]
+        self.shown = set()
         tally += await self._show(blocks, shown, new)
+        self.shown = {blocks[i].key for i in shown}
         computed += self._size(blocks, set(new))
         self.progress = (computed, due)
         self.last = self._summary(blocks, shown, len(chosen), computed, windows + 1, scoring)
@@ -250,12 +255,16 @@ class LongContext:
         fresh = set(new)
         fingerprint = self.window.fingerprint
         self.window.long_copies = {}
+        lent: dict[ColdKey, object] = {}  # the window's scoring needs no sketch made again
         for i, (_, _, pos, chunk, prefix, lone) in zip(
             shown, self.window.chunks(placed), strict=True
         ):
+            key = ColdKey(fingerprint, prefix, token_digest(chunk, lone=lone), pos)
             if i in fresh:
-                key = ColdKey(fingerprint, prefix, token_digest(chunk, lone=lone), pos)
                 self.window.long_copies[key] = self._copy_key(blocks[i], key)
+            elif (sketch := self.sketches.get(blocks[i].key)) is not None:
+                lent[key] = sketch
+        self.placement.scoring.lend(lent)
         held = [c for i in shown if i not in fresh and (c := self.copies.get(blocks[i].key))]
         for key in held:
             if self.cold.tier(key) not in (None, "ram"):
@@ -304,6 +313,7 @@ class LongContext:
                 last_used=i,
                 score=blocks[i].segment.score,
                 relevance=score,
+                shown=blocks[i].key in self.shown,
             )
             for i, score in zip(body, scores, strict=True)
         ]

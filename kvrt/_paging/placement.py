@@ -70,6 +70,9 @@ class Placement:
         self.computing = Computing(gate, paging)
         self.engine, self.ctx, self.window = gate.engine, gate.ctx, gate.window
         self.cold, self.policies = gate.cold, gate.policies
+        self.texts: dict[TokenKey, Placed] = {}
+        """The last context's segments with their tokens: a follow-up sending a long
+        document again does not tokenize it again."""
 
     # -- commands --
 
@@ -83,17 +86,21 @@ class Placement:
     ) -> list[Placed]:
         """Each segment with its tokens (empty segments left out); safe from any thread.
 
-        Uses the tokenizations in ``known`` (a prefetch's); ``remember`` receives every
+        Uses the tokenizations in ``known`` (a prefetch's) and the last call's (its
+        segments sent again); ``remember`` receives every
         tokenization made; ``replies`` names segments holding a reply to place with its
         generated tokens (a plain segment whose whole text is a reply this runtime
         generated is placed so without being named).
         """
-        check_fits(self.engine, segments, self.window.context_limit)
+        texts = self.texts
+        keys = [(s.text, i == 0, s.parse_special, s.markup) for i, s in enumerate(segments)]
+        counted = sum(len(texts[k].tokens) for k in keys if k in texts)
+        unknown = [s for s, k in zip(segments, keys, strict=True) if k not in texts]
+        check_fits(self.engine, unknown, self.window.context_limit - counted)
         out = []
-        cache = known or {}
+        cache = {**texts, **(known or {})}
         replies = replies or {}
-        for i, seg in enumerate(segments):  # Segments, checked by the session handle
-            key = (seg.text, i == 0, seg.parse_special, seg.markup)
+        for i, (seg, key) in enumerate(zip(segments, keys, strict=True)):  # checked Segments
             reply = replies.get(seg.name)
             if reply is None and i and not seg.markup and not seg.parse_special:
                 # A segment holding a reply this runtime generated, sent back as it was.
@@ -109,6 +116,7 @@ class Placement:
             out.append(placed)
         if not any(p.tokens for p in out):
             raise InvalidContextError("the context is empty: every segment's text is empty")
+        self.texts = {k: p for k, p in zip(keys, out, strict=True) if not p.lone}
         return [p for p in out if p.tokens]
 
     async def ensure_placed(

@@ -67,6 +67,11 @@ class Scoring:
             self._query_sketch = (tokens, sketch)
         return self._query_sketch[1]
 
+    def lend(self, sketches: dict[ColdKey, object]) -> None:
+        """Sketches of blocks about to be placed, made elsewhere (a long context keeps
+        its blocks'): not made again when they are."""
+        self._sketches.update(sketches)
+
     async def _sketch_blocks(self) -> list[object | None]:
         """Each block's sketch, computing those missing; forgets blocks no longer there."""
         ctx = self.ctx

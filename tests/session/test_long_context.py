@@ -5,7 +5,7 @@ What is checked is the mechanism, never what the random-weight model answers: no
 the engine sees reaches the trained context; the window shown holds the sinks, the tail
 and the block the query's rare words point at; every token shown away from where it was
 computed is labelled approximate and the status never says exact; a follow-up computes
-only what is new; copies spill to the disk tier within the RAM budget and come back from
+only what is new, and after a reply keeps the window it showed; copies spill to the disk tier within the RAM budget and come back from
 it; a context past every budget, or a model that cannot shift positions, is refused
 naming why; and a context that fits is placed bit for bit as without the setting.
 """
@@ -132,6 +132,35 @@ async def test_a_follow_up_computes_only_what_is_new() -> None:
         assert second.logical_tokens == first.logical_tokens + asked
         assert second.long.windows == 1
         assert "needle" not in second.invisible_segments
+
+
+async def test_a_follow_up_after_a_reply_keeps_the_window_and_the_document_s_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The question asked again after the answer: the blocks shown stay (the hold on
+    near ties), so the reply's KV stays and only the new question is computed; and the
+    document, sent again as it was, is not tokenized again."""
+    async with long_session(config()) as (rt, session):
+        context = haystack(100, needle_at=60)
+        await session.ensure_context(context)
+        shown = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}
+        reply = await session.generate(max_tokens=8, temperature=0)
+        texts: list[str] = []
+        tokenize = rt.engine.tokenize
+
+        def recording(text: str, **kwargs: bool) -> list[int]:
+            texts.append(text)
+            return tokenize(text, **kwargs)
+
+        monkeypatch.setattr(rt.engine, "tokenize", recording)
+        asked = [*context, Segment("a", reply.text), Segment("q2", "\n" + QUESTION)]
+        status = await session.ensure_context(asked)
+        again = len(tokenize("\n" + QUESTION, add_special=False))
+        assert status.prefilled_tokens == again  # the reply's KV stayed where it was made
+        assert status.approximate_tokens == 0  # nothing was laid out anew
+        now = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}
+        assert shown <= now
+        assert not any(FILLER in t for t in texts)  # the document's tokens were kept
 
 
 async def test_a_reply_shown_again_is_computed_in_one_batch(

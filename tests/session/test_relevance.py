@@ -1,7 +1,8 @@
 """Relevance-driven paging: the blocks the query needs are the ones kept hot.
 
 Unit tests of the two scorers (the lexical one with hand-made token bags, the key-vector
-one with hand-made key sketches); the keys read out of llama.cpp's KV bytes, which must
+one with hand-made key sketches, and its int8 sketches against float cosines); blocks
+shown keeping their places on near ties; the keys read out of llama.cpp's KV bytes, which must
 not depend on the position they were computed at; and a passkey on the real model: a
 five-digit key in filler text, in a context that never fitted a 512-token window (each
 condition computes it itself), is answered under ``relevance`` (and ``relevance_lexical``)
@@ -11,6 +12,7 @@ context answers; asked in other words than the needle's, under ``relevance`` sti
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -19,7 +21,7 @@ from benchmarks import passkey
 from benchmarks.passkey import QUESTIONS
 from kvrt import CacheClass, Segment, policies
 from kvrt.adapters.llama import LlamaEngine
-from kvrt.backend import KeySketching
+from kvrt.backend import KeySketch, KeySketching
 from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama_keys import read_keys, unrotate
 from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
@@ -103,6 +105,63 @@ def test_the_block_after_a_relevant_one_follows_it_with_the_follow_share() -> No
     for bad in ("1.5", "near"):
         with pytest.raises(kvrt.ConfigError, match="follow share"):
             policies.get("hot_eviction", f"relevance:{bad}")
+
+
+def test_blocks_shown_keep_their_places_against_near_ties() -> None:
+    """A block the window shows ranks ``hold`` of the scores' spread (best over median)
+    above one it leaves out: a near tie keeps the window as it is, a clearly better block
+    still comes in; where every block is shown (a window's own eviction) nothing moves."""
+    policy = policies.get("hot_eviction", "relevance")
+    assert isinstance(policy, KeyRelevance) and policy.hold > 0
+
+    def shown(i: int, relevance: float, on: bool) -> BlockView:
+        return msgspec.structs.replace(view(i, relevance), shown=on)
+
+    filler = [shown(i, 0.1, False) for i in range(5)]  # the median, far below the needle
+    needle = shown(9, 2.0, True)
+    near = [shown(5, 0.150, True), shown(6, 0.155, False)]  # 6 scores a hair higher
+    order = policy.order([*filler, *near, needle])
+    assert order.index(5) > order.index(6)  # the shown one stays; unshown, 6 would
+    assert policy.order([*filler, *(msgspec.structs.replace(b, shown=False) for b in near)])[
+        -2:
+    ] == [5, 6]
+    clearly = [shown(5, 0.15, True), shown(6, 0.8, False)]
+    order = policy.order([*filler, *clearly, needle])
+    assert order.index(6) > order.index(5)  # clearly more relevant: it comes in
+    everyone = [view(0, 0.1), view(1, 0.9), view(3, 0.2), view(4, 0.5)]
+    assert policy.order(everyone) == [0, 3, 4, 1]  # all shown: the order of the scores
+
+
+def test_int8_key_sketches_score_as_their_float_vectors() -> None:
+    """A :class:`KeySketch` holds each vector to half a step of its own scale, and the
+    scores from it (keys never centred, one product with ``[q; c]``) are the plain
+    centred cosines of the float vectors, to the third decimal, in the same order."""
+    rng = np.random.default_rng(7)
+    common = rng.normal(0, 3, (4, 2, 1, 16))  # keys share a large component, as real ones do
+    vectors = [(common + rng.normal(0, 1, (4, 2, 9, 16))).astype(np.float32) for _ in range(40)]
+    vectors[17][:, :, 3] += 4 * rng.normal(0, 1, (4, 2, 16))  # a distinctive key
+    query = (common + rng.normal(0, 1, (4, 2, 6, 16))).astype(np.float32)
+    query[:, :, 2] = vectors[17][:, :, 3]  # the query asks for it
+    sketches = [KeySketch.quantize(v) for v in vectors]
+    for v, s in zip(vectors, sketches, strict=True):
+        step = np.abs(v).max(axis=-1, keepdims=True) / 127
+        assert np.all(np.abs(np.asarray(s) - v) <= step / 2 + 1e-6)
+        assert s.nbytes == v.size + 4 * v[..., 0].size  # a byte a component, a float a vector
+
+    def centred_cosines(block: np.ndarray, centre: np.ndarray) -> float:
+        reps = block[:, :, 1:] - centre[:, :, None]
+        q = query - centre[:, :, None]
+        reps /= np.linalg.norm(reps, axis=-1, keepdims=True)
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        return float(np.einsum("lhvd,lhqd->lhvq", reps, q).max(axis=2).mean())
+
+    centre = np.mean([v[:, :, 0].astype(np.float64) for v in vectors], axis=0)
+    expected = [centred_cosines(v.astype(np.float64), centre) for v in vectors]
+    got = KeyRelevance().key_relevance(sketches, query)
+    assert all(g is not None for g in got)
+    assert np.abs(np.array(got, dtype=np.float64) - expected).max() < 2e-3
+    assert int(np.argmax(np.array(got, dtype=np.float64))) == 17 == int(np.argmax(expected))
+    assert np.array_equal(np.argsort(expected)[-5:], np.argsort(np.array(got, float))[-5:])
 
 
 def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
