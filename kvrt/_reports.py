@@ -126,8 +126,8 @@ class ContextStatus(msgspec.Struct, frozen=True, kw_only=True):
     generation does not see them whole."""
     approximate_tokens: int = 0
     """Work: restored from a cold copy of the same tokens after a different prefix (only
-    when the session's approximate-hit policy allows it): cheap, but not what recomputing
-    gives."""
+    when the session's approximate-hit policy allows it, but in a long context's windows
+    computing new blocks): cheap, but not what recomputing gives."""
     approximate_context_tokens: int = 0
     """Resident tokens whose KV derives from an approximate restore (the restored blocks
     and what was computed after them)."""

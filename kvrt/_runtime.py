@@ -242,7 +242,9 @@ class Runtime(metaclass=NoPublicConstructor):
         tenant its own where several share a runtime.
         ``long_context`` (default ``session.long_context``) serves contexts past the
         model's trained one, as long as the cold tiers hold (see :mod:`kvrt._paging.long`);
-        its blocks are chosen by the ``relevance`` hot-eviction policy unless another is named.
+        its blocks are chosen by the ``relevance`` hot-eviction policy and come back from
+        their copies (``allow``) unless other hot-eviction and approximate policies are named
+        (``approximate="never"`` computes the window shown for a question afresh).
 
         >>> async with rt.open_session(hot_tokens=512, name="reviewer") as session:
         ...     await session.ensure_context([kvrt.Segment("user", "Hi")])
@@ -261,6 +263,8 @@ class Runtime(metaclass=NoPublicConstructor):
         )
         if long and hot_eviction is None and self.config.policies.hot_eviction == "class_lru":
             hot_eviction = "relevance"
+        if long and approximate is None and self.config.policies.approximate == "never":
+            approximate = "allow"
         saved = None
         if resume is not None:
             if isinstance(resume, SavedSession):

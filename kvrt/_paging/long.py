@@ -41,7 +41,7 @@ from .._engine.contract import EngineContext, KeySketching, ModelFacts
 from .._errors import ContextTooLargeError, InvalidArgumentError, NotVisibleError
 from .._reports import ContextStatus, LongContextStatus
 from .._threads import in_thread
-from .._types import BlockView, Residency
+from .._types import ApproximateQuery, BlockView, Residency
 from ..policy import KeyScoring, LexicalBlending, Relevance
 from .gate import Tally
 from .placement import Placement
@@ -184,7 +184,9 @@ class LongContext:
         chosen = await self._choose(blocks, fixed, cap - self._size(blocks, fixed))
         scoring = time.perf_counter() - began
         shown = sorted(fixed | chosen)
-        new = [i for i in shown if not self._held(blocks[i])]
+        new = self._computed(blocks, shown, set(sinks))
+        due += self._size(blocks, {i for i in new if self._held(blocks[i])})  # afresh
+        self.progress = (computed, due)
         self.shown = set()
         tally += await self._show(blocks, shown, new)
         self.shown = {blocks[i].key for i in shown}
@@ -224,6 +226,35 @@ class LongContext:
         """Whether a cold tier holds a copy of ``block``'s KV."""
         copy = self.copies.get(block.key)
         return copy is not None and copy in self.cold
+
+    def _computed(
+        self, blocks: Sequence[LongBlock], shown: list[int], sinks: set[int]
+    ) -> list[int]:
+        """The blocks of the window shown for the question that are computed in it: those
+        without a copy, and those the session's approximate-hit policy does not let come
+        back from their copy at the position shown (``allow``, a long session's default,
+        restores them, keys turned; ``never`` computes them afresh in the window). The sinks, and blocks
+        the engine's window still holds from the last question, stay as they are."""
+        policy = self.policies.approximate
+        per_token = self.gate.engine.facts.kv_bytes_per_token
+        new, at = [], 0
+        for i in shown:
+            block = blocks[i]
+            copy = self.copies.get(block.key)
+            if not self._held(block):
+                new.append(i)
+            elif copy is not None and i not in sinks and block.key not in self.shown:
+                query = ApproximateQuery(
+                    cache_class=block.segment.cache_class,
+                    start=at,
+                    source_start=copy.start,
+                    n_tokens=len(block.tokens),
+                    n_bytes=len(block.tokens) * per_token,
+                )
+                if not policy.accept(query):
+                    new.append(i)
+            at += len(block.tokens)
+        return new
 
     def _ingest_window(
         self, blocks: Sequence[LongBlock], sinks: list[int], todo: list[int], room: int

@@ -3,7 +3,8 @@ trained on 256 tokens, so "past it" is cheap: eight, sixteen times over in a sec
 
 What is checked is the mechanism, never what the random-weight model answers: no position
 the engine sees reaches the trained context; the window shown holds the sinks, the tail
-and the block the query's rare words point at; every token shown away from where it was
+and the block the query's rare words point at, computed afresh in it unless the session's
+approximate-hit policy lets copies come back; every token shown away from where it was
 computed is labelled approximate and the status never says exact; a follow-up computes
 only what is new, and after a reply keeps the window it showed; copies spill to the disk tier within the RAM budget and come back from
 it; a context past every budget, or a model that cannot shift positions, is refused
@@ -59,10 +60,12 @@ def config(**changes: object) -> kvrt.Config:
 
 
 @asynccontextmanager
-async def long_session(cfg: kvrt.Config) -> AsyncIterator[tuple[kvrt.Runtime, kvrt.Session]]:
+async def long_session(
+    cfg: kvrt.Config, approximate: str | None = None
+) -> AsyncIterator[tuple[kvrt.Runtime, kvrt.Session]]:
     async with (
         kvrt.open_runtime(engine=short_model(), config=cfg) as rt,
-        rt.open_session(hot_tokens=TRAINED, long_context=True) as session,
+        rt.open_session(hot_tokens=TRAINED, long_context=True, approximate=approximate) as session,
     ):
         yield rt, session
 
@@ -98,12 +101,13 @@ async def test_a_context_past_the_trained_one_is_shown_at_window_positions(
         async with rt.open_session(hot_tokens=TRAINED) as plain:
             with pytest.raises(kvrt.ContextTooLargeError, match="planner context"):
                 await plain.ensure_context(haystack(100))
-        async with rt.open_session(hot_tokens=TRAINED, long_context=True) as session:
+        long = rt.open_session(hot_tokens=TRAINED, long_context=True, approximate="allow")
+        async with long as session:
             status = await session.ensure_context(haystack(120, needle_at=30))
             assert status.long is not None
             assert status.logical_tokens > 8 * TRAINED
             assert status.long.shown_tokens <= TRAINED
-            assert status.long.computed_tokens == status.logical_tokens
+            assert status.long.computed_tokens >= status.logical_tokens
             assert status.long.windows > 8
             assert shown_positions(session) <= TRAINED
             # Shown away from where they were computed: approximate, and so is what follows.
@@ -118,6 +122,31 @@ async def test_a_context_past_the_trained_one_is_shown_at_window_positions(
             reply = await session.generate(max_tokens=8, temperature=0)
             assert reply.usage.completion_tokens > 0
             assert shown_positions(session) <= TRAINED
+
+
+async def test_the_window_shown_is_computed_afresh_unless_copies_are_allowed() -> None:
+    """The blocks shown for the question come back as the session's approximate-hit
+    policy says: ``never`` computes them afresh in the window, so nothing shown is
+    approximate KV (the context is still a window of it: never exact); ``allow`` (a long
+    session's default) restores their copies with keys turned, labelled approximate."""
+    context = haystack(120, needle_at=30)
+    async with long_session(config(), approximate="never") as (_, session):
+        status = await session.ensure_context(context)
+        assert status.long is not None and not status.exact
+        assert status.approximate_context_tokens == 0  # (ingest windows restore copies)
+        assert status.long.computed_tokens > status.logical_tokens  # ingest, then the window
+        assert session.progress is None
+        hot = [b for b in session.explain().blocks if b.residency is Residency.HOT]
+        assert {b.segment for b in hot} >= {"intro", "needle", "q"}
+        assert not any("approximately" in (b.choice or "") for b in hot)
+    async with long_session(config()) as (_, session):
+        allowed = await session.ensure_context(context)
+        assert allowed.long is not None and not allowed.exact
+        assert allowed.approximate_context_tokens > 0
+        # Each block once, but those shorter than the policy's least (16 tokens).
+        assert allowed.logical_tokens <= allowed.long.computed_tokens
+        assert allowed.long.computed_tokens < status.long.computed_tokens
+        assert allowed.long.shown_tokens == status.long.shown_tokens
 
 
 async def test_a_follow_up_computes_only_what_is_new() -> None:
@@ -169,7 +198,7 @@ async def test_a_reply_shown_again_is_computed_in_one_batch(
     """A reply sent back after a window laid out anew is approximate KV whatever the cut:
     computed in one batch with what follows, not a token at a time as it was generated,
     and it still matches the blocks that hold it (the next turn computes only its own)."""
-    async with long_session(config()) as (rt, session):
+    async with long_session(config(), approximate="allow") as (rt, session):
         context = haystack(100, needle_at=60)
         await session.ensure_context(context)
         reply = await session.generate(max_tokens=8, temperature=0)
@@ -268,7 +297,11 @@ async def test_progress_is_reported_while_a_long_context_is_computed() -> None:
             status = await session.ensure_context(haystack(120))
             tg.cancel_scope.cancel()
         assert session.progress is None
-        assert all(0 <= done <= due == status.logical_tokens for done, due in seen)
+        assert status.long is not None
+        assert all(0 <= done <= due for done, due in seen)
+        # Every token to compute, then the window shown computed afresh added once chosen.
+        assert seen[0][1] == status.logical_tokens
+        assert {due for _, due in seen} <= {status.logical_tokens, status.long.computed_tokens}
         assert len({done for done, _ in seen}) > 4  # a figure a window
 
 
