@@ -26,6 +26,7 @@ import kvrt
 from kvrt import Residency, Segment
 from tests.support.fuzz import canceller
 from tests.support.models import next_logits, zoo_path
+from tests.support.text import record_tokenized
 
 pytestmark = pytest.mark.anyio
 
@@ -174,17 +175,10 @@ async def test_a_follow_up_after_a_reply_keeps_the_window_and_the_document_s_tok
         await session.ensure_context(context)
         shown = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}
         reply = await session.generate(max_tokens=8, temperature=0)
-        texts: list[str] = []
-        tokenize = rt.engine.tokenize
-
-        def recording(text: str, **kwargs: bool) -> list[int]:
-            texts.append(text)
-            return tokenize(text, **kwargs)
-
-        monkeypatch.setattr(rt.engine, "tokenize", recording)
+        again = len(rt.engine.tokenize("\n" + QUESTION, add_special=False))
+        texts = record_tokenized(monkeypatch, rt.engine)
         asked = [*context, Segment("a", reply.text), Segment("q2", "\n" + QUESTION)]
         status = await session.ensure_context(asked)
-        again = len(tokenize("\n" + QUESTION, add_special=False))
         assert status.prefilled_tokens == again  # the reply's KV stayed where it was made
         assert status.approximate_tokens == 0  # nothing was laid out anew
         now = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}

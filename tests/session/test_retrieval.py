@@ -24,6 +24,7 @@ from tests.support.models import (
     next_logits,
     tiny,
 )
+from tests.support.text import record_tokenized
 
 pytestmark = pytest.mark.anyio
 
@@ -244,14 +245,7 @@ async def test_a_prefetch_reaches_the_call_it_prepares_through_that_call(
         kvrt.open_runtime(engine=tiny()) as rt,
         rt.open_session(hot_tokens=1024) as s,
     ):
-        calls: list[str] = []
-        tokenize = rt.engine.tokenize
-
-        def counting(text: str, **kwargs: bool) -> list[int]:
-            calls.append(text)
-            return tokenize(text, **kwargs)
-
-        monkeypatch.setattr(rt.engine, "tokenize", counting)
+        calls = record_tokenized(monkeypatch, rt.engine)
         await s.ensure_context(a_ctx)
         await s.evict("file:a.py")
         await s.ensure_context(b_ctx)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+import kvrt
 from kvrt import AdmitMode, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 
@@ -47,3 +49,16 @@ def slide_then_tail_admit(
     fresh = fresh_ctx.prefill(head + tail + middle + probe_tokens)
     fresh_ctx.close()
     return got, fresh
+
+
+def record_tokenized(monkeypatch: pytest.MonkeyPatch, engine: kvrt.backend.Engine) -> list[str]:
+    """The texts ``engine`` tokenizes from now on (the real tokenizer still runs), in order."""
+    texts: list[str] = []
+    tokenize = engine.tokenize
+
+    def recording(text: str, **kwargs: bool) -> list[int]:
+        texts.append(text)
+        return tokenize(text, **kwargs)
+
+    monkeypatch.setattr(engine, "tokenize", recording)
+    return texts
