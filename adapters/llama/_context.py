@@ -290,8 +290,10 @@ class LlamaEngineContext(KvWindow):
 
     def _room(self, extra: int) -> None:
         """Before ``extra`` more cells are taken: grow when they and the resident ones
-        would not fit."""
-        if not self._full and len(self._positions) + extra > self._ctx.n_ctx:
+        would leave no cell free. The bridge computes one throwaway token to apply
+        pending key shifts before it reads state bytes (as growing does): a context
+        filled to its last cell after a shift could not be read, nor grown."""
+        if not self._full and len(self._positions) + extra >= self._ctx.n_ctx:
             self._grow(len(self._positions) + extra)
 
     def _grow(self, need: int) -> None:

@@ -201,6 +201,26 @@ def test_a_context_that_grows_computes_what_a_full_size_one_does(
             assert np.array_equal(a, b), f"step {i}: max |Δ| {np.abs(a - b).max()}"
 
 
+def test_a_context_filled_to_its_last_cell_by_a_turned_block_still_grows(
+    engine: LlamaEngine,
+) -> None:
+    """A block brought to the tail with its keys turned leaves a shift for llama.cpp to
+    apply, which costs a free cell; the context grows before the block would take its
+    last one, so the next compute (which grows it) can still read the window's bytes."""
+    tokens = engine.tokenize(STORY * 50)[:1100]
+    ctx = engine.open_context(4096)
+    cells = ctx._ctx.n_ctx
+    assert cells < 4096
+    ctx.prefill(tokens[: cells - 200])
+    block = ctx.export(0, 200)
+    ctx.admit(block, AdmitMode.TAIL)  # [0, 200) again at the tail: cells - 200 onwards
+    assert ctx.next_position == cells
+    ctx.prefill(tokens[cells - 200 : cells - 190])
+    assert ctx._ctx.n_ctx > cells
+    assert list(ctx.positions) == list(range(cells + 10))
+    ctx.close()
+
+
 def test_a_window_starts_in_the_last_closed_window_s_context_wiped_and_exact(
     engine: LlamaEngine,
 ) -> None:
