@@ -271,8 +271,7 @@ def _yarn_cell(path: str, engine: Engine, task: str, length: int, n: int) -> Lon
 async def run_long_context_bench(
     config: Config,
     *,
-    tasks: Sequence[str],
-    lengths: Sequence[int],
+    tasks: Sequence[tuple[str, Sequence[int]]],
     windows: Sequence[int],
     prompts: int,
     long_prompts: int,
@@ -283,7 +282,7 @@ async def run_long_context_bench(
     engine = await anyio.to_thread.run_sync(lambda: load_engine(config=config))
     cells: list[LongCell] = []
     try:
-        for task in tasks:
+        for task, lengths in tasks:
             if full:
                 progress(f"{task} full")
                 cells.append(await _kvrt_cell(engine, config, task, 0, None, prompts))
@@ -320,9 +319,28 @@ def print_long_context(cells: list[LongCell]) -> None:
         )
 
 
+def _task(text: str, lengths: Sequence[int]) -> tuple[str, Sequence[int]]:
+    """``TASK`` (at ``lengths``) or ``TASK@N+N`` (at those)."""
+    task, _, own = text.partition("@")
+    if task not in TASKS:
+        raise kvrt.ConfigError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
+    if not own:
+        return task, lengths
+    try:
+        return task, [int(n) for n in own.split("+")]
+    except ValueError:
+        raise kvrt.ConfigError(f"{text!r}: lengths after @ are whole numbers, + between") from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = parser(__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS), metavar="T,T")
+    p.add_argument(
+        "--tasks",
+        type=lambda s: s.split(","),
+        default=list(TASKS),
+        metavar="T,T",
+        help="TASK@N+N asks TASK at those lengths only",
+    )
     p.add_argument("--lengths", type=int_list, default=list(LENGTHS), metavar="N,N")
     p.add_argument("--windows", type=int_list, default=list(WINDOWS), metavar="W,W")
     p.add_argument("--prompts", type=count(1, 100), default=8, metavar="N")
@@ -332,22 +350,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--yarn-lengths", type=int_list, default=[], metavar="N,N")
     p.add_argument("--no-full", action="store_true", help="skip the full-window reference")
     args = p.parse_args(argv)
-    if unknown := [t for t in args.tasks if t not in TASKS]:
-        raise kvrt.ConfigError(f"unknown task {unknown[0]!r}: one of {', '.join(TASKS)}")
+    tasks = [_task(t, args.lengths) for t in args.tasks]
     config = config_of(args)
     fix_mmap_threshold()  # as `kvrt run` and `kvrt serve` do: what is freed is given back
-    steps = len(args.tasks) * (
-        len(args.lengths) * len(args.windows)
+    steps = sum(
+        len(lengths) * len(args.windows)
         + (not args.no_full)
-        + len([n for n in args.yarn_lengths if n in args.lengths])
+        + len([n for n in args.yarn_lengths if n in lengths])
+        for _, lengths in tasks
     )
     section(
         args,
         steps,
         lambda step: run_long_context_bench(
             config,
-            tasks=args.tasks,
-            lengths=args.lengths,
+            tasks=tasks,
             windows=args.windows,
             prompts=args.prompts,
             long_prompts=args.long_prompts,

@@ -67,6 +67,7 @@ __all__ = [
     "KINDS",
     "Approximate",
     "ApproximateQuery",
+    "Arranging",
     "Blending",
     "BlockView",
     "CacheClass",
@@ -240,6 +241,23 @@ class LexicalBlending(Protocol):
 
     def blend(self, keys: Sequence[float | None], lexical: Sequence[float]) -> list[float | None]:
         """One score per block, None where the key score is None."""
+        ...
+
+
+@runtime_checkable
+class Arranging(Protocol):
+    """Optional for a hot-eviction policy: the order a long context's window shows the
+    blocks chosen for the query (without it: the context's own order).
+
+    Positions in such a window are not the context's anyway; the order is the policy's
+    to choose. Blocks that follow one another in the context must stay together, in
+    their order (a sentence cut by a block edge).
+    """
+
+    def arrange(self, chosen: Sequence[BlockView]) -> list[int]:
+        """Ids of ``chosen``, first shown first, the last one nearest the query.
+        ``chosen`` comes as the window shown last had them, then the blocks it did not
+        show in the context's order."""
         ...
 
 

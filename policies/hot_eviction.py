@@ -190,6 +190,40 @@ class KeyRelevance(LexicalRelevance):
 
         return [b.id for b in sorted(candidates, key=key)]
 
+    def arrange(self, chosen: Sequence[BlockView]) -> list[int]:
+        """The most relevant blocks nearest the query: runs of blocks that follow one
+        another in the context, least relevant run first. A run passes one shown before
+        it only when clearly more relevant (by ``hold`` of the scores' spread), so a
+        question asked again keeps its window as it was.
+
+        A small model copies from what is near the question: with four look-alike
+        needles shown in the context's order it often answers with a favourite one.
+        Measured (SmolLM2, window 2,048, four look-alike needles in 32k tokens, each of
+        the four keys asked of four contexts): 6 of 16 right in the context's order,
+        12 of 16 so arranged, as many as the whole 8k context gets."""
+        runs: list[list[BlockView]] = []
+        for b in sorted(chosen, key=lambda b: b.start):
+            if runs and runs[-1][-1].start + runs[-1][-1].n_tokens == b.start:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        given = {b.id: k for k, b in enumerate(chosen)}
+        runs.sort(key=lambda run: min(given[b.id] for b in run))
+        scored = [b.relevance for b in chosen if b.relevance is not None]
+        middle = statistics.median(scored) if scored else 0.0
+        margin = self.hold * (max(scored) - middle) if scored else 0.0
+
+        def score(run: list[BlockView]) -> float:
+            return max(middle if b.relevance is None else b.relevance for b in run)
+
+        out: list[list[BlockView]] = []
+        for run in runs:
+            k = len(out)
+            while k and score(out[k - 1]) > score(run) + margin:
+                k -= 1
+            out.insert(k, run)
+        return [b.id for run in out for b in run]
+
 
 def _sketch(block: object) -> KeySketch:
     """A block's sketch as int8 keys, whether an adapter gave one or its vectors."""

@@ -42,7 +42,7 @@ from .._errors import ContextTooLargeError, InvalidArgumentError, NotVisibleErro
 from .._reports import ContextStatus, LongContextStatus
 from .._threads import in_thread
 from .._types import ApproximateQuery, BlockView, Residency
-from ..policy import KeyScoring, LexicalBlending, Relevance
+from ..policy import Arranging, KeyScoring, LexicalBlending, Relevance
 from .gate import Tally
 from .placement import Placement
 from .segments import Placed, Segment
@@ -103,6 +103,9 @@ class LongContext:
         """What the window of the long context placed last leaves out."""
         self.shown: set[ColdKey] = set()
         """The logical keys of the blocks the window of the long context placed last shows."""
+        self.arranged: list[ColdKey] = []
+        """The logical keys of the blocks chosen for the last question, as its window
+        showed them."""
         self.progress: tuple[int, int] | None = None
         """(tokens computed, tokens to compute) of the long context being placed now."""
         self._salt = os.urandom(16)
@@ -183,7 +186,10 @@ class LongContext:
         began = time.perf_counter()
         chosen = await self._choose(blocks, fixed, cap - self._size(blocks, fixed))
         scoring = time.perf_counter() - began
-        shown = sorted(fixed | chosen)
+        # The sinks and required segments, the chosen blocks as the policy arranges them,
+        # the tail holding the query.
+        shown = [*sorted(fixed.difference(tail)), *chosen, *tail]
+        self.arranged = [blocks[i].key for i in chosen]
         new = self._computed(blocks, shown, set(sinks))
         due += self._size(blocks, {i for i in new if self._held(blocks[i])})  # afresh
         self.progress = (computed, due)
@@ -329,10 +335,11 @@ class LongContext:
         h.update(block.key.prefix.encode() + b"\0" + shown.prefix.encode())
         return ColdKey(shown.fingerprint, LONG_PREFIX + h.hexdigest(), shown.tokens, shown.start)
 
-    async def _choose(self, blocks: Sequence[LongBlock], fixed: set[int], budget: int) -> set[int]:
+    async def _choose(self, blocks: Sequence[LongBlock], fixed: set[int], budget: int) -> list[int]:
         """The blocks shown besides ``fixed``: all of them, less those the hot-eviction
         policy lets go first (by relevance to the query, for a policy that scores), until
-        the rest fit ``budget``."""
+        the rest fit ``budget``; in the order the policy shows them (the context's own
+        where it does not say)."""
         body = [i for i in range(len(blocks)) if i not in fixed]
         scores = await self._scores(blocks, body)
         views = [
@@ -355,7 +362,21 @@ class LongContext:
                 break
             chosen.discard(i)
             size -= len(blocks[i].tokens)
-        return chosen
+        policy = self.policies.hot_eviction
+        if not isinstance(policy, Arranging):
+            return sorted(chosen)
+        last = {key: k for k, key in enumerate(self.arranged)}
+        given = sorted(
+            (v for v in views if v.id in chosen),
+            key=lambda v: (last.get(blocks[v.id].key, len(last)), v.start),
+        )
+        arranged = policy.arrange(given)
+        if sorted(arranged) != sorted(chosen):
+            raise InvalidArgumentError(
+                f"{type(policy).__name__}.arrange returned {len(arranged)} ids: it must "
+                f"return the {len(chosen)} blocks it was given, each once"
+            )
+        return arranged
 
     async def _scores(self, blocks: Sequence[LongBlock], body: list[int]) -> list[float | None]:
         """Each body block's relevance to the query (the last segment's last window of

@@ -236,16 +236,17 @@ def test_the_tiers_benchmark_measures_every_tier() -> None:
 
 def test_the_long_context_benchmark_reports_every_cell() -> None:
     """On the zoo's llama trained on 256 tokens: prompts four times that (and a short
-    one, which the larger window holds whole), two windows."""
+    one, which the larger window holds whole; multi-key at the long length only), two
+    windows."""
     argv = ["-m", "benchmarks.long_context", "--model", zoo_path("llama", context=256)]
-    argv += ["--tasks", "passkey,multi_key", "--lengths", "120,1024", "--windows", "128,256"]
-    argv += ["--prompts", "2", "--no-full", "--json"]
+    argv += ["--tasks", "passkey,multi_key@1024", "--lengths", "120,1024"]
+    argv += ["--windows", "128,256", "--prompts", "2", "--no-full", "--json"]
     env = {"KVRT_BLOCK_TOKENS": "32", "KVRT_RECENT_TOKENS": "32"}
     cells = json.loads(run(*argv, env=env))
     assert [(c["task"], c["length"], c["condition"]) for c in cells] == [
         (task, n, f"kvrt@{w}")
-        for task in ("passkey", "multi_key")
-        for n in (120, 1024)
+        for task, lengths in (("passkey", (120, 1024)), ("multi_key", (1024,)))
+        for n in lengths
         for w in (128, 256)
     ]
     for cell in cells:

@@ -3,7 +3,7 @@ trained on 256 tokens, so "past it" is cheap: eight, sixteen times over in a sec
 
 What is checked is the mechanism, never what the random-weight model answers: no position
 the engine sees reaches the trained context; the window shown holds the sinks, the tail
-and the block the query's rare words point at, computed afresh in it unless the session's
+and the block the query's rare words point at (nearest the query), computed afresh in it unless the session's
 approximate-hit policy lets copies come back; every token shown away from where it was
 computed is labelled approximate and the status never says exact; a follow-up computes
 only what is new, and after a reply keeps the window it showed; copies spill to the disk tier within the RAM budget and come back from
@@ -13,7 +13,7 @@ naming why; and a context that fits is placed bit for bit as without the setting
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -24,6 +24,8 @@ import pytest
 
 import kvrt
 from kvrt import Residency, Segment
+from kvrt.policies.hot_eviction import KeyRelevance
+from kvrt.policy import BlockView
 from tests.support.fuzz import canceller
 from tests.support.models import next_logits, zoo_path
 from tests.support.text import record_tokenized
@@ -119,6 +121,22 @@ async def test_a_context_past_the_trained_one_is_shown_at_window_positions(
             assert "needle" not in status.invisible_segments  # its rare words are the query's
             hot = {b.segment for b in session.explain().blocks if b.residency is Residency.HOT}
             assert "needle" in hot and "q" in hot and "intro" in hot  # sinks, needle, tail
+            # The most relevant block nearest the query: between the needle and the
+            # question, only what follows it in the document (kept with it) and the tail
+            # (the document's last blocks).
+            order = [
+                b.segment
+                for b in sorted(session.explain().blocks, key=lambda b: b.start)
+                if b.residency is Residency.HOT
+            ]
+            after = order[order.index("needle") + 1 : order.index("q")]
+            run = 0
+            while run < len(after) and after[run] == f"after#{run}":
+                run += 1
+            tail = after[run:]
+            last = max(int(n.removeprefix("after#")) for n in hot if n.startswith("after#"))
+            assert tail == [f"after#{k}" for k in range(last - len(tail) + 1, last + 1)]
+            assert any(name.startswith("after#") for name in order[: order.index("needle")])
             # Generation continues at window positions too.
             reply = await session.generate(max_tokens=8, temperature=0)
             assert reply.usage.completion_tokens > 0
@@ -148,6 +166,26 @@ async def test_the_window_shown_is_computed_afresh_unless_copies_are_allowed() -
         assert allowed.logical_tokens <= allowed.long.computed_tokens
         assert allowed.long.computed_tokens < status.long.computed_tokens
         assert allowed.long.shown_tokens == status.long.shown_tokens
+
+
+async def test_an_arrangement_that_loses_a_block_is_refused_naming_the_policy() -> None:
+    """A policy's ``arrange`` must give back every block it was given, once: one that
+    drops a block is refused, never a window with a block silently missing."""
+
+    class Dropping(KeyRelevance):
+        def arrange(self, chosen: Sequence[BlockView]) -> list[int]:
+            return super().arrange(chosen)[1:]
+
+    kvrt.policy.register("hot_eviction", "dropping", Dropping)
+    try:
+        async with (
+            kvrt.open_runtime(engine=short_model(), config=config()) as rt,
+            rt.open_session(hot_tokens=TRAINED, long_context=True, hot_eviction="dropping") as s,
+        ):
+            with pytest.raises(kvrt.InvalidArgumentError, match=r"Dropping\.arrange"):
+                await s.ensure_context(haystack(100, needle_at=60))
+    finally:
+        kvrt.policy.unregister("hot_eviction", "dropping")
 
 
 async def test_a_follow_up_computes_only_what_is_new() -> None:

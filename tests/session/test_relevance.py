@@ -26,7 +26,7 @@ from kvrt.native_bridge import BridgeError
 from kvrt.native_bridge.llama_keys import read_keys, unrotate
 from kvrt.native_bridge.rope import ROPE_NEOX, ROPE_NORM, Rope
 from kvrt.policies.hot_eviction import KeyRelevance, LexicalRelevance
-from kvrt.policy import BlockView, KeyScoring, LexicalBlending, Relevance
+from kvrt.policy import Arranging, BlockView, KeyScoring, LexicalBlending, Relevance
 
 
 def view(
@@ -130,6 +130,24 @@ def test_blocks_shown_keep_their_places_against_near_ties() -> None:
     assert order.index(6) > order.index(5)  # clearly more relevant: it comes in
     everyone = [view(0, 0.1), view(1, 0.9), view(3, 0.2), view(4, 0.5)]
     assert policy.order(everyone) == [0, 3, 4, 1]  # all shown: the order of the scores
+
+
+def test_the_most_relevant_blocks_are_shown_nearest_the_query_runs_kept_whole() -> None:
+    """``arrange`` puts the least relevant run first and the most relevant last (nearest
+    the query); blocks that follow one another in the context stay together, in order;
+    a run passes one given before it only when clearly more relevant."""
+    policy = policies.get("hot_eviction", "relevance")
+    assert isinstance(policy, KeyRelevance) and isinstance(policy, Arranging)
+    # 0, 1: a needle cut by a block edge (its value in 1, scored low); 5: a look-alike
+    # needle; 9, 12: filler.
+    chosen = [view(0, 1.9), view(1, 0.2), view(5, 1.2), view(9, 0.1), view(12, 0.15)]
+    assert policy.arrange(chosen) == [9, 12, 5, 0, 1]
+    # Given in another order (a window shown before): near ties keep it, clear
+    # differences do not.
+    again = [view(12, 0.151), view(9, 0.15), view(0, 1.9), view(1, 0.2), view(5, 1.2)]
+    assert policy.arrange(again) == [12, 9, 5, 0, 1]
+    asked = [view(0, 1.2), view(1, 0.2), view(5, 1.9), view(9, 0.1), view(12, 0.15)]
+    assert policy.arrange(asked)[-1] == 5  # another key asked: its needle comes last
 
 
 def test_int8_key_sketches_score_as_their_float_vectors() -> None:
