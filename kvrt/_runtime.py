@@ -263,8 +263,9 @@ class Runtime(metaclass=NoPublicConstructor):
         )
         if long and hot_eviction is None and self.config.policies.hot_eviction == "class_lru":
             hot_eviction = "relevance"
+        shown = approximate  # what a long context's window follows
         if long and approximate is None and self.config.policies.approximate == "never":
-            approximate = "allow"
+            shown = "allow"
         saved = None
         if resume is not None:
             if isinstance(resume, SavedSession):
@@ -296,6 +297,7 @@ class Runtime(metaclass=NoPublicConstructor):
             write_through=self.policy("write_through", write_through),
             message_class=self.policy("message_class", message_class),
             checkpoint=self.policy("checkpoint", None),
+            long_approximate=self.policy("approximate", shown),
             runtime=self._policies.values(),
         )
         self._serial += 1

@@ -53,6 +53,11 @@ class SessionPolicies:
     write_through: WriteThrough
     message_class: MessageClass
     checkpoint: Checkpoints
+    long_approximate: Approximate | None = None
+    """What the window of a long context shown for a question follows instead of
+    ``approximate`` (``allow``, where a long session names no approximate policy: its
+    blocks come back from their copies); everything else the session places follows
+    ``approximate``."""
     runtime: Iterable[object] = ()
     """Every policy instance of the runtime (a live view): those that calibrate themselves
     learn from every session's measured restores and prefills."""

@@ -241,7 +241,7 @@ class LongContext:
         back from their copy at the position shown (``allow``, a long session's default,
         restores them, keys turned; ``never`` computes them afresh in the window). The sinks, and blocks
         the engine's window still holds from the last question, stay as they are."""
-        policy = self.policies.approximate
+        policy = self.policies.long_approximate or self.policies.approximate
         per_token = self.gate.engine.facts.kv_bytes_per_token
         new, at = [], 0
         for i in shown:

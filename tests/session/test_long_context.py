@@ -267,6 +267,41 @@ async def test_a_context_that_fits_is_placed_as_without_the_setting() -> None:
         assert np.array_equal(logits[0], logits[1])
 
 
+async def test_contexts_below_the_trained_one_follow_the_session_s_own_policy() -> None:
+    """Below the trained context a long session places as a plain one with its
+    hot-eviction policy (``relevance``), to the bit, turn after turn: segments that move
+    are computed again, not restored with turned keys (the window of a long context alone
+    lets copies come back), and a context larger than the hot window is computed as
+    without the setting."""
+    apples, boats = Segment("a", "Notes on apples. " * 6), Segment("b", "Notes on boats. " * 6)
+    turns = [
+        (TRAINED, [apples, boats, Segment("q", QUESTION)]),
+        (TRAINED, [boats, apples, Segment("q", QUESTION)]),  # both files moved
+        (128, haystack(10, needle_at=3)),  # past the hot window, within the trained context
+        (128, [*haystack(10, needle_at=3)[:-1], Segment("q", "Who keeps the marbles?")]),
+    ]
+    seen: dict[bool, list[tuple[object, ...]]] = {}
+    for long in (False, True):
+        async with kvrt.open_runtime(engine=short_model(), config=config()) as rt:
+            for hot in (TRAINED, 128):
+                opened = rt.open_session(
+                    hot_tokens=hot, long_context=long, hot_eviction="relevance"
+                )
+                async with opened as session:
+                    for want, context in turns:
+                        if want != hot:
+                            continue
+                        status = await session.ensure_context(context)
+                        assert status.long is None
+                        counts = (status.prefilled_tokens, status.restored_tokens)
+                        logits = await next_logits(session)
+                        seen.setdefault(long, []).append(
+                            (*counts, status.approximate_tokens, status.exact, logits.tobytes())
+                        )
+    assert seen[True] == seen[False]
+    assert seen[False][1][2] == 0  # the moved files were not restored approximately
+
+
 async def test_copies_spill_to_disk_within_the_ram_budget(tmp_path: Path) -> None:
     """A context whose KV is many times the RAM budget lives on the disk tier; a block
     asked for later comes back from there."""
