@@ -171,8 +171,7 @@ class KeyRelevance(LexicalRelevance):
         return [None if k is None else k + w * x for k, x in zip(keys, lexical, strict=True)]
 
     def order(self, candidates: Sequence[BlockView]) -> list[int]:
-        scored = [b.relevance for b in candidates if b.relevance is not None]
-        middle = statistics.median(scored) if scored else 0.0
+        middle, hold = self._spread(candidates)
         own = {b.id: middle if b.relevance is None else b.relevance for b in candidates}
         ranked = dict(own)
         if self.follow:
@@ -180,7 +179,6 @@ class KeyRelevance(LexicalRelevance):
             for b in candidates:
                 if (prev := before.get(b.start)) is not None:
                     ranked[b.id] = max(own[b.id], self.follow * own[prev])
-        hold = self.hold * (max(scored) - middle) if scored else 0.0
         for b in candidates:
             if b.shown:
                 ranked[b.id] += hold
@@ -209,9 +207,7 @@ class KeyRelevance(LexicalRelevance):
                 runs.append([b])
         given = {b.id: k for k, b in enumerate(chosen)}
         runs.sort(key=lambda run: min(given[b.id] for b in run))
-        scored = [b.relevance for b in chosen if b.relevance is not None]
-        middle = statistics.median(scored) if scored else 0.0
-        margin = self.hold * (max(scored) - middle) if scored else 0.0
+        middle, margin = self._spread(chosen)
 
         def score(run: list[BlockView]) -> float:
             return max(middle if b.relevance is None else b.relevance for b in run)
@@ -223,6 +219,15 @@ class KeyRelevance(LexicalRelevance):
                 k -= 1
             out.insert(k, run)
         return [b.id for run in out for b in run]
+
+    def _spread(self, views: Sequence[BlockView]) -> tuple[float, float]:
+        """The median of the scores (what a block without one ranks as), and ``hold`` of
+        their spread (the best one's over the median)."""
+        scored = [b.relevance for b in views if b.relevance is not None]
+        if not scored:
+            return 0.0, 0.0
+        middle = statistics.median(scored)
+        return middle, self.hold * (max(scored) - middle)
 
 
 def _sketch(block: object) -> KeySketch:

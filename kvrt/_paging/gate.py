@@ -53,7 +53,7 @@ class SessionPolicies:
     write_through: WriteThrough
     message_class: MessageClass
     checkpoint: Checkpoints
-    long_approximate: Approximate | None = None
+    long_approximate: Approximate
     """What the window of a long context shown for a question follows instead of
     ``approximate`` (``allow``, where a long session names no approximate policy: its
     blocks come back from their copies); everything else the session places follows

@@ -237,11 +237,12 @@ class LongContext:
         self, blocks: Sequence[LongBlock], shown: list[int], sinks: set[int]
     ) -> list[int]:
         """The blocks of the window shown for the question that are computed in it: those
-        without a copy, and those the session's approximate-hit policy does not let come
-        back from their copy at the position shown (``allow``, a long session's default,
-        restores them, keys turned; ``never`` computes them afresh in the window). The sinks, and blocks
-        the engine's window still holds from the last question, stay as they are."""
-        policy = self.policies.long_approximate or self.policies.approximate
+        without a copy, and those the long window's approximate-hit policy does not let
+        come back from their copy at the position shown (``allow``, unless the session
+        names one, restores them, keys turned; ``never`` computes them afresh in the
+        window). The sinks, and blocks the engine's window still holds from the last
+        question, stay as they are."""
+        policy = self.policies.long_approximate
         per_token = self.gate.engine.facts.kv_bytes_per_token
         new, at = [], 0
         for i in shown:
