@@ -22,7 +22,14 @@ For each: wall time, tokens computed (kvrt's ``prefilled_tokens``, llama-server'
 process's peak RSS (``VmHWM``), and how many replies equal the reference's; then kvrt's
 ratios against the peer's best.
 
+Every reply is its full length on every server (``--equal-work``, the default: a logit
+bias of -100 on the model's end tokens, which both servers honour), so tokens/s compares
+the same work. ``--model sized`` serves a random-weight 1B llama (Llama 3.2 1B's shape,
+q4_0, written once by :mod:`kvrt.testing.sized`): decoding there reads the weights, not
+the arithmetic, which is where serving sessions together pays.
+
     python -m benchmarks.peer [--agents 4] [--turns 6] [--chats 8] [--rounds 2]
+        [--model PATH|sized] [--no-equal-work]
 
 ``llama-server`` is found or built once (:mod:`benchmarks._peer`, about five minutes on
 two cores). Figures to read, not assertions; every figure is measured in this run.
@@ -170,18 +177,24 @@ class Reply:
     generated: int
 
 
+NO_END: dict[str, float] = {}
+"""A logit bias that keeps a model from ending its reply (``--equal-work``): every reply
+is ``max_tokens`` long on every server, so tokens/s compares the same work."""
+
+
 def chat(port: int, messages: Sequence[dict[str, str]], max_tokens: int) -> Reply:
     """One streamed, greedy chat request; its reply and what the server reports."""
-    body = json.dumps(
-        {
-            "model": "model",
-            "messages": list(messages),
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+    request: dict[str, Any] = {
+        "model": "model",
+        "messages": list(messages),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if NO_END:
+        request["logit_bias"] = NO_END
+    body = json.dumps(request)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     began = time.perf_counter()
     first = None
@@ -379,13 +392,52 @@ def ratios(
     )
 
 
+def model_path(name: str) -> Path:
+    """The GGUF to serve: ``name``, the embedded model, or (``sized``) a random-weight 1B
+    llama written once into kvrt's cache folder."""
+    import kvrt
+
+    if not name:
+        return kvrt.embedded_model_path()
+    if name == "sized":
+        from kvrt.testing import sized
+
+        home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        cache = os.environ.get("KVRT_CACHE_DIR") or Path(home) / "kvrt"
+        return sized.write(Path(cache) / "bench")
+    return Path(name)
+
+
+def end_bias(model: Path) -> dict[str, float]:
+    """A logit bias of -100 on every token that ends generation on ``model``."""
+    import kvrt
+
+    engine = kvrt.load_engine("llama", config=kvrt.load_config(flags={"model": str(model)}))
+    try:
+        n = engine.facts.n_vocab
+        return {str(t): -100.0 for t in range(n) if engine.is_end_of_generation(t)}
+    finally:
+        engine.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded model)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="a GGUF file, or 'sized' for a random-weight 1B llama written once "
+        "(kvrt.testing.sized; default: the embedded model)",
+    )
+    parser.add_argument(
+        "--equal-work",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep every reply at its full length (a logit bias against the end tokens)",
+    )
     parser.add_argument(
         "--only", default="", help="comma-separated server labels to run (default: all)"
     )
@@ -398,9 +450,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # tables as they come
 
-    import kvrt
-
-    model = args.model or kvrt.embedded_model_path()
+    model = model_path(args.model)
+    if args.equal_work:
+        NO_END.update(end_bias(model))
     cores = sorted(os.sched_getaffinity(0))
     core = cores[0]
     if len(cores) > 1:
@@ -434,8 +486,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         only = {label.strip() for label in args.only.split(",") if label.strip()}
         return [s for s in out if not only or s.label in only]
 
+    # The kernel probe runs once per machine, model and thread count (its record is kept):
+    # run it here, on the servers' core, so no server's start or peak RSS counts it.
+    subprocess.run(
+        [sys.executable, "-m", "kvrt", "describe", "--model", str(model)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
     print(
         f"model {Path(model).name}; servers on core {core}, one thread, {SLOT_TOKENS} tokens a slot"
+        + ("; every reply at its full length" if NO_END else "")
     )
 
     workloads = {w.strip() for w in args.workloads.split(",")}

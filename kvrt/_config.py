@@ -98,11 +98,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     file, or a ``tokenizer_config.json`` holding one (for a model whose own template
     knows no tools, or has none)."""
     flash_attention: Literal["auto", "on", "off"] = "auto"
-    """llama.cpp's flash attention: ``on`` (faster; V rows stored untransposed), ``off``
-    (f16, bf16 and f32 caches only), or ``auto``: on only where the KV type needs it (a
-    quantized V cache). With it, logits depend on how a prompt is cut into batches, so
-    restores equal recomputing only for the same cuts (``python -m benchmarks.flash`` measures
-    both). Only ``auto`` on OpenVINO."""
+    """llama.cpp's flash attention: ``on`` (V rows stored untransposed), ``off`` (f16,
+    bf16 and f32 caches only), or ``auto``: as the kernel policy chooses among what the
+    kernel probe measured on this machine (on for a quantized V cache, which needs it).
+    Set on or off where the probe found it inexact, nothing is labelled exact. Only
+    ``auto`` on OpenVINO."""
+    kernel_policy: str = "fastest_exact"
+    """The ``kernels`` policy (:class:`kvrt.policy.Kernels`) that picks the engine's
+    kernel configuration among those the kernel probe measured: ``fastest_exact`` takes a
+    configuration over the default only where it is exact and faster at both prefill and
+    decode."""
 
 
 class SessionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -238,6 +243,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
     Setting("engine", "require_exact", "KVRT_REQUIRE_EXACT"),
     Setting("engine", "flash_attention", "KVRT_FLASH_ATTENTION"),
+    Setting("engine", "kernel_policy", "KVRT_KERNEL_POLICY"),
     Setting("engine", "chat_template", "KVRT_CHAT_TEMPLATE"),
     Setting("session", "block_tokens", "KVRT_BLOCK_TOKENS"),
     Setting("session", "sink_tokens", "KVRT_SINK_TOKENS"),

@@ -16,10 +16,13 @@ __all__ = [
     "CacheClass",
     "CheckpointView",
     "ColdEntryView",
+    "KernelSetting",
+    "KernelTrial",
     "KeySketch",
     "PartialWindowQuery",
     "Residency",
     "RestoreQuery",
+    "SequenceStep",
     "TurnView",
 ]
 
@@ -166,6 +169,68 @@ class TurnView(msgspec.Struct, frozen=True, kw_only=True):
     """A logical clock: smaller waited longer."""
     call: str
     """What the call does (``step``, ``prefill``, ``restore``, ``open``, ...)."""
+
+
+class KernelTrial(msgspec.Struct, frozen=True, kw_only=True):
+    """One way of cutting the same work, against computing it in one batch."""
+
+    name: str
+    """What was cut and how (``72 tokens in pieces of 64 after 192 cells``)."""
+    max_delta: float
+    """The largest difference between the two next-token logits (0: bit for bit)."""
+    lone: bool = False
+    """The cut computes tokens one at a time (as decoding does) rather than in pieces."""
+
+
+class SequenceStep(msgspec.Struct, frozen=True, kw_only=True):
+    """``sequences`` sequences advanced a token each: one after another, then together."""
+
+    sequences: int
+    serial_ms: float
+    """One step of every sequence, each decoded alone."""
+    batched_ms: float
+    """The same step in one engine call."""
+    max_delta: float
+    """The largest difference between a sequence's logits decoded alone and together."""
+
+
+class KernelSetting(msgspec.Struct, frozen=True, kw_only=True):
+    """One configuration of an engine's kernels as the kernel probe measured it on this
+    CPU, build, model, KV type and thread count: what a kernel policy chooses among."""
+
+    flash_attention: bool
+    trials: tuple[KernelTrial, ...]
+    """Each cut of the same tokens against one batch."""
+    name: str = ""
+    """The configuration in words, where flash attention alone does not name it."""
+    depth: int
+    """Cells in the context where the speeds were timed."""
+    prefill_tps: float
+    """Tokens a second computing a batch after ``depth`` cells."""
+    decode_tps: float
+    """Tokens a second decoding one at a time after ``depth`` cells."""
+    steps: tuple[SequenceStep, ...] = ()
+    """Sequences decoded together against alone."""
+
+    @property
+    def label(self) -> str:
+        return self.name or f"flash attention {'on' if self.flash_attention else 'off'}"
+
+    @property
+    def exact(self) -> bool:
+        """Every cut in pieces gave the logits of one batch, bit for bit: a context
+        computed in other pieces (restored, or computed again) equals it."""
+        return all(t.max_delta == 0 for t in self.trials if not t.lone)
+
+    @property
+    def lone_exact(self) -> bool:
+        """Tokens computed one at a time gave a batch's logits too, bit for bit."""
+        return all(t.max_delta == 0 for t in self.trials if t.lone)
+
+    @property
+    def batch_exact(self) -> bool:
+        """Every sequence decoded beside others gave its logits decoded alone."""
+        return bool(self.steps) and all(s.max_delta == 0 for s in self.steps)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -18,6 +18,7 @@ orders or accepts among what may.
 | ``message_class`` | :class:`MessageClass` | which cache class a chat message's segment gets from its role |
 | ``engine_turn`` | :class:`EngineTurn` | which session's waiting engine call runs next |
 | ``checkpoint`` | :class:`Checkpoints` | after which blocks a model with recurrent layers keeps its recurrent state |
+| ``kernels`` | :class:`Kernels` | which kernel configuration the engine runs, among those the kernel probe measured |
 
 Register a factory (usually the class) under a kind and a name, then pick it by that name
 in the configuration (``policies.hot_eviction = "mine"``, ``KVRT_HOT_EVICTION``,
@@ -57,9 +58,12 @@ from ._types import (
     CacheClass,
     CheckpointView,
     ColdEntryView,
+    KernelSetting,
+    KernelTrial,
     KeySketch,
     PartialWindowQuery,
     RestoreQuery,
+    SequenceStep,
     TurnView,
 )
 
@@ -80,6 +84,9 @@ __all__ = [
     "EngineTurn",
     "Estimating",
     "HotEviction",
+    "KernelSetting",
+    "KernelTrial",
+    "Kernels",
     "KeyScoring",
     "KeySketch",
     "LexicalBlending",
@@ -89,6 +96,7 @@ __all__ = [
     "Relevance",
     "Restore",
     "RestoreQuery",
+    "SequenceStep",
     "TurnView",
     "WriteThrough",
     "create",
@@ -270,6 +278,17 @@ class Estimating(Protocol):
         ...
 
 
+@runtime_checkable
+class Kernels(Protocol):
+    def choose(self, settings: Sequence[KernelSetting]) -> int | None:
+        """The index in ``settings`` of the configuration the engine runs with. Each is
+        one the kernel probe measured on this machine: whether its results agree bit for
+        bit however the work is cut (``exact``), and its speeds. The first is the engine's
+        default. None: none will do, and the engine runs its default, labelled
+        approximate."""
+        ...
+
+
 KINDS: dict[str, type] = {
     "hot_eviction": HotEviction,
     "cold_victim": ColdVictim,
@@ -281,6 +300,7 @@ KINDS: dict[str, type] = {
     "message_class": MessageClass,
     "engine_turn": EngineTurn,
     "checkpoint": Checkpoints,
+    "kernels": Kernels,
 }
 """Every policy kind and the protocol its policies implement."""
 

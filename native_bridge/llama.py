@@ -32,6 +32,7 @@ __all__ = [
     "SCRATCH_SEQ",
     "LlamaContext",
     "LlamaModel",
+    "build_info",
     "cpu_features",
     "extra_buffers_safe",
     "kv_type_row_bytes",
@@ -137,6 +138,19 @@ def cpu_features() -> frozenset[str]:
     )
 
 
+def build_info() -> str:
+    """The llama.cpp build: llama-cpp-python's version, the build's system info, and the
+    size and time of each of its libraries (a rebuild is another build)."""
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+    libs = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    try:
+        files = sorted(os.scandir(libs), key=lambda e: e.name)
+        stamp = ",".join(f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in files)
+    except OSError:
+        stamp = "?"
+    return f"llama-cpp-python {llama_cpp.__version__} | {info} | {stamp}"
+
+
 def extra_buffers_safe() -> bool:
     """Whether llama.cpp may repack weights into the CPU's extra buffer types without
     risking the process. Not where its build uses AMX: on a Xeon with ``AMX_INT8`` this
@@ -217,7 +231,8 @@ class LlamaModel:
             )
         self._ptr: Any = ptr
         self._vocab: Any = llama_cpp.llama_model_get_vocab(ptr)
-        self._contexts: set[LlamaContext] = set()
+        self._contexts: set[Any] = set()
+        """Contexts open on the model (LlamaContext, LlamaSequences): closed before it."""
         self.path = path
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_layer: int = llama_cpp.llama_model_n_layer(ptr)
@@ -401,6 +416,59 @@ STATE_HEAD = 8
 after them are the last bytes of the whole state)."""
 
 
+def context_params(
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq: int,
+    unified: bool,
+    swa_full: bool,
+    n_threads: int,
+    kv_type: str,
+    flash_attn: bool,
+) -> Any:
+    """llama.cpp's context parameters for a context of ``n_seq`` sequences (a batch holds
+    at least one token per sequence: llama.cpp reserves an output for each)."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = max(n_batch, n_seq)
+    params.n_seq_max = n_seq
+    params.kv_unified = unified
+    params.swa_full = swa_full
+    params.n_threads = params.n_threads_batch = n_threads
+    params.type_k = params.type_v = KV_TYPES[kv_type][0]
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    params.no_perf = True
+    return params
+
+
+def read_state(ctx: Any, seq: int) -> npt.NDArray[np.uint8]:
+    """The state bytes of ``seq``, written by llama.cpp straight into a fresh buffer."""
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+    buf = np.empty(size, dtype=np.uint8)
+    written = llama_cpp.llama_state_seq_get_data(
+        ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq
+    )
+    if written != size:
+        raise _failure(f"llama.cpp wrote {written} of {size} state bytes")
+    return buf
+
+
+def write_state(ctx: Any, mem: Any, seq: int, data: npt.NDArray[np.uint8]) -> None:
+    """Load state bytes into ``seq`` (emptied first), or refuse them whole."""
+    _LOG.clear()
+    read = llama_cpp.llama_state_seq_set_data(
+        ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, seq
+    )
+    if read != data.size:
+        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        raise _failure(f"llama.cpp rejected the state bytes (read {read} of {data.size})")
+
+
 class LlamaContext:
     """One KV cache on a shared model: sequence 0 plus a scratch sequence."""
 
@@ -429,31 +497,25 @@ class LlamaContext:
         # on how a prompt is cut into batches.
         if flash_attn is None:
             flash_attn = kv_type not in FLOAT_KV_TYPES
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
         # llama.cpp reserves one output per sequence when it builds the context, and asserts
         # (aborting the process) if a batch cannot hold them: with two sequences a batch of
         # one token kills it (measured). The context's batch is at least one per sequence;
         # kvrt still hands it at most ``n_batch`` tokens per call.
         self._keep = model.n_swa > 0
-        n_seq = 4 if self._keep else 3
-        params.n_batch = params.n_ubatch = max(n_batch, n_seq)
-        params.n_seq_max = n_seq
-        params.kv_unified = True
-        # Windowed layers at full size: a window-sized cache drops the cells that slid out
-        # of the window, so a range removed at the tail and computed again (or restored
-        # inside the window) would attend to missing keys; llama.cpp's server re-processes
-        # the whole prompt there.
-        params.swa_full = swa_full
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        params.type_k = params.type_v = KV_TYPES[kv_type][0]
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # Windowed layers at full size (``swa_full``): a window-sized cache drops the cells
+        # that slid out of the window, so a range removed at the tail and computed again
+        # (or restored inside the window) would attend to missing keys; llama.cpp's server
+        # re-processes the whole prompt there.
+        params = context_params(
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_seq=4 if self._keep else 3,
+            unified=True,
+            swa_full=swa_full,
+            n_threads=threads,
+            kv_type=kv_type,
+            flash_attn=flash_attn,
         )
-        params.no_perf = True
         _LOG.clear()
         ptr = llama_cpp.llama_init_from_model(model_ptr, params)
         if not ptr:
@@ -668,14 +730,7 @@ class LlamaContext:
         self._check_seq(seq)
         with self._use() as ctx:
             self._apply_shifts(ctx)
-            size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
-            buf = np.empty(size, dtype=np.uint8)
-            written = llama_cpp.llama_state_seq_get_data(
-                ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq
-            )
-            if written != size:
-                raise _failure(f"llama.cpp wrote {written} of {size} state bytes")
-            return buf
+            return read_state(ctx, seq)
 
     def checkpoint_get(self, seq: int) -> npt.NDArray[np.uint8]:
         """The recurrent state of ``seq`` alone (a hybrid's or a recurrent model's: what its
@@ -766,12 +821,6 @@ class LlamaContext:
         with self._use() as ctx:
             if llama_cpp.llama_memory_seq_pos_max(self._mem, seq) >= 0:
                 raise BridgeArgumentError(f"sequence {seq} must be empty before loading state")
-            _LOG.clear()
-            read = llama_cpp.llama_state_seq_set_data(
-                ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, seq
-            )
-            if read != data.size:
-                llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                raise _failure(f"llama.cpp rejected the state bytes (read {read} of {data.size})")
+            write_state(ctx, self._mem, seq, data)
             if self._keep and seq == MAIN_SEQ:
                 llama_cpp.llama_memory_seq_cp(self._mem, MAIN_SEQ, KEEP_SEQ, -1, -1)

@@ -19,6 +19,7 @@ from . import cold_admission as cold_admission
 from . import cold_victim as cold_victim
 from . import engine_turn as engine_turn
 from . import hot_eviction as hot_eviction
+from . import kernels as kernels
 from . import message_class as message_class
 from . import partial_window as partial_window
 from . import restore as restore
@@ -38,6 +39,7 @@ from .hot_eviction import ClassThenLRU as ClassThenLRU
 from .hot_eviction import KeyRelevance as KeyRelevance
 from .hot_eviction import LexicalRelevance as LexicalRelevance
 from .hot_eviction import ScoreThenLRU as ScoreThenLRU
+from .kernels import FastestExact as FastestExact
 from .message_class import SystemPinned as SystemPinned
 from .message_class import Unclassed as Unclassed
 from .partial_window import KeepPartial as KeepPartial

@@ -133,17 +133,32 @@ def _embedded_model() -> Path:
     return embedded_model_path()
 
 
+@pytest.fixture(scope="session")
+def _kernel_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for the whole run where the kernel probe keeps its records: a model,
+    KV type and thread count is probed once, not once a test (seconds for SmolLM2). The
+    run's workers share it (the probe takes a lock per record)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "kernel-records"
+        folder.mkdir(exist_ok=True)
+        return folder
+    return tmp_path_factory.mktemp("kernel-records")
+
+
 @pytest.fixture(autouse=True)
 def cache_dir(
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
     _built_models: Path,
+    _kernel_records: Path,
 ) -> str:
     """Each test gets a cache folder of its own (the disk tier's default lives there), so
-    no test finds blocks another test wrote; its ``openvino`` folder of built models is
-    the run's (tests of the build itself point KVRT_CACHE_DIR elsewhere)."""
+    no test finds blocks another test wrote; its ``openvino`` folder of built models and
+    its ``kernels`` folder of kernel probe records are the run's (tests of either point
+    KVRT_CACHE_DIR elsewhere)."""
     folder = tmp_path_factory.mktemp("kvrt-cache")
     (folder / "openvino").symlink_to(_built_models, target_is_directory=True)
+    (folder / "kernels").symlink_to(_kernel_records, target_is_directory=True)
     monkeypatch.setenv("KVRT_CACHE_DIR", str(folder))
     return str(folder)
 

@@ -257,10 +257,14 @@ class LlamaEngineContext(KvWindow):
                     "no attention KV: only the window's tail can leave it, and a block comes "
                     "back only as the window's end, with the checkpoint after it"
                 )
+        kernels = self._facts.kernels
+        if kernels is not None and not kernels.exact:
+            notes.insert(0, f"kernels: {kernels.reason}")
         return Capabilities(
             remove_middle=not self._state_only,
             position_shift=self.can_shift,
-            exact_in_place=True,
+            exact_in_place=self._facts.exact_in_place,
+            exact_compute=kernels is None or kernels.exact,
             exact_tail=False,
             sliding_window=self._facts.sliding_window_live,
             kv_type=self._facts.kv_type,

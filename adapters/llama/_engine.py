@@ -33,6 +33,7 @@ from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import LlamaEngineContext
 from ._gguf import GgufFile
+from ._probe import cached_verdict, kernel_verdict
 from ._rope import ModelRope, key_shift, model_rope
 
 __all__ = ["BATCH", "LlamaEngine"]
@@ -193,19 +194,18 @@ class LlamaEngine:
 
     @staticmethod
     def flash_attention(config: EngineConfig) -> bool:
-        """Whether contexts use flash attention under ``config``. ``auto`` is on only where
-        the KV type needs it (a quantized V cache). Measured with ``kvrt bench --flash`` on
-        two cores, f16 KV, on vs off: faster (SmolLM2 prefill 241 vs 184 tokens/s, decode
-        61.5 vs 57.5; Gemma 3 270M prefill 576 vs 540, decode 66.0 vs 61.4, export of 2048
-        tokens 4.3 vs 12.2 ms; restores 2.5-17 % faster), logits bit-identical to
-        ``llama_cpp.Llama`` with the same setting; but with it the logits depend on how a
-        prompt is cut into batches (a 500-token prompt in 64-token pieces vs at once: max
-        |Δ| 0.79 on SmolLM2, 0.78 on Gemma; without it: bit-identical). kvrt computes
-        contexts in pieces, so without flash attention its restores equal recomputing and its
-        output equals ``llama_cpp.Llama``'s bit for bit however the work was cut."""
-        if config.flash_attention == "auto":
-            return config.kv_type not in FLOAT_KV_TYPES
-        return config.flash_attention == "on"
+        """Whether contexts of an engine opened with ``config`` use flash attention: as
+        set, or as the kernel probe's verdict on this machine has it (its record is kept
+        once an engine has opened); before any, on only where the KV type needs it (a
+        quantized V cache). Whether flash attention is exact and faster depends on the
+        CPU and the model: on SmolLM2 it made logits depend on how a prompt is cut on two
+        machines (64-token pieces: max |Δ| 0.79 on one; pieces of 8: 0.75 on an AMD EPYC
+        with AVX-512, where 128-token pieces agreed), and prefilled slower on the second."""
+        if config.flash_attention != "auto":
+            return config.flash_attention == "on"
+        with translate_errors("reading the kernel probe's record"):
+            found = cached_verdict(config, str(resolve_model_path(config.model)))
+        return found.flash_attention if found else config.kv_type not in FLOAT_KV_TYPES
 
     @staticmethod
     def _cache_parts(
@@ -268,7 +268,7 @@ class LlamaEngine:
                     f"KV type {config.kv_type} does not fit this model: {exc}"
                 ) from exc
         with translate_errors(f"reading the KV layout of {path}"):
-            flash = LlamaEngine.flash_attention(config)
+            flash = config.kv_type not in FLOAT_KV_TYPES
             parts, checkpoint = LlamaEngine._cache_parts(model, config.kv_type, flash)
             header = GgufFile(path)
             rope = model_rope(model, meta.architecture, header)
@@ -284,6 +284,13 @@ class LlamaEngine:
             if parts
             else "none"
         )
+        # The probe fills its contexts by moving copies with the engine's own shift only
+        # where that shift is safe (key_shift above says where it would crash).
+        kernels = kernel_verdict(model, config, path, copies=shift == "engine")
+        if kernels.flash_attention != flash:  # V rows are laid out otherwise
+            flash = kernels.flash_attention
+            with translate_errors(f"reading the KV layout of {path}"):
+                parts, checkpoint = LlamaEngine._cache_parts(model, config.kv_type, flash)
         digest = file_digest(Path(path))
         layout = (
             f"{digest}|{meta.architecture}|layers={model.n_layer}|kv_heads={model.n_head_kv}"
@@ -326,6 +333,8 @@ class LlamaEngine:
             weight_bytes=model.size_bytes,
             file_bytes=meta.file_bytes,
             flash_attention=flash,
+            kernels=kernels,
+            exact_in_place=kernels.exact,
             max_block_tokens=model.n_swa or None,
             chat_template=model.has_chat_template,
             n_swa_layers=sum(len(part.layers) for part in swa),

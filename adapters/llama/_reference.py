@@ -6,6 +6,8 @@ import time
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvrt.backend import EngineConfig
 
 if TYPE_CHECKING:
@@ -23,13 +25,16 @@ __all__ = [
 REFERENCE_NAME = "llama_cpp.Llama"
 
 
-def same_settings(config: EngineConfig | None) -> dict[str, Any]:
-    """``llama_cpp.Llama`` arguments for the KV type and flash attention kvrt uses."""
+def same_settings(config: EngineConfig | None, path: str | None = None) -> dict[str, Any]:
+    """``llama_cpp.Llama`` arguments for the KV type and flash attention kvrt uses under
+    ``config`` on the model at ``path`` (default: the one ``config`` names)."""
     from kvrt.native_bridge.llama import KV_TYPES
 
     from ._engine import LlamaEngine
 
     config = config or EngineConfig()
+    if path is not None:
+        config = msgspec.structs.replace(config, model=path)
     ggml_type = KV_TYPES[config.kv_type][0]
     return {
         "flash_attn": LlamaEngine.flash_attention(config),
@@ -55,7 +60,7 @@ def reference_llama(
     import llama_cpp
 
     with same_weights():
-        return llama_cpp.Llama(path, **{**same_settings(config), **kwargs})
+        return llama_cpp.Llama(path, **{**same_settings(config, path), **kwargs})
 
 
 def reference_greedy_tps(

@@ -386,7 +386,8 @@ class EngineGate:
             cold_tokens=sizes[Residency.COLD],
             dropped_tokens=sizes[Residency.DROPPED],
             exact_restores=exact_restores,
-            exact=not approximate_context
+            exact=self.ctx.capabilities.exact_compute
+            and not approximate_context
             and not partial_context
             and not tally.approximate
             and (exact_restores or not tally.restored),

@@ -41,7 +41,8 @@ HELP = {
     "long_context": "serve contexts past the model's trained one, approximately (true/false)",
     "model": "path of a GGUF model (default: the embedded SmolLM2-135M-Instruct)",
     "kv_type": "KV cache type: f32, f16, bf16, q8_0, ... (OpenVINO: f32, f16, bf16, u8)",
-    "flash_attention": "llama.cpp flash attention: auto, on or off (default auto)",
+    "flash_attention": "llama.cpp flash attention: auto (the kernel probe's choice), on or off",
+    "kernel_policy": "kernel policy choosing among the probed configurations (fastest_exact)",
     "chat_template": "a Jinja chat template file (or tokenizer_config.json) to use instead "
     "of the model's own",
     "threads": "engine threads (default: the physical cores this process may run on)",

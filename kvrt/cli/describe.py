@@ -78,8 +78,31 @@ def _dependent(m: Any, hot: int) -> str:
     return text
 
 
+def _kernels(k: Any) -> str:
+    """The kernel probe's verdict, with what it measured."""
+    text = str(k.reason)
+    st = k.setting
+    if st is not None and st.steps:
+        together = (
+            "exact"
+            if k.batch_exact
+            else f"inexact (max |Δ| {max(s.max_delta for s in st.steps):.3g})"
+        )
+        costs = ", ".join(
+            f"{s.sequences}: {s.serial_ms:.1f} -> {s.batched_ms:.1f} ms" for s in st.steps
+        )
+        text += f"; sequences decoded together {together}, a step one by one -> together {costs}"
+    if k.probe is not None:
+        text += (
+            f"; probed once in {k.probe.seconds:.1f} s on {k.probe.cpu}, {k.probe.threads} threads"
+        )
+    return text
+
+
 def _restores(m: Any) -> str:
     exact = "bit-exact" if m.exact_in_place else f"approximate ({m.kv_type} re-quantizes)"
+    if m.kernels is not None and not m.kernels.exact:
+        exact = "approximate (the kernels are inexact here: see kernels)"
     if m.recurrent == "recurrent":
         return (
             f"a shared prefix: the recurrent state after its last block comes back {exact} "
@@ -149,6 +172,7 @@ def print_info(info: ModelInfo, *, long_context: bool = False) -> None:
             else []
         ),
         ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
+        *([("kernels", _kernels(m.kernels))] if m.kernels is not None else []),
         ("KV bytes per token", kv_bytes),
         *(
             [

@@ -5,6 +5,7 @@ in process and as ``kvrt serve`` processes behind the openai client."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,6 +96,11 @@ def serving(
     """``kvrt serve`` on the embedded model as a process of its own: its base URL. Its log
     may hold no traceback."""
     environment = {"KVRT_CACHE_DIR": str(tmp_path / name), **(env or {})}
+    # the run's kernel probe records, so a replica reads them instead of probing again
+    (tmp_path / name).mkdir(exist_ok=True)
+    kernels = tmp_path / name / "kernels"
+    if not kernels.exists():
+        kernels.symlink_to(Path(os.environ["KVRT_CACHE_DIR"]) / "kernels")
     flags = ("--max-sessions", "2", "--model-name", "smollm2", *flags)
     with kvrt_serve(tmp_path / f"{name}.log", *flags, env=environment) as url:
         yield url

@@ -251,3 +251,51 @@ def test_engine_turn_policies_pick_by_their_own_keys(waiting: list[kvrt.policy.T
         assert isinstance(policy, kvrt.policy.EngineTurn)
         chosen = policy.pick(waiting)
         assert chosen == min(waiting, key=key).id, name
+
+
+def _setting(flash: bool, delta: float, prefill: float, decode: float) -> kvrt.policy.KernelSetting:
+    trials = (
+        kvrt.policy.KernelTrial(name="pieces", max_delta=delta),
+        kvrt.policy.KernelTrial(name="lone", max_delta=0.5, lone=True),
+    )
+    return kvrt.policy.KernelSetting(
+        flash_attention=flash, trials=trials, depth=4096, prefill_tps=prefill, decode_tps=decode
+    )
+
+
+def test_the_kernel_policy_takes_a_speed_up_only_where_exact_and_faster_at_both() -> None:
+    pick = policies.get("kernels", "fastest_exact").choose
+    off = _setting(False, 0.0, 100.0, 50.0)
+    # lone-token trials do not make a configuration inexact: kvrt never prefills one alone
+    assert off.exact and not off.lone_exact
+    assert pick([off, _setting(True, 0.0, 130.0, 55.0)]) == 1
+    assert pick([off, _setting(True, 0.0, 130.0, 45.0)]) == 0  # decodes slower
+    assert pick([off, _setting(True, 0.0, 103.0, 60.0)]) == 0  # within the margin
+    assert pick([off, _setting(True, 0.1, 300.0, 90.0)]) == 0  # inexact
+    assert pick([_setting(False, 0.2, 1, 1), _setting(True, 0.0, 0.5, 0.5)]) == 1
+    assert pick([_setting(False, 0.2, 1, 1), _setting(True, 0.1, 9, 9)]) is None
+    assert (
+        policies.get("kernels", "fastest_exact:0.5").choose([off, _setting(True, 0.0, 130.0, 55.0)])
+        == 0
+    )
+    with pytest.raises(kvrt.ConfigError, match="margin"):
+        policies.get("kernels", "fastest_exact:-1")
+
+
+def test_a_forced_or_unavoidable_inexact_configuration_is_labelled_so() -> None:
+    from kvrt.backend import KernelProbe, settle_kernels
+
+    off, on = _setting(False, 0.0, 100.0, 50.0), _setting(True, 0.3, 200.0, 90.0)
+    probe = KernelProbe(
+        key="k", cpu="cpu", build="b", threads=2, kv_type="f16", settings=(off, on), seconds=1.0
+    )
+    chosen = settle_kernels(probe, None)
+    assert not chosen.flash_attention and chosen.exact
+    assert "flash attention on is inexact (pieces differ by 0.3)" in chosen.reason
+    forced = settle_kernels(probe, True)
+    assert forced.flash_attention and not forced.exact and "labelled approximate" in forced.reason
+    worst = KernelProbe(**{**msgspec.structs.asdict(probe), "settings": (on,)})
+    assert not settle_kernels(worst, None).exact
+    assert "no configuration is exact" in settle_kernels(worst, None).reason
+    unprobed = settle_kernels(worst, False)
+    assert not unprobed.flash_attention and not unprobed.exact and unprobed.setting is None

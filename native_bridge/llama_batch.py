@@ -1,0 +1,161 @@
+"""Several sequences in one llama.cpp context, each in its own KV stream, decoded together.
+
+A :class:`LlamaSequences` context is built with ``kv_unified`` off: every sequence gets a
+stream of its own (its own cells, its own attention), so one ``llama_decode`` can advance
+all of them by a token each. The kernel probe uses it to measure whether a sequence's
+logits decoded beside others equal its logits decoded alone, and what a step costs.
+
+Nothing here decides anything: it checks arguments, calls C, checks results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import BridgeArgumentError
+from .llama import (
+    _DECODE_ERRORS,
+    _LOG,
+    KV_TYPES,
+    LlamaModel,
+    _failure,
+    context_params,
+    read_state,
+    write_state,
+)
+
+__all__ = ["LlamaSequences"]
+
+
+class LlamaSequences:
+    """``n_seq`` independent sequences of at most ``cells`` tokens each on a shared model."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        n_seq: int,
+        cells: int,
+        n_threads: int,
+        kv_type: str = "f16",
+        flash_attn: bool = False,
+        n_batch: int = 128,
+    ) -> None:
+        model_ptr = model._live()
+        if kv_type not in KV_TYPES:
+            raise BridgeArgumentError(f"unknown KV type {kv_type!r}; known: {', '.join(KV_TYPES)}")
+        if not 1 <= n_seq <= 64:
+            raise BridgeArgumentError(f"n_seq must be in [1, 64], got {n_seq}")
+        if not 1 <= cells <= 1 << 20:
+            raise BridgeArgumentError(f"cells must be in [1, {1 << 20}], got {cells}")
+        if not 1 <= n_threads <= 1024:
+            raise BridgeArgumentError(f"n_threads must be in [1, 1024], got {n_threads}")
+        if not 1 <= n_batch <= 8192:
+            raise BridgeArgumentError(f"n_batch must be in [1, 8192], got {n_batch}")
+        # llama.cpp rounds a stream up to 256 cells: ask for whole streams.
+        per_seq = -(-cells // 256) * 256
+        params = context_params(
+            n_ctx=per_seq * n_seq,
+            n_batch=n_batch,
+            n_seq=n_seq,
+            unified=False,
+            swa_full=True,
+            n_threads=n_threads,
+            kv_type=kv_type,
+            flash_attn=flash_attn,
+        )
+        _LOG.clear()
+        ptr = llama_cpp.llama_init_from_model(model_ptr, params)
+        if not ptr:
+            raise _failure(f"llama.cpp could not create a context of {n_seq} sequences")
+        self._ptr: Any = ptr
+        self._mem: Any = llama_cpp.llama_get_memory(ptr)
+        self._model = model
+        self.n_seq = n_seq
+        self.cells = per_seq
+        self.n_batch = params.n_batch
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        model._contexts.add(self)
+
+    def _live(self) -> Any:
+        if self._ptr is None:
+            raise BridgeArgumentError("the context is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr is None:
+            return
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ptr)
+        self._ptr = None
+        self._model._contexts.discard(self)
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise BridgeArgumentError(f"sequence id must be in [0, {self.n_seq}), got {seq}")
+
+    def next_position(self, seq: int) -> int:
+        """One past the last position of ``seq`` (0 when it is empty)."""
+        self._check_seq(seq)
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+
+    def clear(self, seq: int) -> None:
+        """Remove every token of ``seq``."""
+        self._check_seq(seq)
+        self._live()
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def state_get(self, seq: int) -> npt.NDArray[np.uint8]:
+        """The KV bytes of ``seq`` (they load into a sequence of a context like this one;
+        a unified context writes another layout)."""
+        self._check_seq(seq)
+        return read_state(self._live(), seq)
+
+    def state_set(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
+        """Load KV bytes :meth:`state_get` wrote into ``seq``, which must be empty."""
+        self._check_seq(seq)
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or not data.size:
+            raise BridgeArgumentError("state bytes must be a non-empty contiguous 1-D uint8 array")
+        ctx = self._live()
+        if self.next_position(seq):
+            raise BridgeArgumentError(f"sequence {seq} must be empty before loading state")
+        write_state(ctx, self._mem, seq, data)
+
+    def decode(self, tokens: Sequence[int], seqs: Sequence[int]) -> npt.NDArray[np.float32]:
+        """Advance sequence ``seqs[i]`` by ``tokens[i]`` at its next position, all in one
+        ``llama_decode``; the logits after each token, one row per token. A sequence may
+        appear more than once (its tokens in order: a prefill)."""
+        arr = self._model.token_array(tokens)
+        n = arr.size
+        if not 1 <= n <= self.n_batch:
+            raise BridgeArgumentError(f"a batch holds 1 to {self.n_batch} tokens, got {n}")
+        if len(seqs) != n:
+            raise BridgeArgumentError(f"{n} tokens but {len(seqs)} sequence ids")
+        ctx = self._live()
+        nxt: dict[int, int] = {}
+        b = self._batch
+        for i, seq in enumerate(seqs):
+            if seq not in nxt:
+                nxt[seq] = self.next_position(seq)
+            if nxt[seq] >= self.cells:
+                raise BridgeArgumentError(f"sequence {seq} is full ({self.cells} cells)")
+            b.token[i] = int(arr[i])
+            b.pos[i] = nxt[seq]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1
+            nxt[seq] += 1
+        b.n_tokens = n
+        _LOG.clear()
+        rc = llama_cpp.llama_decode(ctx, b)
+        if rc != 0:
+            raise _failure(f"llama_decode failed ({rc}: {_DECODE_ERRORS.get(rc, 'error')})")
+        ptr = llama_cpp.llama_get_logits(ctx)
+        if not ptr:
+            raise _failure("no logits after decoding")
+        return np.ctypeslib.as_array(ptr, shape=(n, self._model.n_vocab)).copy()
