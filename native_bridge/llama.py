@@ -446,6 +446,16 @@ def context_params(
     return params
 
 
+def new_context(model_ptr: Any, params: Any, what: str) -> Any:
+    """A llama.cpp context built with ``params``, or a :class:`BridgeCallError` naming
+    ``what`` with llama.cpp's own last words."""
+    _LOG.clear()
+    ptr = llama_cpp.llama_init_from_model(model_ptr, params)
+    if not ptr:
+        raise _failure(f"llama.cpp could not create {what}")
+    return ptr
+
+
 def read_state(ctx: Any, seq: int) -> npt.NDArray[np.uint8]:
     """The state bytes of ``seq``, written by llama.cpp straight into a fresh buffer."""
     size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
@@ -516,10 +526,7 @@ class LlamaContext:
             kv_type=kv_type,
             flash_attn=flash_attn,
         )
-        _LOG.clear()
-        ptr = llama_cpp.llama_init_from_model(model_ptr, params)
-        if not ptr:
-            raise _failure(f"llama.cpp could not create a context of {n_ctx} tokens")
+        ptr = new_context(model_ptr, params, f"a context of {n_ctx} tokens")
         self._ptr: Any = ptr
         self._mem: Any = llama_cpp.llama_get_memory(ptr)
         self._model = model

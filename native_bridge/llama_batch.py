@@ -25,6 +25,7 @@ from .llama import (
     LlamaModel,
     _failure,
     context_params,
+    new_context,
     read_state,
     write_state,
 )
@@ -69,10 +70,7 @@ class LlamaSequences:
             kv_type=kv_type,
             flash_attn=flash_attn,
         )
-        _LOG.clear()
-        ptr = llama_cpp.llama_init_from_model(model_ptr, params)
-        if not ptr:
-            raise _failure(f"llama.cpp could not create a context of {n_seq} sequences")
+        ptr = new_context(model_ptr, params, f"a context of {n_seq} sequences")
         self._ptr: Any = ptr
         self._mem: Any = llama_cpp.llama_get_memory(ptr)
         self._model = model

@@ -15,7 +15,6 @@ about 0.6 GB). The text it writes is noise: a benchmark fixes reply lengths inst
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,6 @@ def write(
     target = Path(folder) / f"llama-{width}x{layers}-{quant}.gguf"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     kind = {
         "q4_0": gguf.GGMLQuantizationType.Q4_0,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -75,8 +73,6 @@ def write(
     rng = np.random.default_rng(2048)
     head = width // heads
     vocab = len(zoo._tokenizer()["tokenizer.ggml.tokens"][0])
-    fd, temp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".part", dir=target.parent)
-    os.close(fd)
 
     def matrix(rows: int, cols: int, scale: float) -> tuple[Any, Any]:
         values = (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float32)
@@ -84,8 +80,7 @@ def write(
             return values.astype(np.float16), None
         return quantize(values, kind), kind
 
-    try:
-        writer = gguf.GGUFWriter(temp, "llama")
+    def fill(writer: Any) -> None:
         _metadata(writer, width=width, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn)
         writer.add_file_type(
             {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
@@ -113,13 +108,5 @@ def write(
             }
         for name, (array, raw) in tensors.items():
             writer.add_tensor(name, array, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(temp, 0o644)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return target
+
+    return zoo.written(target, "llama", fill)

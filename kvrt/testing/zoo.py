@@ -522,7 +522,7 @@ def write(name: str, folder: str | os.PathLike[str], *, context: int | None = No
     is cheap to test). Needs the ``gguf`` package (the ``test`` extra), which kvrt itself
     does not install."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (the writer below needs it: say so before any work)
     except ImportError:
         raise ImportError(
             "kvrt.testing.zoo writes GGUF files with the gguf package: pip install gguf "
@@ -536,17 +536,29 @@ def write(name: str, folder: str | os.PathLike[str], *, context: int | None = No
     target = Path(folder) / f"{name}.gguf"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{name}-", suffix=".part", dir=target.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(temp, v.architecture)
+
+    def fill(writer: Any) -> None:
         for key, value, vtype, sub in _metadata(v):
             writer.add_key_value(key, value, vtype, sub_type=sub)
         for key, (value, vtype, sub) in _tokenizer().items():
             writer.add_key_value(key, value, vtype, sub_type=sub)
         for tensor_name, array in _tensors(v).items():
             writer.add_tensor(tensor_name, array)
+
+    return written(target, v.architecture, fill)
+
+
+def written(target: Path, architecture: str, fill: Callable[[Any], None]) -> Path:
+    """``target`` written whole by a GGUF writer ``fill`` adds keys and tensors to: into
+    a temporary file beside it, renamed into place once complete (a crash leaves none)."""
+    import gguf
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".part", dir=target.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(temp, architecture)
+        fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
