@@ -409,7 +409,8 @@ class SessionReport(msgspec.Struct, frozen=True, kw_only=True):
     """How the last placement scored blocks for a hot-eviction policy that asks for
     relevance: ``keys`` (key vectors), ``lexical`` (the policy's token score), or
     ``lexical: <why>`` where a key-scoring policy had to fall back (the engine cannot read
-    this model's keys); None where the policy scores nothing."""
+    this model's keys), ``none: <why>`` where the placement needed no scores (a window
+    computing a long context's blocks); None where the policy scores nothing."""
     recurrent_seen_tokens: int | None = None
     """On a model with recurrent layers (a hybrid's or a recurrent model's), the context
     tokens its recurrent state has integrated, in order: every one up to the window's last

@@ -33,9 +33,8 @@ from ._errors import (
     KvrtError,
     SessionClosedError,
 )
-from ._paging.long import long_limit
 from ._paging.segments import Segment
-from ._paging.window import HotWindow
+from ._paging.window import HotWindow, long_limit
 from ._session import (
     Actor,
     SavedSession,

@@ -4,7 +4,9 @@ sketches."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import msgspec
 import numpy as np
@@ -19,6 +21,7 @@ __all__ = [
     "KernelSetting",
     "KernelTrial",
     "KeySketch",
+    "KeySketches",
     "PartialWindowQuery",
     "Residency",
     "RestoreQuery",
@@ -270,3 +273,35 @@ class KeySketch:
     def __array__(self, dtype: object = None, copy: object = None) -> npt.NDArray[np.float32]:
         out = self.keys.astype(np.float32) * self.scale[..., None]
         return out if dtype is None else out.astype(dtype)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KeySketches(Sequence["KeySketch | None"]):
+    """Many blocks' key sketches packed side by side, as a long context keeps them: a
+    sequence of :class:`KeySketch` (None where a block has none), and the packed arrays a
+    policy can read all at once, without gathering a thousand small arrays a turn.
+
+    ``keys[layer, kv_head, vector, head_dim, slot]`` (int8, a slot's vectors down a column)
+    times ``scale[layer, kv_head, vector, slot]`` are the vectors of every slot; ``norms``
+    their int8 vectors' squared lengths; ``slots[i]`` the slot of the i-th block, -1 where
+    it has no sketch. Slots no block names hold nothing a policy should read."""
+
+    keys: npt.NDArray[np.int8]
+    scale: npt.NDArray[np.float32]
+    norms: npt.NDArray[np.float32]
+    slots: npt.NDArray[np.intp]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @overload
+    def __getitem__(self, i: int) -> KeySketch | None: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[KeySketch | None]: ...
+    def __getitem__(self, i: int | slice) -> KeySketch | Sequence[KeySketch | None] | None:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self))[i]]
+        slot = int(self.slots[i])
+        if slot < 0:
+            return None
+        return KeySketch(self.keys[..., slot], self.scale[..., slot])

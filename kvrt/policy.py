@@ -61,6 +61,7 @@ from ._types import (
     KernelSetting,
     KernelTrial,
     KeySketch,
+    KeySketches,
     PartialWindowQuery,
     RestoreQuery,
     SequenceStep,
@@ -89,6 +90,7 @@ __all__ = [
     "Kernels",
     "KeyScoring",
     "KeySketch",
+    "KeySketches",
     "LexicalBlending",
     "MessageClass",
     "PartialWindow",
@@ -234,7 +236,9 @@ class KeyScoring(Protocol):
 
     Where the engine context offers key sketches (:class:`kvrt.backend.KeySketching`), the
     session calls this instead of ``relevance``, with each block's sketch (None where it
-    has none: not computed yet, or cold outside RAM) and the query's.
+    has none: not computed yet, or cold outside RAM) and the query's. A long context hands
+    its blocks' as one :class:`KeySketches` (a sequence of them, packed): a policy may read
+    its arrays at once instead of block by block.
     """
 
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvrt.policy import BlockView, KeySketch, register
+from kvrt.policy import BlockView, KeySketch, KeySketches, register
 
 from ._knobs import share
 
@@ -128,39 +128,13 @@ class KeyRelevance(LexicalRelevance):
     def key_relevance(self, blocks: Sequence[object | None], query: object) -> list[float | None]:
         """One score per block (None where it has no sketch), higher is more relevant.
 
-        Computed a layer at a time from the int8 keys, so what it holds beside the
-        sketches is a layer's worth (about 7 KB a block) whatever the context's length. With
-        ``k`` a key, ``c`` the centre and ``q`` a unit query key, the cosine of ``k - c`` and
-        ``q`` is ``(k.q - c.q) / |k - c|``, and ``|k - c|^2 = |k|^2 - 2 k.c + |c|^2``: one
-        product of the keys with ``[q; c]`` gives both, the keys are never centred."""
-        have = [_sketch(b) for b in blocks if b is not None]
-        if not have:
+        ``blocks`` packed (:class:`~kvrt.policy.KeySketches`, as a long context hands
+        them) are read where they lie; others are packed first."""
+        packed = blocks if isinstance(blocks, KeySketches) else _pack(blocks)
+        if not (packed.slots >= 0).any():
             return [None] * len(blocks)
-        q = np.asarray(query, dtype=np.float32)  # [layer, head, token, dim]
-        n_layer, n_head, vectors, dim = have[0].shape
-        n, n_query, r = len(have), q.shape[2], vectors - 1
-        every = np.stack([b.keys for b in have], axis=3)  # [layer, head, vector, block, dim]
-        scales = np.stack([b.scale for b in have], axis=3)  # [layer, head, vector, block]
-        # The context's mean key [layer, head, dim]: the mean of its blocks' means.
-        centre = np.einsum("lhnd,lhn->lhd", every[:, :, 0], scales[:, :, 0]) / n
-        keys = np.empty((n_head, r, n, dim), dtype=np.float32)
-        flat = keys.reshape(n_head, r * n, dim)
-        total = np.zeros(n, dtype=np.float64)
-        for layer in range(n_layer):
-            np.copyto(keys, every[layer, :, 1:], "unsafe")
-            scale = scales[layer, :, 1:].reshape(n_head, r * n, 1)
-            c = centre[layer]  # [head, dim]
-            qn = _unit(q[layer] - c[:, None])  # [head, query token, dim]
-            both = flat @ np.concatenate([qn, c[:, None]], axis=1).transpose(0, 2, 1)
-            both *= scale  # [head, vector x block, query token + 1]: k.q, then k.c
-            square = np.einsum("hvd,hvd->hv", flat, flat)[:, :, None] * np.square(scale)
-            square += np.einsum("hd,hd->h", c, c)[:, None, None] - 2.0 * both[:, :, -1:]
-            cosines = both[:, :, :-1] - np.einsum("hqd,hd->hq", qn, c)[:, None, :]
-            cosines /= np.sqrt(np.maximum(square, 1e-12))
-            best = cosines.reshape(n_head, r, n, n_query).max(axis=1)  # [head, block, token]
-            total += best.sum(axis=(0, 2))
-        scores = iter(total / (n_layer * n_head * n_query))
-        return [None if b is None else float(next(scores)) for b in blocks]
+        totals = _key_scores(packed, np.asarray(query, dtype=np.float32))
+        return [None if slot < 0 else float(totals[slot]) for slot in packed.slots]
 
     def blend(self, keys: Sequence[float | None], lexical: Sequence[float]) -> list[float | None]:
         """Key scores plus the BM25 scores over the best block's, times ``lexical_weight``."""
@@ -228,6 +202,58 @@ class KeyRelevance(LexicalRelevance):
             return 0.0, 0.0
         middle = statistics.median(scored)
         return middle, self.hold * (max(scored) - middle)
+
+
+def _pack(blocks: Sequence[object | None]) -> KeySketches:
+    """Sketches given one by one (a :class:`KeySketch` or its vectors), packed."""
+    have = [_sketch(b) for b in blocks if b is not None]
+    given = np.array([b is not None for b in blocks], dtype=bool)
+    slots = np.where(given, np.cumsum(given, dtype=np.intp) - 1, -1)
+    if not have:
+        none = np.zeros((0, 0, 0, 0), dtype=np.float32)
+        return KeySketches(np.zeros((0, 0, 0, 0, 0), dtype=np.int8), none, none, slots)
+    keys = np.stack([b.keys for b in have], axis=-1)  # [layer, head, vector, dim, block]
+    wide = keys.astype(np.float32)
+    norms = np.einsum("lhvdn,lhvdn->lhvn", wide, wide)
+    return KeySketches(keys, np.stack([b.scale for b in have], axis=-1), norms, slots)
+
+
+def _key_scores(packed: KeySketches, q: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    """Every slot's score: over layers, heads and query tokens, the mean of the best
+    cosine between a query key ``q[layer, head, token, dim]`` and one of the slot's keys,
+    both centred on the mean key of the slots the blocks name.
+
+    Computed a layer at a time from the int8 keys, so what it holds beside the sketches
+    is a layer's worth (about 7 KB a block) whatever the context's length. With ``k = s K``
+    a key (``K`` its int8 vector, ``s`` its scale), ``c`` the centre and ``q`` a unit query
+    key, the cosine of ``k - c`` and ``q`` is ``(s K.q - c.q) / |k - c|``, and
+    ``|k - c|^2 = s^2 |K|^2 - 2 s K.c + |c|^2``: one product of ``[q; c]`` with the int8
+    vectors gives both, and ``|K|^2`` is packed beside them. Slots lie along the last
+    axis, so every step runs along contiguous rows of slots."""
+    n_layer, n_head, vectors, dim, n = packed.keys.shape
+    n_query, r = q.shape[2], vectors - 1
+    # The context's mean key [layer, head, dim]: the mean of its blocks' means.
+    weight = np.bincount(packed.slots[packed.slots >= 0], minlength=n).astype(np.float32)
+    weight /= weight.sum()
+    centre = np.einsum("lhdn,lhn->lhd", packed.keys[:, :, 0], packed.scale[:, :, 0] * weight)
+    keys = np.empty((n_head, r, dim, n), dtype=np.float32)
+    total = np.zeros(n, dtype=np.float64)
+    for layer in range(n_layer):
+        np.copyto(keys, packed.keys[layer, :, 1:], "unsafe")
+        scale = packed.scale[layer, :, 1:, None, :]  # [head, vector, 1, slot]
+        c = centre[layer]  # [head, dim]
+        qn = _unit(q[layer] - c[:, None])  # [head, query token, dim]
+        both = np.concatenate([qn, c[:, None]], axis=1)[:, None] @ keys
+        # [head, vector, query token + 1, slot]: K.q, then K.c
+        inverse = packed.norms[layer, :, 1:, None, :] * np.square(scale)
+        inverse -= 2.0 * scale * both[:, :, -1:]
+        inverse += np.einsum("hd,hd->h", c, c)[:, None, None, None]
+        np.reciprocal(np.sqrt(np.maximum(inverse, 1e-12)), out=inverse)
+        cosines = both[:, :, :-1]
+        cosines *= scale * inverse
+        cosines -= np.einsum("hqd,hd->hq", qn, c)[:, None, :, None] * inverse
+        total += cosines.max(axis=1).sum(axis=(0, 1))  # the best vector, per head and token
+    return np.asarray(total / (n_layer * n_head * n_query), dtype=np.float64)
 
 
 def _sketch(block: object) -> KeySketch:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvrt import policy
 from kvrt.backend import (
     EngineConfig,
     KernelProbe,
@@ -124,6 +125,7 @@ def kernel_verdict(
     """The verdict of the kept record for this machine, or of a probe run now and kept
     (``copies``: the engine's own key shift is safe on this model, so the probe may fill
     its contexts with moved copies instead of computing them)."""
+    policy.create("kernels", config.kernel_policy)  # an unknown name: refused before probing
     key = _key(config, path)
     probe = load_probe(key)
     if probe is None:

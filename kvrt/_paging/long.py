@@ -30,61 +30,25 @@ import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import msgspec
 
 from .._cold import LONG_PREFIX, ColdKey, token_digest
-from .._engine.contract import EngineContext, KeySketching, ModelFacts
+from .._engine.contract import ColdBlock, KeySketching
 from .._errors import ContextTooLargeError, InvalidArgumentError, NotVisibleError
 from .._reports import ContextStatus, LongContextStatus
 from .._threads import in_thread
-from .._types import ApproximateQuery, BlockView, Residency
-from ..policy import Arranging, KeyScoring, LexicalBlending, Relevance
+from .._types import ApproximateQuery, BlockView, KeySketches, Residency
+from ..policy import Arranging, Relevance
 from .gate import Tally
 from .placement import Placement
-from .segments import Placed, Segment
+from .segments import LongBlock, Placed, Segment
+from .sketches import SketchStore
 from .tokens import Prepared, ReplyTokens
 
-__all__ = ["LongBlock", "LongContext", "long_limit"]
-
-
-def long_limit(ctx: EngineContext, facts: ModelFacts, cold: int, disk: int) -> int:
-    """Tokens a long context may span in ``ctx`` (its hot window plus the cold tiers'
-    budgets, ``cold`` and ``disk`` tokens); refused, with the reason, where the engine
-    cannot show a long context's blocks at other positions."""
-    why = ""
-    if facts.recurrent is not None:
-        why = f"{facts.architecture} keeps a recurrent state, which no window can skip"
-    elif not ctx.capabilities.position_shift:
-        why = "its engine context cannot shift positions (turn a block's keys)"
-    elif not ctx.capabilities.remove_middle:
-        why = "its engine context cannot remove blocks from the middle of the window"
-    if why:
-        raise InvalidArgumentError(f"long_context: this model cannot serve one: {why}")
-    return ctx.n_ctx + cold + disk
-
-
-@dataclass(slots=True, eq=False)
-class LongBlock:
-    """One block of a long context, at its logical position."""
-
-    segment: Segment
-    name: str
-    """Its name in the windows shown to the engine: the segment's, with ``#k`` added for
-    its k-th block where the segment spans several."""
-    start: int
-    tokens: list[int]
-    lone: frozenset[int]
-    """Offsets of the tokens computed alone (a generated reply's)."""
-    key: ColdKey
-    """Its identity at its logical position (as an exact block's key)."""
-
-    def placed(self) -> Placed:
-        seg = Segment(self.name, "", cache_class=self.segment.cache_class, score=self.segment.score)
-        return Placed(seg, self.tokens, self.lone)
+__all__ = ["LongContext"]
 
 
 class LongContext:
@@ -97,8 +61,10 @@ class LongContext:
         self.policies = placement.policies
         self.copies: dict[ColdKey, ColdKey] = {}
         """A block's logical key -> the key of its KV's copy in the cold store."""
-        self.sketches: dict[ColdKey, object] = {}
+        self.sketches = SketchStore()
         """A block's logical key -> the sketch of its keys (RoPE undone), for scoring."""
+        self.unsketched: set[ColdKey] = set()
+        """Logical keys of blocks the engine could not sketch."""
         self.last: _Hidden | None = None
         """What the window of the long context placed last leaves out."""
         self.shown: set[ColdKey] = set()
@@ -151,7 +117,8 @@ class LongContext:
             self.progress = None
             current = {b.key for b in blocks}  # what the next context may ask for again
             self.copies = {k: v for k, v in self.copies.items() if k in current}
-            self.sketches = {k: v for k, v in self.sketches.items() if k in current}
+            self.sketches.keep(current)
+            self.unsketched &= current
 
     async def _place_long(
         self, blocks: list[LongBlock], require: tuple[str, ...]
@@ -170,6 +137,7 @@ class LongContext:
                 "and the segments required visible: open the session with more hot_tokens"
             )
         self.window.virtual = True
+        await self._sketch_copies(blocks, set(tail))
         todo = [i for i in range(len(blocks)) if i not in tail and not self._held(blocks[i])]
         due = self._size(blocks, {i for i in range(len(blocks)) if not self._held(blocks[i])})
         tally, windows, computed = Tally(), 0, 0
@@ -184,7 +152,7 @@ class LongContext:
             done = set(new)
             todo = [i for i in todo if i not in done]
         began = time.perf_counter()
-        chosen = await self._choose(blocks, fixed, cap - self._size(blocks, fixed))
+        chosen, scores = await self._choose(blocks, fixed, cap - self._size(blocks, fixed))
         scoring = time.perf_counter() - began
         # The sinks and required segments, the chosen blocks as the policy arranges them,
         # the tail holding the query.
@@ -194,7 +162,7 @@ class LongContext:
         due += self._size(blocks, {i for i in new if self._held(blocks[i])})  # afresh
         self.progress = (computed, due)
         self.shown = set()
-        tally += await self._show(blocks, shown, new)
+        tally += await self._show(blocks, shown, new, scores, sketch=False)
         self.shown = {blocks[i].key for i in shown}
         computed += self._size(blocks, set(new))
         self.progress = (computed, due)
@@ -286,28 +254,42 @@ class LongContext:
         shown = sorted({*sinks, *recent, *new})
         return shown, [i for i in shown if i in wanted]
 
-    async def _show(self, blocks: Sequence[LongBlock], shown: list[int], new: list[int]) -> Tally:
+    async def _show(
+        self,
+        blocks: Sequence[LongBlock],
+        shown: list[int],
+        new: list[int],
+        scores: _Scores | None = None,
+        *,
+        sketch: bool = True,
+    ) -> Tally:
         """Place the window of ``shown`` blocks; copy the ``new`` ones it computed to the
-        cold store, under this session's own keys where their KV is approximate."""
+        cold store, under this session's own keys where their KV is approximate, and
+        ``sketch`` them while they are hot (a question's window leaves its own to a later
+        question, from their copies: not on the way to its first token).
+
+        The window is not scored again: it fits the engine's whole, and its blocks keep
+        the ``scores`` that chose them (an ingest window's, none) for what generating
+        past its end evicts."""
         placed = [blocks[i].placed() for i in shown]
         fresh = set(new)
         fingerprint = self.window.fingerprint
         self.window.long_copies = {}
-        lent: dict[ColdKey, object] = {}  # the window's scoring needs no sketch made again
+        given: dict[ColdKey, float | None] = {}
         for i, (_, _, pos, chunk, prefix, lone) in zip(
             shown, self.window.chunks(placed), strict=True
         ):
             key = ColdKey(fingerprint, prefix, token_digest(chunk, lone=lone), pos)
             if i in fresh:
                 self.window.long_copies[key] = self._copy_key(blocks[i], key)
-            elif (sketch := self.sketches.get(blocks[i].key)) is not None:
-                lent[key] = sketch
-        self.placement.scoring.lend(lent)
+            if scores is not None:
+                given[key] = scores.by_block.get(i)
+        how = scores.how if scores is not None else "none: a window computing a long context"
         held = [c for i in shown if i not in fresh and (c := self.copies.get(blocks[i].key))]
         for key in held:
             if self.cold.tier(key) not in (None, "ram"):
                 await self.cold.promote(key)
-        with self.cold.pinned(held):
+        with self.cold.pinned(held), self.placement.scoring.given(given, how):
             _, tally = await self.placement.ensure_placed(placed)
         shown_blocks = dict(zip(shown, self.window.blocks, strict=True))
         computed = [shown_blocks[i] for i in new]
@@ -321,12 +303,12 @@ class LongContext:
                 self.copies[blocks[i].key] = stored
             if self.window.residency(block, resident, ()) is Residency.HOT:
                 hot.append((i, block))
-        if hot and isinstance(self.ctx, KeySketching):
+        if sketch and hot and isinstance(self.ctx, KeySketching):
             ranges = [(b.start, b.end) for _, b in hot]
-            sketches = await self.gate.call("sketch hot", self.ctx.key_sketches, ranges)
-            for (i, _), sketch in zip(hot, sketches, strict=True):
-                if sketch is not None:
-                    self.sketches[blocks[i].key] = sketch
+            made = await self.gate.call("sketch hot", self.ctx.key_sketches, ranges)
+            for (i, _), one in zip(hot, made, strict=True):
+                if one is not None:
+                    self.sketches.put(blocks[i].key, one)
         return tally
 
     def _copy_key(self, block: LongBlock, shown: ColdKey) -> ColdKey:
@@ -336,13 +318,16 @@ class LongContext:
         h.update(block.key.prefix.encode() + b"\0" + shown.prefix.encode())
         return ColdKey(shown.fingerprint, LONG_PREFIX + h.hexdigest(), shown.tokens, shown.start)
 
-    async def _choose(self, blocks: Sequence[LongBlock], fixed: set[int], budget: int) -> list[int]:
+    async def _choose(
+        self, blocks: Sequence[LongBlock], fixed: set[int], budget: int
+    ) -> tuple[list[int], _Scores]:
         """The blocks shown besides ``fixed``: all of them, less those the hot-eviction
         policy lets go first (by relevance to the query, for a policy that scores), until
         the rest fit ``budget``; in the order the policy shows them (the context's own
-        where it does not say)."""
+        where it does not say). And the scores it chose them by."""
         body = [i for i in range(len(blocks)) if i not in fixed]
-        scores = await self._scores(blocks, body)
+        scores, how = await self._scores(blocks, body)
+        scored = _Scores(dict(zip(body, scores, strict=True)), how)
         views = [
             BlockView(
                 id=i,
@@ -365,7 +350,7 @@ class LongContext:
             size -= len(blocks[i].tokens)
         policy = self.policies.hot_eviction
         if not isinstance(policy, Arranging):
-            return sorted(chosen)
+            return sorted(chosen), scored
         last = {key: k for k, key in enumerate(self.arranged)}
         given = sorted(
             (v for v in views if v.id in chosen),
@@ -377,31 +362,54 @@ class LongContext:
                 f"{type(policy).__name__}.arrange returned {len(arranged)} ids: it must "
                 f"return the {len(chosen)} blocks it was given, each once"
             )
-        return arranged
+        return arranged, scored
 
-    async def _scores(self, blocks: Sequence[LongBlock], body: list[int]) -> list[float | None]:
+    async def _scores(
+        self, blocks: Sequence[LongBlock], body: list[int]
+    ) -> tuple[list[float | None], str | None]:
         """Each body block's relevance to the query (the last segment's last window of
-        tokens), as the session's hot-eviction policy scores it; None where it scores
-        nothing."""
-        policy = self.policies.hot_eviction
-        if not isinstance(policy, Relevance) or not body:
-            return [None] * len(body)
+        tokens), as the session's hot-eviction policy scores it, None where it scores
+        nothing; and how they were scored (see :attr:`SessionReport.relevance_scoring`)."""
+        if not body or not isinstance(self.policies.hot_eviction, Relevance):
+            return [None] * len(body), None
         last = blocks[-1].segment.name
         segment = tuple(t for b in blocks if b.segment.name == last for t in b.tokens)
         query = segment[-self.window.block_tokens :]
+
+        async def sketches() -> KeySketches:
+            return self.sketches.select([blocks[i].key for i in body])
+
+        # The whole last segment's keys, as a window's placement asks (the engine keeps its
+        # last tokens): one sketch for both.
         tokens = [blocks[i].tokens for i in body]
-        lexical = await in_thread(policy.relevance, tokens, query)
-        if isinstance(policy, KeyScoring) and isinstance(self.ctx, KeySketching):
-            # The whole last segment, as the window's placement asks (the engine keeps its
-            # last tokens): one sketch for both.
-            wanted = await self.placement.scoring.query_sketch(segment)
-            sketches = [self.sketches.get(blocks[i].key) for i in body]
-            if wanted is not None and any(s is not None for s in sketches):
-                keys = await in_thread(policy.key_relevance, sketches, wanted)
-                if isinstance(policy, LexicalBlending):
-                    return policy.blend(keys, lexical)
-                return keys
-        return list(lexical)
+        return await self.placement.scoring.relevance(tokens, query, sketches, key_query=segment)
+
+    async def _sketch_copies(self, blocks: Sequence[LongBlock], tail: set[int]) -> None:
+        """Sketch, from their copies in RAM (scoring never reads from disk), the blocks that
+        have a copy but no sketch and may be scored now (the tail never is): those the
+        last question's window computed, and any a cancelled placement computed without
+        sketching them. Done before any new block is computed, which may push their
+        copies out of RAM."""
+        ctx = self.ctx
+        if not isinstance(ctx, KeySketching):
+            return
+        found: list[tuple[ColdKey, ColdBlock]] = []
+        for i, block in enumerate(blocks):
+            if i in tail or block.key in self.sketches or block.key in self.unsketched:
+                continue
+            copy = self.copies.get(block.key)
+            if copy is not None and (entry := self.cold.peek(copy)) is not None:
+                found.append((block.key, entry.block))
+        if not found:
+            return
+        made = await self.gate.call(
+            "sketch cold", lambda: [ctx.cold_key_sketch(data) for _, data in found]
+        )
+        for (key, _), one in zip(found, made, strict=True):
+            if one is None:
+                self.unsketched.add(key)  # the engine cannot sketch it: not asked again
+            else:
+                self.sketches.put(key, one)
 
     def _summary(
         self,
@@ -426,7 +434,7 @@ class LongContext:
             computed_tokens=computed,
             windows=windows,
             scoring_seconds=scoring,
-            sketch_bytes=sum(getattr(s, "nbytes", 0) for s in self.sketches.values()),
+            sketch_bytes=self.sketches.nbytes,
         )
         cold = self._size(blocks, {i for i in hidden if self._held(blocks[i])})
         return _Hidden(self._size(blocks, set(hidden)), cold, tuple(unseen), long)
@@ -459,6 +467,14 @@ class LongContext:
             exact=False,  # a window of the context, never what computing all of it gives
             long=long,
         )
+
+
+class _Scores(NamedTuple):
+    """How relevant each body block of a long context is to its query (None: unscored),
+    by block index; and how they were scored."""
+
+    by_block: dict[int, float | None]
+    how: str | None
 
 
 class _Hidden(NamedTuple):

@@ -11,8 +11,12 @@ RAM; the query's by running its tokens on their own.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+
 from .._cold import ColdEntry, ColdKey
 from .._engine.contract import KeySketching
+from .._threads import in_thread
 from .._types import Residency
 from ..policy import KeyScoring, LexicalBlending, Relevance
 from .gate import EngineGate
@@ -30,32 +34,65 @@ class Scoring:
         self.policies = gate.policies
         self._sketches: dict[ColdKey, object] = {}
         self._query_sketch: tuple[tuple[int, ...], object | None] | None = None
+        self._given: tuple[dict[ColdKey, float | None], str | None] | None = None
+
+    @contextlib.contextmanager
+    def given(self, scores: dict[ColdKey, float | None], how: str | None) -> Iterator[None]:
+        """Within: scores of the window being placed, by block key, made by what chose its
+        blocks (a long context); its scoring takes them (``how`` they were made) instead of
+        scoring the window again."""
+        self._given = (scores, how)
+        try:
+            yield
+        finally:
+            self._given = None
 
     async def score(self) -> None:
+        if self._given is not None:
+            given, made = self._given
+            fingerprint = self.window.fingerprint
+            self.window.set_relevance([given.get(b.key(fingerprint)) for b in self.window.blocks])
+            self.window.relevance_scoring = made
+            return
+        blocks = self.window.blocks
+        query = self.window.query_tokens()
+        tokens = [b.tokens for b in blocks]
+        scores, how = await self.relevance(tokens, query, self._sketch_blocks)
+        if how is not None:
+            self.window.set_relevance(scores)
+        self.window.relevance_scoring = how
+
+    async def relevance(
+        self,
+        tokens: Sequence[Sequence[int]],
+        query: Sequence[int],
+        sketches: Callable[[], Awaitable[Sequence[object | None]]],
+        key_query: Sequence[int] | None = None,
+    ) -> tuple[list[float | None], str | None]:
+        """Each block's relevance to ``query`` (the blocks' ``tokens`` given), as the
+        session's hot-eviction policy scores it, None where it scores nothing; and how
+        (:attr:`SessionReport.relevance_scoring`). By key vectors where the policy and the
+        engine can (the blocks' ``sketches()`` against those of ``key_query``, ``query``
+        unless given), blended with the token scores where the policy blends; else by
+        tokens."""
         policy = self.policies.hot_eviction
         if not isinstance(policy, Relevance):
-            self.window.relevance_scoring = None
-            return
-        how = "lexical"
-        if isinstance(policy, KeyScoring):
-            how = "lexical: the engine gives no key vectors"
-            if isinstance(self.ctx, KeySketching):
-                how = "lexical: the engine cannot read this model's keys"
-                query = await self.query_sketch(tuple(self.window.query_tokens()))
-                if query is not None:
-                    blocks = await self._sketch_blocks()
-                    if any(s is not None for s in blocks):
-                        scores = policy.key_relevance(blocks, query)
-                        if isinstance(policy, LexicalBlending):
-                            tokens = [b.tokens for b in self.window.blocks]
-                            lexical = policy.relevance(tokens, self.window.query_tokens())
-                            scores = policy.blend(scores, lexical)
-                        self.window.set_relevance(scores)
-                        self.window.relevance_scoring = "keys"
-                        return
-                    how = "lexical: no block has key vectors yet"
-        self.window.score_relevance(policy.relevance)
-        self.window.relevance_scoring = how
+            return [None] * len(tokens), None
+        lexical = list(await in_thread(policy.relevance, tokens, query))
+        if not isinstance(policy, KeyScoring):
+            return list(lexical), "lexical"
+        if not isinstance(self.ctx, KeySketching):
+            return list(lexical), "lexical: the engine gives no key vectors"
+        wanted = await self.query_sketch(tuple(query if key_query is None else key_query))
+        if wanted is None:
+            return list(lexical), "lexical: the engine cannot read this model's keys"
+        made = await sketches()
+        if all(s is None for s in made):
+            return list(lexical), "lexical: no block has key vectors yet"
+        keys = await in_thread(policy.key_relevance, made, wanted)
+        if isinstance(policy, LexicalBlending):
+            return policy.blend(keys, lexical), "keys"
+        return keys, "keys"
 
     async def query_sketch(self, tokens: tuple[int, ...]) -> object | None:
         """The sketch of a query's keys (see :class:`kvrt.backend.KeySketching`), computed
@@ -66,11 +103,6 @@ class Scoring:
             sketch = await self.gate.call("sketch query", self.ctx.query_sketch, tokens)
             self._query_sketch = (tokens, sketch)
         return self._query_sketch[1]
-
-    def lend(self, sketches: dict[ColdKey, object]) -> None:
-        """Sketches of blocks about to be placed, made elsewhere (a long context keeps
-        its blocks'): not made again when they are."""
-        self._sketches.update(sketches)
 
     async def _sketch_blocks(self) -> list[object | None]:
         """Each block's sketch, computing those missing; forgets blocks no longer there."""

@@ -1,18 +1,21 @@
-"""What a context is made of: the segments an agent sends (:class:`Segment`) and each
-one's tokens as a session places them (:class:`Placed`). Checked when built; no ``await``."""
+"""What a context is made of: the segments an agent sends (:class:`Segment`), each
+one's tokens as a session places them (:class:`Placed`), and a long context's blocks at
+their logical positions (:class:`LongBlock`). Checked when built; no ``await``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
 
 from .._checks import check_bool, check_choice, check_int, check_number, check_text
+from .._cold import ColdKey
 from .._errors import ArgumentTypeError
 from .._types import CacheClass
 
-__all__ = ["Placed", "Segment"]
+__all__ = ["LongBlock", "Placed", "Segment"]
 
 
 class Segment(msgspec.Struct, frozen=True):
@@ -95,3 +98,23 @@ class Placed(NamedTuple):
     tokens: list[int]
     lone: frozenset[int] = frozenset()
     """Offsets into ``tokens``."""
+
+
+@dataclass(slots=True, eq=False)
+class LongBlock:
+    """One block of a long context, at its logical position."""
+
+    segment: Segment
+    name: str
+    """Its name in the windows shown to the engine: the segment's, with ``#k`` added for
+    its k-th block where the segment spans several."""
+    start: int
+    tokens: list[int]
+    lone: frozenset[int]
+    """Offsets of the tokens computed alone (a generated reply's)."""
+    key: ColdKey
+    """Its identity at its logical position (as an exact block's key)."""
+
+    def placed(self) -> Placed:
+        seg = Segment(self.name, "", cache_class=self.segment.cache_class, score=self.segment.score)
+        return Placed(seg, self.tokens, self.lone)

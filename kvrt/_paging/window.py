@@ -12,15 +12,17 @@ from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 
 from .._cold import ColdKey, token_digest
+from .._engine.contract import EngineContext, ModelFacts
 from .._errors import (
     ContextTooLargeError,
+    InvalidArgumentError,
     InvalidContextError,
     UnknownSegmentError,
 )
 from .._types import BlockView, CacheClass, Residency
 from .segments import Placed, Segment
 
-__all__ = ["Block", "HotWindow", "runs_of"]
+__all__ = ["Block", "HotWindow", "long_limit", "runs_of"]
 
 
 def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
@@ -422,3 +424,19 @@ class HotWindow:
         by_id = {b.id: b for b in candidates}
         views = [self.view(b) for b in candidates]
         return [by_id[i] for i in order(views) if i in by_id]
+
+
+def long_limit(ctx: EngineContext, facts: ModelFacts, cold: int, disk: int) -> int:
+    """Tokens a long context may span in ``ctx`` (its hot window plus the cold tiers'
+    budgets, ``cold`` and ``disk`` tokens); refused, with the reason, where the engine
+    cannot show a long context's blocks at other positions."""
+    why = ""
+    if facts.recurrent is not None:
+        why = f"{facts.architecture} keeps a recurrent state, which no window can skip"
+    elif not ctx.capabilities.position_shift:
+        why = "its engine context cannot shift positions (turn a block's keys)"
+    elif not ctx.capabilities.remove_middle:
+        why = "its engine context cannot remove blocks from the middle of the window"
+    if why:
+        raise InvalidArgumentError(f"long_context: this model cannot serve one: {why}")
+    return ctx.n_ctx + cold + disk

@@ -3,6 +3,7 @@ shown by ``describe``; a configuration it found inexact is never labelled exact.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import msgspec
@@ -56,6 +57,30 @@ def test_the_probe_runs_once_and_describe_shows_its_verdict(
     assert info.model.kernels == verdict
     for engine in (first, again, other):
         engine.close()
+
+
+def test_an_unreadable_record_is_probed_again_and_an_unknown_policy_refused_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged record is said and measured again, never trusted or fatal; a kernel
+    policy nobody registered is refused before anything is probed, naming what is."""
+    monkeypatch.setenv("KVRT_CACHE_DIR", str(tmp_path))
+    config = kvrt.load_config(flags={"model": zoo_path("llama"), "threads": 1})
+    kvrt.load_engine("llama", config=config).close()
+    [record] = _records(tmp_path)
+    record.write_text('{"key": "half a record')
+    with caplog.at_level(logging.WARNING, logger="kvrt"):
+        engine = kvrt.load_engine("llama", config=config)
+    assert "unreadable" in caplog.text and "probing again" in caplog.text
+    verdict = engine.facts.kernels
+    assert verdict is not None and verdict.probe is not None
+    assert msgspec.json.decode(record.read_bytes(), type=KernelProbe) == verdict.probe
+    engine.close()
+    record.unlink()
+    monkeypatch.setenv("KVRT_KERNEL_POLICY", "slowest_first")
+    with pytest.raises(kvrt.UnknownPolicyError, match=r"slowest_first.*fastest_exact"):
+        kvrt.load_engine("llama", config=kvrt.load_config(flags={"model": zoo_path("llama")}))
+    assert _records(tmp_path) == []  # refused before probing
 
 
 @pytest.mark.anyio

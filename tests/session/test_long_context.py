@@ -202,6 +202,22 @@ async def test_a_follow_up_computes_only_what_is_new() -> None:
         assert "needle" not in second.invisible_segments
 
 
+async def test_a_question_s_own_blocks_are_sketched_for_a_later_one_from_their_copies() -> None:
+    """The blocks a question's window computes are not sketched on the way to its first
+    token: the next context sketches them from their copies in RAM, before it computes
+    anything new, and scores them as any other block."""
+    async with long_session(config()) as (_, session):
+        context = haystack(100, needle_at=60)
+        await session.ensure_context(context)
+        long = session._actor.contexts
+        deferred = {k for k in long.copies if k not in long.sketches}
+        assert deferred  # the question's own blocks
+        more = [*context, Segment("more", FILLER * 40), Segment("q2", QUESTION)]
+        await session.ensure_context(more)
+        assert deferred <= set(long.copies)  # still in the context, now before the tail
+        assert all(k in long.sketches for k in deferred)
+
+
 async def test_a_follow_up_after_a_reply_keeps_the_window_and_the_document_s_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -20,6 +20,7 @@ import kvrt
 from benchmarks import passkey
 from benchmarks.passkey import QUESTIONS
 from kvrt import CacheClass, Segment, policies
+from kvrt._paging.sketches import SketchStore
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import KeySketch, KeySketching
 from kvrt.native_bridge import BridgeError
@@ -180,6 +181,37 @@ def test_int8_key_sketches_score_as_their_float_vectors() -> None:
     assert np.abs(np.array(got, dtype=np.float64) - expected).max() < 2e-3
     assert int(np.argmax(np.array(got, dtype=np.float64))) == 17 == int(np.argmax(expected))
     assert np.array_equal(np.argsort(expected)[-5:], np.argsort(np.array(got, float))[-5:])
+
+
+def test_packed_sketches_score_as_the_same_sketches_one_by_one() -> None:
+    """A long context's store hands its sketches packed: scored where they lie, they score
+    as the same sketches handed one by one, whatever else the arena holds (slots of blocks
+    the context dropped, reused; blocks left out); the arena grows without losing any."""
+    rng = np.random.default_rng(11)
+    shape = (3, 2, 5, 16)
+    sketches = {k: KeySketch.quantize(rng.normal(0, 1, shape)) for k in range(150)}
+    store = SketchStore()
+    for k in range(100):  # past the first arena's 64 slots
+        store.put(k, sketches[k])
+    store.keep(set(range(40, 100)))  # 40 slots free, then reused
+    for k in range(100, 150):
+        store.put(k, sketches[k])
+    assert len(store) == 110
+    assert store.nbytes == 110 * (sketches[0].nbytes + 4 * 3 * 2 * 5)  # with |K|^2 per vector
+    body = [*range(45, 60), 7, *range(120, 150)]  # 7 was dropped: no sketch
+    query = rng.normal(0, 1, (3, 2, 4, 16)).astype(np.float32)
+    packed = store.select(body)
+    assert len(packed) == len(body) and packed[15] is None
+    assert packed.keys.shape[-1] == 110  # the 40 freed slots were reused
+    assert np.array_equal(np.asarray(packed[0]), np.asarray(sketches[45]))
+    alone = [None if k == 7 else sketches[k] for k in body]
+    policy = KeyRelevance()
+    got, expected = policy.key_relevance(packed, query), policy.key_relevance(alone, query)
+    assert got[15] is None and expected[15] is None
+    assert np.allclose(
+        [g for g in got if g is not None], [e for e in expected if e is not None], atol=1e-6
+    )
+    assert got != policy.key_relevance(store.select([*body, 40]), query)[: len(body)]  # centre
 
 
 def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
