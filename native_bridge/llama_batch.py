@@ -5,6 +5,13 @@ stream of its own (its own cells, its own attention), so one ``llama_decode`` ca
 all of them by a token each. The kernel probe uses it to measure whether a sequence's
 logits decoded beside others equal its logits decoded alone, and what a step costs.
 
+A window of a context of its own (:class:`~.llama.LlamaContext`, one stream) moves into a
+sequence here and back whole (:meth:`LlamaSequences.load_window`,
+:meth:`LlamaSequences.window`): the same cells at the same positions, their bytes
+rewritten for the other stream count, which llama.cpp refuses to load as they are. A
+sequence shares nothing with the others, so where the kernels are batch-invariant (the
+kernel probe says), decoding it beside them gives its own context's logits bit for bit.
+
 Nothing here decides anything: it checks arguments, calls C, checks results.
 """
 
@@ -29,6 +36,7 @@ from .llama import (
     read_state,
     write_state,
 )
+from .llama_keys import _HEADER, state_streams
 
 __all__ = ["LlamaSequences"]
 
@@ -124,6 +132,17 @@ class LlamaSequences:
             raise BridgeArgumentError(f"sequence {seq} must be empty before loading state")
         write_state(ctx, self._mem, seq, data)
 
+    def load_window(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
+        """Load a window's KV bytes as a one-stream context writes them
+        (:meth:`~.llama.LlamaContext.state_get`) into ``seq``, which must be empty."""
+        self._check_seq(seq)
+        self.state_set(seq, _streams(data, self.n_seq, seq))
+
+    def window(self, seq: int) -> npt.NDArray[np.uint8]:
+        """``seq``'s KV bytes as a one-stream context writes them: they load back into
+        one (:meth:`~.llama.LlamaContext.state_set`)."""
+        return _one_stream(self.state_get(seq))
+
     def decode(self, tokens: Sequence[int], seqs: Sequence[int]) -> npt.NDArray[np.float32]:
         """Advance sequence ``seqs[i]`` by ``tokens[i]`` at its next position, all in one
         ``llama_decode``; the logits after each token, one row per token. A sequence may
@@ -157,3 +176,35 @@ class LlamaSequences:
         if not ptr:
             raise _failure("no logits after decoding")
         return np.ctypeslib.as_array(ptr, shape=(n, self._model.n_vocab)).copy()
+
+
+def _streams(data: npt.NDArray[np.uint8], n_stream: int, slot: int) -> npt.NDArray[np.uint8]:
+    """One-stream sequence state bytes rewritten for a cache of ``n_stream`` streams, the
+    cells in stream ``slot`` and the others empty."""
+    head = data[:_HEADER]
+    pieces = [head]
+    for streams in state_streams(data):
+        if len(streams) != 1:
+            raise BridgeArgumentError(f"a window's bytes hold {len(streams)} streams, not one")
+        _, begin, end = streams[0]
+        pieces.append(np.array([n_stream], dtype="<u4").view(np.uint8))
+        for s in range(n_stream):
+            pieces.append(data[begin:end] if s == slot else _EMPTY)
+    return np.concatenate(pieces)
+
+
+def _one_stream(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Sequence state bytes of a cache of several streams, the one that holds cells kept
+    as a one-stream cache writes it."""
+    pieces = [data[:_HEADER]]
+    for streams in state_streams(data):
+        held = [(b, e) for part, b, e in streams if part.positions.size]
+        if len(held) > 1:
+            raise BridgeArgumentError(f"the bytes hold cells in {len(held)} streams, not one")
+        pieces.append(np.array([1], dtype="<u4").view(np.uint8))
+        pieces.append(data[held[0][0] : held[0][1]] if held else _EMPTY)
+    return np.concatenate(pieces)
+
+
+_EMPTY = np.zeros(4, dtype=np.uint8)
+"""An empty stream: a cell count of 0."""

@@ -43,6 +43,7 @@ __all__ = [
     "read_keys",
     "shift_cells",
     "state_parts",
+    "state_streams",
     "unrotate",
 ]
 
@@ -123,6 +124,23 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
 
     Raises :class:`BridgeArgumentError` unless the lengths account for every byte.
     """
+    parts = []
+    for streams in state_streams(data):
+        if len(streams) != 1:
+            raise BridgeArgumentError(f"state bytes hold {len(streams)} streams, expected 1")
+        parts.append(streams[0][0])
+    return tuple(parts)
+
+
+def state_streams(
+    data: npt.NDArray[np.uint8],
+) -> tuple[tuple[tuple[StatePart, int, int], ...], ...]:
+    """Parse the layout of sequence state bytes of a cache of any number of streams (a
+    context with ``kv_unified`` off has one a sequence): per KV cache, per stream, its
+    layout and the span ``[begin, end)`` of its bytes (from its cell count on).
+
+    Raises :class:`BridgeArgumentError` unless the lengths account for every byte.
+    """
     if data.dtype != np.uint8 or data.ndim != 1:
         raise BridgeArgumentError("state bytes must be a 1-D uint8 array")
     raw = np.ascontiguousarray(data).data
@@ -138,13 +156,8 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
         off += n
         return values
 
-    parts: list[StatePart] = []
-    while off < size:
-        if len(parts) >= 8:
-            raise BridgeArgumentError("state bytes claim more than 8 caches")
-        (n_stream,) = take("<I")
-        if n_stream != 1:
-            raise BridgeArgumentError(f"state bytes hold {n_stream} streams, expected 1")
+    def stream() -> StatePart:
+        nonlocal off
         (n_cells,) = take("<I")
         if n_cells > size:
             raise BridgeArgumentError(f"state bytes claim {n_cells} cells")
@@ -155,9 +168,8 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
                 raise BridgeArgumentError(f"a cell claims {n_seq} sequences")
             off += 4 * n_seq
             positions[i] = pos
-        if n_cells == 0:  # an empty cache writes no data section
-            parts.append(StatePart(positions, False, ()))
-            continue
+        if n_cells == 0:  # an empty stream writes no data section
+            return StatePart(positions, False, ())
         v_trans, n_layer = take("<II")
         # 0 layers: a cache with no layers of its kind (every layer of the model windowed
         # leaves the global cache empty of layers; its cells are still listed).
@@ -179,7 +191,21 @@ def state_parts(data: npt.NDArray[np.uint8]) -> tuple[StatePart, ...]:
             layers.append(LayerRows(k_type, k_row, v_type, v_row, k_offset))
         if off > size:
             raise BridgeArgumentError("state bytes end early")
-        parts.append(StatePart(positions, bool(v_trans), tuple(layers)))
+        return StatePart(positions, bool(v_trans), tuple(layers))
+
+    parts: list[tuple[tuple[StatePart, int, int], ...]] = []
+    while off < size:
+        if len(parts) >= 8:
+            raise BridgeArgumentError("state bytes claim more than 8 caches")
+        (n_stream,) = take("<I")
+        if not 1 <= n_stream <= 256:
+            raise BridgeArgumentError(f"state bytes claim {n_stream} streams")
+        streams = []
+        for _ in range(n_stream):
+            begin = off
+            part = stream()
+            streams.append((part, begin, off))
+        parts.append(tuple(streams))
     if off != size or not parts:
         raise BridgeArgumentError(f"state bytes hold {size} bytes, their layout says {off}")
     return tuple(parts)

@@ -1,0 +1,97 @@
+"""Windows moved into a context of several KV streams and back.
+
+A window of a context of its own moves into one stream of a context of several and back
+whole: the same cells at the same positions, so its next logits are its own context's,
+bit for bit. Decoded beside other windows in one step, a window's logits are those of its
+own context wherever the kernel probe found the kernels batch-invariant (SmolLM2 on this
+kind of machine); bytes of another layout are refused whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.adapters.llama import LlamaEngine
+from kvrt.native_bridge import BridgeArgumentError
+from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama_batch import LlamaSequences
+from tests.support.models import zoo_path
+
+TEXTS = [
+    "The harbour master logs every ship that comes in at dawn. " * 4,
+    "Seven lanterns hang over the north gate of the old city. " * 5,
+    "A recipe for bread needs flour, water, salt and patience. " * 6,
+]
+
+
+def _own(model: LlamaModel, tokens: list[int], threads: int) -> LlamaContext:
+    ctx = LlamaContext(model, n_ctx=512, n_threads=threads)
+    for a in range(0, len(tokens), 64):
+        ctx.decode(tokens[a : a + 64], a)
+    return ctx
+
+
+def test_a_window_moves_into_a_stream_and_back_whole() -> None:
+    model = LlamaModel(zoo_path("llama"))
+    tokens = model.tokenize(TEXTS[0], add_special=True, parse_special=False)
+    own = _own(model, tokens, threads=1)
+    pool = LlamaSequences(model, n_seq=3, cells=512, n_threads=1)
+    try:
+        pool.load_window(2, own.state_get(MAIN_SEQ))
+        assert [pool.next_position(s) for s in range(3)] == [0, 0, len(tokens)]
+        with pytest.raises(BridgeArgumentError, match="empty"):
+            pool.load_window(2, own.state_get(MAIN_SEQ))  # a stream is loaded into empty
+        with pytest.raises(BridgeArgumentError):
+            pool.load_window(0, np.frombuffer(b"not a window at all", dtype=np.uint8).copy())
+        assert pool.next_position(0) == 0  # refused whole
+        back = LlamaContext(model, n_ctx=512, n_threads=1)
+        back.state_set(MAIN_SEQ, pool.window(2))
+        assert back.pos_max(MAIN_SEQ) == len(tokens) - 1
+        step = tokens[-1]
+        own.decode([step], len(tokens))
+        back.decode([step], len(tokens))
+        assert np.array_equal(own.logits(), back.logits())
+        back.close()
+    finally:
+        pool.close()
+        own.close()
+        model.close()
+
+
+def test_windows_decoded_together_give_their_own_contexts_logits(engine: LlamaEngine) -> None:
+    verdict = engine.facts.kernels
+    assert verdict is not None
+    threads = verdict.probe.threads if verdict.probe is not None else 2
+    model = LlamaModel(engine.facts.path)
+    prompts = [model.tokenize(t, add_special=True, parse_special=False) for t in TEXTS]
+    owns = [_own(model, p, threads) for p in prompts]
+    pool = LlamaSequences(model, n_seq=len(prompts), cells=512, n_threads=threads)
+    try:
+        for s, own in enumerate(owns):
+            pool.load_window(s, own.state_get(MAIN_SEQ))
+        alone: list[list[np.ndarray]] = [[] for _ in prompts]
+        chosen = [[int(np.argmax(own.logits()))] for own in owns]
+        for k in range(4):
+            for s, own in enumerate(owns):
+                own.decode([chosen[s][-1]], len(prompts[s]) + k)
+                alone[s].append(own.logits())
+                chosen[s].append(int(np.argmax(alone[s][-1])))
+        together: list[list[np.ndarray]] = [[] for _ in prompts]
+        for k in range(4):
+            rows = pool.decode(
+                [chosen[s][k] for s in range(len(prompts))], list(range(len(prompts)))
+            )
+            for s in range(len(prompts)):
+                together[s].append(rows[s])
+        same = all(
+            np.array_equal(a, b)
+            for s in range(len(prompts))
+            for a, b in zip(alone[s], together[s], strict=True)
+        )
+        assert same == verdict.batch_exact  # as the probe measured it here
+    finally:
+        pool.close()
+        for own in owns:
+            own.close()
+        model.close()
