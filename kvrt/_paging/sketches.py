@@ -44,12 +44,13 @@ class SketchStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the sketches held take (the slots of blocks still in the context)."""
+        """Bytes the arena's written slots take: the sketches held, and slots freed for
+        reuse, which stay in memory (the arena never shrinks while a sketch is held)."""
         if self._keys is None or self._scale is None or self._norms is None:
             return 0
         n_slots = int(self._keys.shape[4])
         per_slot = (self._keys.nbytes + self._scale.nbytes + self._norms.nbytes) // n_slots
-        return per_slot * len(self._slot)
+        return per_slot * self._used
 
     def put(self, key: Hashable, sketch: object) -> None:
         """Keep ``sketch`` (a :class:`KeySketch`, or its vectors) as ``key``'s. A sketch of
@@ -68,9 +69,12 @@ class SketchStore:
         self._norms[..., slot] = np.einsum("lhvd,lhvd->lhv", wide, wide)
 
     def keep(self, keys: Collection[Hashable]) -> None:
-        """Forget every sketch but those of ``keys``; their slots are reused."""
+        """Forget every sketch but those of ``keys``: their slots are reused, and the
+        arena is given back once none is held."""
         for key in [k for k in self._slot if k not in keys]:
             self._free.append(self._slot.pop(key))
+        if not self._slot:
+            self._clear()
 
     def select(self, keys: Sequence[Hashable]) -> KeySketches:
         """The sketches of ``keys``, in order (None where one has none), packed."""

@@ -212,6 +212,8 @@ def test_packed_sketches_score_as_the_same_sketches_one_by_one() -> None:
         [g for g in got if g is not None], [e for e in expected if e is not None], atol=1e-6
     )
     assert got != policy.key_relevance(store.select([*body, 40]), query)[: len(body)]  # centre
+    store.keep(set())  # nothing held: the arena is given back
+    assert store.nbytes == 0 and len(store) == 0
 
 
 def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
