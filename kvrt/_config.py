@@ -93,6 +93,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     the CPU plugin's ``default`` (faster, bf16 on some CPUs)."""
     parallel: Positive | None = None
     """Engine calls that may run at once across sessions (default: cores / threads)."""
+    together: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    """Sessions whose steps may run in one engine call (llama.cpp, where the kernel probe
+    found sequences decoded together exact: each session's tokens and logits are those it
+    gets alone); 1: every session steps alone."""
     chat_template: str | None = None
     """A chat template to render conversations with instead of the model's own: a Jinja
     file, or a ``tokenizer_config.json`` holding one (for a model whose own template
@@ -240,6 +244,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "hot_tokens", "KVRT_HOT_TOKENS"),
     Setting("engine", "batch", "KVRT_BATCH"),
     Setting("engine", "parallel", "KVRT_PARALLEL"),
+    Setting("engine", "together", "KVRT_TOGETHER"),
     Setting("engine", "openvino_profile", "KVRT_OPENVINO_PROFILE"),
     Setting("engine", "require_exact", "KVRT_REQUIRE_EXACT"),
     Setting("engine", "flash_attention", "KVRT_FLASH_ATTENTION"),

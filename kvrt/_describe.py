@@ -15,13 +15,20 @@ from ._engine.capacity import (
     MemoryReading,
     resolve_capacity,
 )
-from ._engine.contract import ModelFacts
+from ._engine.contract import Engine, ModelFacts, StepsTogether
 from ._engine.memory import read_memory
 from ._engine.registry import open_engine
 from ._errors import ConfigError
 from ._units import format_size
 
-__all__ = ["ModelInfo", "capacity_inputs", "check_limits", "describe_model", "model_info"]
+__all__ = [
+    "ModelInfo",
+    "capacity_inputs",
+    "check_limits",
+    "describe_model",
+    "model_info",
+    "together",
+]
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +40,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The sizes resolved from model, memory and policy."""
     memory: MemoryReading
     """The live memory reading they were resolved from."""
+    together: int = 1
+    """Sessions whose steps may run in one engine call (1: each steps alone), as the
+    engine offers it here (where the kernel probe found it exact) and ``engine.together``
+    bounds it."""
 
     @property
     def hot_context_tokens(self) -> int:
@@ -83,19 +94,24 @@ def describe_model(config: Config | None = None) -> ModelInfo:
     config = config or Config()
     engine = open_engine(config.engine)
     try:
-        facts = engine.facts
+        return model_info(engine.facts, config, together=together(engine))
     finally:
         engine.close()
-    return model_info(facts, config)
 
 
-def model_info(facts: ModelFacts, config: Config) -> ModelInfo:
+def together(engine: Engine) -> int:
+    """Sessions whose steps ``engine`` runs in one call (1: each alone)."""
+    return engine.streams if isinstance(engine, StepsTogether) else 1
+
+
+def model_info(facts: ModelFacts, config: Config, *, together: int = 1) -> ModelInfo:
     """Facts of a loaded model with the capacity resolved from live memory now."""
     memory = read_memory()
     return ModelInfo(
         model=facts,
         capacity=resolve_capacity(capacity_inputs(facts, config, memory)),
         memory=memory,
+        together=together,
     )
 
 

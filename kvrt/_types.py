@@ -194,7 +194,9 @@ class SequenceStep(msgspec.Struct, frozen=True, kw_only=True):
     batched_ms: float
     """The same step in one engine call."""
     max_delta: float
-    """The largest difference between a sequence's logits decoded alone and together."""
+    """The largest difference between a sequence's logits decoded alone and together
+    (for one sequence: in the context of several, and in a context of its own, as a
+    session's window steps alone)."""
 
 
 class KernelSetting(msgspec.Struct, frozen=True, kw_only=True):

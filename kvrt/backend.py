@@ -54,6 +54,7 @@ from ._engine.contract import Logits as Logits
 from ._engine.contract import ModelFacts as ModelFacts
 from ._engine.contract import Recompute as Recompute
 from ._engine.contract import SamplingParams as SamplingParams
+from ._engine.contract import StepsTogether as StepsTogether
 from ._engine.contract import TemplateSource as TemplateSource
 from ._engine.gguf_header import HeaderError as HeaderError
 from ._engine.gguf_header import TensorInfo as TensorInfo

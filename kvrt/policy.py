@@ -85,6 +85,7 @@ __all__ = [
     "EngineTurn",
     "Estimating",
     "HotEviction",
+    "JoiningTurns",
     "KernelSetting",
     "KernelTrial",
     "Kernels",
@@ -178,6 +179,18 @@ class EngineTurn(Protocol):
     def pick(self, waiting: Sequence[TurnView]) -> int:
         """The id of the call in ``waiting`` (never empty) that runs next on the engine,
         whose slots sessions share (``engine.parallel``)."""
+        ...
+
+
+@runtime_checkable
+class JoiningTurns(Protocol):
+    """Optional for an engine-turn policy: which waiting calls join the one it picked,
+    where the engine runs them as one call (steps of several sessions' replies, on an
+    engine that offers it where each gets what it would alone). Without it, every one
+    that can joins, up to the engine's ``engine.together``."""
+
+    def join(self, chosen: TurnView, others: Sequence[TurnView]) -> Sequence[int]:
+        """The ids, of ``others``, of the calls that run with ``chosen``."""
         ...
 
 

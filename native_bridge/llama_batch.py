@@ -93,6 +93,10 @@ class LlamaSequences:
             raise BridgeArgumentError("the context is closed")
         return self._ptr
 
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
     def close(self) -> None:
         if self._ptr is None:
             return

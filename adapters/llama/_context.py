@@ -67,6 +67,7 @@ from .._sketch import QUERY_TOKENS
 from .._window import KvWindow, check_tokens, chunk_bounds
 from ._keys import KeyReader
 from ._rope import ModelRope
+from ._together import Together
 
 __all__ = ["FIRST_CELLS", "LlamaEngineContext"]
 
@@ -122,9 +123,14 @@ class LlamaEngineContext(KvWindow):
         *,
         n_threads: int | None = None,
         release: Callable[[LlamaContext], None] | None = None,
+        together: Together | None = None,
     ) -> None:
         super().__init__(facts, budget)
-        self._ctx = ctx
+        self._own = ctx
+        self._together = together
+        """The engine's streams, where this window's steps may run beside others'."""
+        self._away: int | None = None
+        """The stream the window is in (see :mod:`._together`), if it is away."""
         self._release = release
         """Where the context goes when the window closes (the engine's spare), if not freed."""
         self._model: LlamaModel = ctx.model
@@ -180,6 +186,7 @@ class LlamaEngineContext(KvWindow):
         n_threads: int,
         spare: LlamaContext | None = None,
         release: Callable[[LlamaContext], None] | None = None,
+        together: Together | None = None,
     ) -> LlamaEngineContext:
         """A window of ``n_ctx`` tokens in a context of :func:`first_size` cells: ``spare``
         (a closed window's context, wiped) where it is set up the same and its size lies
@@ -209,7 +216,95 @@ class LlamaEngineContext(KvWindow):
                     kv_type=facts.kv_type,
                     flash_attn=facts.flash_attention,
                 )
-        return cls(ctx, facts, rope, n_ctx, n_threads=n_threads, release=release)
+        if together is not None and not together.offered:
+            together = None
+        return cls(ctx, facts, rope, n_ctx, n_threads=n_threads, release=release, together=together)
+
+    # -- stepping beside other windows (see :mod:`._together`) --
+
+    @property
+    def _ctx(self) -> LlamaContext:
+        """The window's own context, with the window brought home first if it is away."""
+        if self._away is not None:
+            self._come_home()
+        return self._own
+
+    @_ctx.setter
+    def _ctx(self, ctx: LlamaContext) -> None:
+        self._own = ctx
+
+    @property
+    def joins(self) -> bool:
+        """The engine offers this window steps beside others' (see :mod:`._together`)."""
+        return self._together is not None
+
+    @property
+    def away(self) -> bool:
+        """The window is in one of the engine's streams, stepping beside other windows."""
+        return self._away is not None
+
+    def stream_for_step(self, token: int, *, move: bool = True) -> int | None:
+        """Before a step beside other windows: check it, and (with ``move``) move the
+        window into a free stream unless it is in one already, its cells in position
+        order; its stream, or None where it is not in one (it does not hold every
+        position from 0, no stream is free or large enough): it then steps alone, in its
+        own context."""
+        check_tokens([token], self._facts.n_vocab)
+        self._check_room(1, "decoding a token")
+        if self._away is not None:
+            assert self._together is not None
+            if self._together.room(self._away) > 1:
+                return self._away
+            self._come_home()  # its stream is full: on in its own context
+            return None
+        n = len(self._positions)
+        if not move or self._together is None or not n or self._positions[-1] != n - 1:
+            return None  # joins only a whole context (as a lone step would lay it out)
+        with translate_errors("reading the window"):
+            data = self._own.state_get(MAIN_SEQ)
+            if not self._in_order:
+                data = order_cells(data)
+        self._away = self._together.join(data, n)
+        if self._away is not None and not self._in_order:
+            self._in_order = True  # in position order in its stream, and once home
+            self._counters.relayouts += 1
+            self._counters.relayout_tokens += n
+        return self._away
+
+    def settle(self) -> None:
+        """Bring the window home from its stream, if it is in one."""
+        if self._away is not None:
+            self._come_home()
+
+    def stepped(self, token: int, logits: Logits) -> None:
+        """Record a step the window took in its stream: ``token`` at its next position,
+        followed by ``logits``."""
+        pos = self.next_position
+        self._positions.append(pos)
+        self._tokens.append(token)
+        self._logits_pos = pos
+        self._carried = logits
+        self._counters.decode_tokens += 1
+
+    def _come_home(self) -> None:
+        """Bring the window's cells back from its stream into its own context (grown
+        first where they need more cells); if that fails, the window is left empty."""
+        seq, self._away = self._away, None
+        assert seq is not None and self._together is not None
+        own, need = self._own, len(self._positions)
+        try:
+            with translate_errors("bringing a window back from its stream"):
+                data = self._together.leave(seq)
+                if not self._full and need + self.chunk_tokens >= own.n_ctx:
+                    size = _padded(max(need + self.chunk_tokens, own.n_ctx * 3 // 2))
+                    own.close()
+                    self._own = self._rebuilt(own, min(size, self._budget), ())
+                else:
+                    own.clear()
+                self._own.state_set(MAIN_SEQ, data)
+        except BaseException:
+            self._lost()
+            raise
 
     @property
     def fingerprint(self) -> str:
@@ -260,6 +355,11 @@ class LlamaEngineContext(KvWindow):
         kernels = self._facts.kernels
         if kernels is not None and not kernels.exact:
             notes.insert(0, f"kernels: {kernels.reason}")
+        if self._together is not None:
+            notes.append(
+                "a reply's steps run beside other sessions' in one engine call, each window "
+                "in a KV stream of its own: bit-exact, as the kernel probe measured here"
+            )
         return Capabilities(
             remove_middle=not self._state_only,
             position_shift=self.can_shift,
@@ -732,8 +832,11 @@ class LlamaEngineContext(KvWindow):
         return self._keys.keys(data, self._rope.ropes(probe.n_ctx_seq, windowed=False)[0])
 
     def _reset(self) -> None:
+        if self._away is not None and self._together is not None:
+            self._together.abandon(self._away)
+            self._away = None
         with translate_errors("clearing the context"):
-            self._ctx.clear()
+            self._own.clear()
         self._carried = None
         self._in_order = True
         self._states.clear()
@@ -741,15 +844,18 @@ class LlamaEngineContext(KvWindow):
 
     @property
     def closed(self) -> bool:
-        return self._ctx.closed
+        return self._own.closed
 
     def close(self) -> None:
         with translate_errors("closing the context"):
+            if self._away is not None and self._together is not None:
+                self._together.abandon(self._away)  # nothing will read it again
+                self._away = None
             if self._probe is not None:
                 self._probe.close()
                 self._probe = None
-            if not self._ctx.closed:
+            if not self._own.closed:
                 if self._release is not None:
-                    self._release(self._ctx.handover())  # this window can reach it no more
+                    self._release(self._own.handover())  # this window can reach it no more
                 else:
-                    self._ctx.close()
+                    self._own.close()

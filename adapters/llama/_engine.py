@@ -10,7 +10,9 @@ from pathlib import Path
 from kvrt import ConfigError, EngineError, ModelLoadError
 from kvrt.backend import (
     EngineConfig,
+    EngineContext,
     GgufMetadata,
+    Logits,
     ModelFacts,
     TemplateSource,
     file_digest,
@@ -35,8 +37,10 @@ from ._context import LlamaEngineContext
 from ._gguf import GgufFile
 from ._probe import cached_verdict, kernel_verdict
 from ._rope import ModelRope, key_shift, model_rope
+from ._together import Together
 
 __all__ = ["BATCH", "LlamaEngine"]
+
 
 BATCH = 128
 """The prefill batch where none is configured: on SmolLM2, 1,300 tokens prefilled at 114
@@ -169,6 +173,13 @@ class LlamaEngine:
         allocates and clears its KV buffer and reserves its compute graph, on the path of
         every session opened (a conversation taking its turn in ``kvrt serve``)."""
         self._spare_lock = threading.Lock()
+        self._together = Together(
+            model,
+            facts,
+            rope,
+            streams=config.together,
+            n_threads=config.threads or physical_cores(),
+        )
 
     @classmethod
     def open(cls, config: EngineConfig) -> LlamaEngine:
@@ -430,7 +441,52 @@ class LlamaEngine:
             n_threads=self.config.threads or physical_cores(),
             spare=spare,
             release=self._keep_spare,
+            together=self._together,
         )
+
+    # -- windows stepping together --
+
+    def joins(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s steps may run beside other windows' (:meth:`step_together`):
+        the kernel probe found sequences decoded together exact here, and its window
+        is one that can (see :mod:`._together`)."""
+        return isinstance(ctx, LlamaEngineContext) and ctx.joins
+
+    @property
+    def streams(self) -> int:
+        """Windows that may step in one engine call: ``engine.together`` where this
+        engine offers it (see :mod:`._together`), else 1."""
+        return self._together.streams if self._together.offered else 1
+
+    def away(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s window is in the engine's streams."""
+        return isinstance(ctx, LlamaEngineContext) and ctx.away
+
+    def settle(self, ctx: EngineContext) -> None:
+        """Bring ``ctx``'s window back from the engine's streams, if it is there."""
+        if isinstance(ctx, LlamaEngineContext):
+            ctx.settle()
+
+    @property
+    def joint_steps(self) -> int:
+        """Steps that advanced two windows or more in one engine call, so far."""
+        return self._together.steps
+
+    @property
+    def stream_bytes(self) -> int:
+        """KV bytes of the streams windows step together in (0 before any did)."""
+        return self._together.nbytes
+
+    def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
+        """Advance each ``(context, token)`` by its token: the windows in (or moved into)
+        the engine's streams in one engine call, any other alone in its own context.
+        Each gets its next logits, or the error its step raised (a step refused leaves
+        its window as it was)."""
+        windows: list[LlamaEngineContext | Exception] = [
+            c if isinstance(c, LlamaEngineContext) else EngineError("a context of another engine")
+            for c, _ in steps
+        ]
+        return self._together.step_windows(windows, [t for _, t in steps])
 
     def _keep_spare(self, ctx: LlamaContext) -> None:
         """Keep a closed window's context for the next window (one at most: the one kept
@@ -461,5 +517,6 @@ class LlamaEngine:
         model."""
         with self._spare_lock:
             self._spare = None
+        self._together.close()
         with translate_errors("closing the model"):
             self._model.close(close_contexts=True)

@@ -298,21 +298,53 @@ def _steps(
                         rows.extend(seqs.decode([token(s, k)], [s]))
             return rows, (time.perf_counter() - began) / STEPS
 
+        home = _at_home(model, seqs.window(0), [token(0, k) for k in range(STEPS)], threads, p)
         out = []
         for n in SEQUENCES:
             alone, serial = run(n, together=False)
             both, batched = run(n, together=True)
+            delta = max(_delta(a, b) for a, b in zip(alone, both, strict=True))
+            if n == 1:  # and the sequence against a context of its own
+                delta = max(delta, *(_delta(a, b) for a, b in zip(alone, home, strict=True)))
             out.append(
                 SequenceStep(
                     sequences=n,
                     serial_ms=round(serial * 1000, 3),
                     batched_ms=round(batched * 1000, 3),
-                    max_delta=max(_delta(a, b) for a, b in zip(alone, both, strict=True)),
+                    max_delta=delta,
                 )
             )
         return tuple(out)
     finally:
         seqs.close()
+
+
+def _at_home(
+    model: LlamaModel,
+    seed: npt.NDArray[np.uint8],
+    tokens: list[int],
+    threads: int,
+    p: _Probe,
+) -> list[npt.NDArray[np.float32]]:
+    """The logits of ``tokens`` decoded one at a time after ``seed`` (one stream's
+    bytes) in a context of its own, as a session's window steps alone."""
+    ctx = LlamaContext(
+        model,
+        n_ctx=SEED + STEPS + 1,
+        n_batch=PROBE_BATCH,
+        n_threads=threads,
+        kv_type=p.ctx.kv_type,
+        flash_attn=p.ctx.flash_attn,
+    )
+    try:
+        ctx.state_set(MAIN_SEQ, seed)
+        rows = []
+        for k, t in enumerate(tokens):
+            ctx.decode([t], SEED + k)
+            rows.append(ctx.logits())
+        return rows
+    finally:
+        ctx.close()
 
 
 def measure(

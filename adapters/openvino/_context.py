@@ -60,7 +60,12 @@ class OpenVinoEngineContext(KvWindow):
 
     @property
     def capabilities(self) -> Capabilities:
-        notes = ["tail admission re-rotates keys in numpy: argmax-equal, not bit-exact"]
+        notes = [
+            "tail admission re-rotates keys in numpy: argmax-equal, not bit-exact",
+            "sessions step one at a time: a request's state holds rows of one length (a "
+            "shorter session's padded and masked), and OpenVINO's results change with how "
+            "work is cut (one batch against pieces: about 4e-5 on SmolLM2)",
+        ]
         if not self.exact:
             notes.append(
                 f"{self._facts.kv_type} KV cache re-quantizes on import: cold restores are approximate"

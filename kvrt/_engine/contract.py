@@ -33,6 +33,7 @@ __all__ = [
     "ModelFacts",
     "Recompute",
     "SamplingParams",
+    "StepsTogether",
 ]
 
 Logits = npt.NDArray[np.float32]
@@ -407,4 +408,35 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the model; contexts opened on it must be closed first."""
+        ...
+
+
+@runtime_checkable
+class StepsTogether(Protocol):
+    """Optional for an engine: several sessions' windows advance a token each in one
+    engine call, each getting the logits it would get alone (offered only where that
+    holds, as measured on this machine)."""
+
+    @property
+    def streams(self) -> int:
+        """Windows that may step in one call."""
+        ...
+
+    def joins(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s steps may run beside other windows'."""
+        ...
+
+    def away(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s window is where windows step together (not in its own
+        context)."""
+        ...
+
+    def settle(self, ctx: EngineContext) -> None:
+        """Bring ``ctx``'s window back into its own context (a reply ended), freeing its
+        place for other windows; a no-op where it is home."""
+        ...
+
+    def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
+        """Advance each ``(context, token)``; each one's next logits, or the error its
+        step raised (a step refused leaves its window as it was)."""
         ...

@@ -39,7 +39,7 @@ __all__ = [
     "settle_kernels",
 ]
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Part of every key: a probe that measures more or otherwise is a new record."""
 
 _log = logging.getLogger("kvrt")

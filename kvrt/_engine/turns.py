@@ -6,24 +6,31 @@ A session's command runs as many calls (a step per generated token), and its acc
 (:class:`Served`) adds up the engine time they take, so a policy can put a short request
 before the next step of a long one. The bookkeeping here is synchronous: a slot changes
 hands in ``release`` without an ``await``.
+
+Calls that can run as one engine call (steps of several sessions' generations, where the
+engine offers it: :class:`Join`) run together: when the policy picks one, the others
+waiting join it as far as the policy's ``join`` admits, and the call it picked runs them
+all in its slot. When a joint call ends, its slot waits a moment (:data:`GRACE`) for its
+sessions' next steps, so that they run together again rather than the first back alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 from .._threads import in_thread
 from .._types import TurnView
-from ..policy import EngineTurn
+from ..policy import EngineTurn, JoiningTurns
 
-__all__ = ["EngineTurns", "Served"]
+__all__ = ["EngineTurns", "Join", "Served"]
 
 T = TypeVar("T")
 
@@ -40,15 +47,47 @@ class Served:
     """Tokens the command may still generate (its ``max_tokens`` less those generated)."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
+class Join:
+    """What a call brings to an engine call it may share: calls with the same ``key`` can
+    run as one, ``run(items)`` giving each item's result, or the error its part raised,
+    in order; at most ``most`` calls at once."""
+
+    key: object
+    item: Any
+    run: Callable[[list[Any]], Sequence[Any]]
+    most: int
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """Calls running as one engine call: the first runs it, in its slot."""
+
+    members: list[_Waiting]
+    results: list[Any] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass(slots=True, eq=False)
 class _Waiting:
     served: Served
     arrived: int
     call: str
+    join: Join | None = None
     granted: bool = False
+    group: _Group | None = None
     wake: anyio.Event = field(default_factory=anyio.Event)
     """Set when the slot is this call's, or when a slot is kept for a returning session
     (the call then looks again once that grace is over)."""
+
+
+@dataclass(slots=True)
+class _Gathering:
+    """A slot kept for the sessions of a joint call that just ended."""
+
+    expected: set[int]
+    """``id`` of each session's account not back yet."""
+    deadline: float
 
 
 GRACE = 0.003
@@ -77,6 +116,10 @@ class EngineTurns:
         self._clock = 0
         self._held: list[tuple[Served, float]] = []
         """Slots kept for a returning session (see :data:`GRACE`), with their deadlines."""
+        self._gathering: _Gathering | None = None
+        """The slot kept for the sessions of the joint call that just ended."""
+        self.joint = 0
+        """Engine calls that ran two calls or more as one, so far."""
         self._threads = anyio.CapacityLimiter(slots)
         """Worker threads for engine calls alone (a slot holder never waits on it): a
         burst of other threaded work cannot delay the engine."""
@@ -92,11 +135,19 @@ class EngineTurns:
         return len(self._waiting)
 
     async def run(
-        self, served: Served | None, call: str, fn: Callable[[], T], *, light: bool = False
+        self,
+        served: Served | None,
+        call: str,
+        fn: Callable[[], T],
+        *,
+        light: bool = False,
+        join: Join | None = None,
     ) -> T:
         """Run ``fn`` in a worker thread once a slot is this call's (at once when
         ``light``); its time counts to ``served`` (None: a call outside any session's
-        command, such as opening one)."""
+        command, such as opening one). With ``join``, the call runs as ``join.run`` of
+        its item and those of the calls joining it (a share of the time counts to each),
+        and ``fn`` is not called."""
         account = served if served is not None else Served()
         if light:
             began = time.perf_counter()
@@ -104,37 +155,97 @@ class EngineTurns:
                 return await in_thread(fn)
             finally:
                 account.seconds += time.perf_counter() - began
-        await self._acquire(account, call)
+        me = await self._acquire(account, call, join)
+        if me.group is not None and me.group.members[0] is not me:
+            return await self._follow(me, me.group)  # type: ignore[no-any-return]
         began = time.perf_counter()
+        members = me.group.members if me.group is not None else [me]
         try:
-            return await in_thread(fn, limiter=self._threads)
+            if me.join is None:
+                return await in_thread(fn, limiter=self._threads)
+            return await self._lead(members)  # type: ignore[no-any-return]
         finally:
-            account.seconds += time.perf_counter() - began
-            self._release(account if served is not None else None)
+            share = (time.perf_counter() - began) / len(members)
+            for m in members:
+                m.served.seconds += share
+            if served is None:
+                self._release(())
+            else:
+                key = me.join.key if me.join is not None else None
+                self._release([m.served for m in members], key)
 
-    async def _acquire(self, served: Served, call: str) -> None:
+    async def _lead(self, members: list[_Waiting]) -> Any:
+        """Run the joint call of ``members`` (this call first) and hand each its result.
+        Shielded: the others' parts run whatever becomes of this call's command."""
+        join, group = members[0].join, members[0].group
+        assert join is not None
+        results: list[Any] = []
+        try:
+            with anyio.CancelScope(shield=True):
+                items = [m.join.item for m in members if m.join is not None]
+                results = list(await in_thread(join.run, items, limiter=self._threads))
+            if len(results) != len(members):
+                raise RuntimeError(f"a joint call gave {len(results)} results for {len(members)}")
+        except BaseException as exc:
+            results = [exc] * len(members)
+            raise
+        finally:
+            if group is not None:
+                group.results = results
+                group.done.set()
+        if len(members) > 1:
+            self.joint += 1
+        return _result(results[0])
+
+    async def _follow(self, me: _Waiting, group: _Group) -> Any:
+        """The result of this call's part of the joint call another call runs."""
+        with anyio.CancelScope(shield=True):  # its part runs: wait to know what it did
+            await group.done.wait()
+        return _result(group.results[group.members.index(me)])
+
+    async def _acquire(self, served: Served, call: str, join: Join | None) -> _Waiting:
         self._clock += 1
+        me = self._clock
+        waiting = _Waiting(served, me, call, join)
+        gathering = self._gathering
         for i, (held, _) in enumerate(self._held):
             if held is served:  # its slot was kept for it
                 del self._held[i]
-                return
-        if self._free and not self._waiting:
+                return waiting
+        if gathering is None and self._free and not self._waiting:
             self._free -= 1
-            return
-        me = self._clock
-        waiting = self._waiting[me] = _Waiting(served, me, call)
+            return waiting
+        self._waiting[me] = waiting
+        if gathering is not None and id(served) in gathering.expected:
+            gathering.expected.discard(id(served))
+            if not gathering.expected:  # every session of the joint call is back
+                self._gathering = None
+                self._hand_on(None)
         try:
             while True:
                 deadline = min((d for _, d in self._held), default=math.inf)
+                if self._gathering is not None:
+                    deadline = min(deadline, self._gathering.deadline)
                 with anyio.move_on_after(max(0.0, deadline - time.perf_counter())):
                     await waiting.wake.wait()
                 if waiting.granted:
-                    return
+                    return waiting
                 waiting.wake = anyio.Event()
                 self._expire()
         except BaseException:
-            if self._waiting.pop(me, None) is None:  # granted as it was cancelled
-                self._release(None)
+            group = waiting.group
+            if self._waiting.pop(me, None) is not None:
+                raise  # cancelled while waiting
+            if group is None:
+                self._release(())  # granted as it was cancelled
+            elif group.members[0] is waiting:  # it was to run a joint call: it does
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(Exception):
+                        await self._lead(group.members)
+                    self._release([m.served for m in group.members], group.members[0].join.key)  # type: ignore[union-attr]
+            else:
+                with anyio.CancelScope(shield=True):  # its part runs: wait for it
+                    await group.done.wait()
             raise
 
     def _expire(self) -> None:
@@ -142,20 +253,34 @@ class EngineTurns:
         now = time.perf_counter()
         for held in [h for h in self._held if h[1] <= now]:
             self._held.remove(held)
-            self._release(None)
+            self._release(())
+        if self._gathering is not None and self._gathering.deadline <= now:
+            self._gathering = None
+            self._hand_on(None)
 
-    def _release(self, returning: Served | None) -> None:
-        """Hand the freed slot to the call the policy picks, keep it for ``returning``
-        (the session whose call freed it) if the policy picks that one, or free it."""
+    def _release(self, returning: Sequence[Served], key: object = None) -> None:
+        """Hand the freed slot on. After a call that may run with others (``key``: its
+        join's) and did, or that a waiting call could join, keep it for its sessions'
+        next calls (see :data:`GRACE`): they then run together; after another, to the
+        call the policy picks, or keep it for ``returning`` (the session whose call
+        freed it) if the policy picks that one, or free it."""
+        if key is not None and (
+            len(returning) > 1
+            or any(w.join is not None and w.join.key == key for w in self._waiting.values())
+        ):
+            self._gathering = _Gathering(
+                {id(s) for s in returning}, time.perf_counter() + self.grace
+            )
+            for w in self._waiting.values():
+                w.wake.set()  # each looks again once the gathering is over
+            return
+        self._hand_on(returning[0] if returning else None)
+
+    def _hand_on(self, returning: Served | None) -> None:
         if not self._waiting:
             self._free += 1
             return
-        views = [
-            TurnView(
-                id=key, served=w.served.seconds, left=w.served.left, arrived=w.arrived, call=w.call
-            )
-            for key, w in self._waiting.items()
-        ]
+        views = [self._view(key, w) for key, w in self._waiting.items()]
         if returning is not None:
             views.append(
                 TurnView(
@@ -185,5 +310,46 @@ class EngineTurns:
                 )
             chosen = min(self._waiting)
         waiting = self._waiting.pop(chosen)
-        waiting.granted = True
-        waiting.wake.set()
+        members = [waiting, *self._joining(chosen, waiting)]
+        if len(members) > 1:
+            group = _Group(members)
+            for m in members:
+                m.group = group
+        for m in members:
+            m.granted = True
+            m.wake.set()
+
+    def _joining(self, chosen: int, waiting: _Waiting) -> list[_Waiting]:
+        """The waiting calls that join ``waiting``'s engine call, as the policy admits
+        (every one that can, where the policy says nothing), taken off the queue."""
+        join = waiting.join
+        if join is None or join.most < 2:
+            return []
+        can = [
+            key for key, w in self._waiting.items() if w.join is not None and w.join.key == join.key
+        ]
+        if not can:
+            return []
+        picked = can
+        if isinstance(self._policy, JoiningTurns):
+            try:
+                said = self._policy.join(
+                    self._view(chosen, waiting), [self._view(k, self._waiting[k]) for k in can]
+                )
+                picked = [k for k in dict.fromkeys(said) if k in can]
+            except Exception:
+                _log.exception("the engine-turn policy's join failed; every step joins")
+        return [self._waiting.pop(k) for k in picked[: join.most - 1]]
+
+    @staticmethod
+    def _view(key: int, w: _Waiting) -> TurnView:
+        return TurnView(
+            id=key, served=w.served.seconds, left=w.served.left, arrived=w.arrived, call=w.call
+        )
+
+
+def _result(outcome: Any) -> Any:
+    """A joint call's result for one call: its value, or its error raised."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome

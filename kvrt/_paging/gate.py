@@ -18,8 +18,15 @@ from typing import Any, NamedTuple, TypeVar
 from .._chat.replies import ReplyMemory
 from .._cold import ColdKey, ColdStore
 from .._config import SessionConfig
-from .._engine.contract import Engine, EngineContext, EvictMode, Logits, ModelFacts
-from .._engine.turns import EngineTurns, Served
+from .._engine.contract import (
+    Engine,
+    EngineContext,
+    EvictMode,
+    Logits,
+    ModelFacts,
+    StepsTogether,
+)
+from .._engine.turns import EngineTurns, Join, Served
 from .._reports import ContextStatus, SessionCounters, TokenOrigins
 from .._types import CheckpointView, Residency
 from ..policy import (
@@ -197,6 +204,7 @@ class EngineGate:
         *args: Any,
         writes: Sequence[Written] = (),
         light: bool = False,
+        join: Join | None = None,
         **kwargs: Any,
     ) -> T:
         """Run ``fn`` in a worker thread on the engine's next turn for this session (its
@@ -204,7 +212,8 @@ class EngineGate:
         the call makes resident: their marks are set right before it runs (see
         :mod:`.provenance`); the caller's tally records their sources
         (:meth:`Tally.wrote`). A ``light`` call computes nothing (:meth:`drop`,
-        :meth:`logits`) and waits for no turn."""
+        :meth:`logits`) and waits for no turn. With ``join``, the call may run in one
+        engine call with other sessions' (see :meth:`joint_step`)."""
         if self.fault is not None:
             self.fault(label)
         for w in writes:
@@ -217,10 +226,25 @@ class EngineGate:
         self._resident = None
         try:
             return await self.turns.run(
-                self.served, label, partial(fn, *args, **kwargs), light=light
+                self.served, label, partial(fn, *args, **kwargs), light=light, join=join
             )
         finally:
             self._resident = None  # the engine's record may have changed
+
+    def joint_step(self, token: int) -> Join | None:
+        """How a step of ``token`` may join other sessions' steps in one engine call,
+        where the engine offers it for this window (None: it steps alone)."""
+        engine = self.engine
+        if not isinstance(engine, StepsTogether) or not engine.joins(self.ctx):
+            return None
+        return Join(engine, (self.ctx, token), engine.step_together, engine.streams)
+
+    async def settle(self) -> None:
+        """Bring the window back from where windows step together, where a reply took it:
+        its place there is free for other sessions' replies."""
+        engine = self.engine
+        if isinstance(engine, StepsTogether) and engine.away(self.ctx):
+            await self.call("settle", engine.settle, self.ctx)
 
     def observed_restore(self, began: float, n_bytes: int) -> None:
         """Hand a restore measured since ``began`` to every policy that calibrates itself."""

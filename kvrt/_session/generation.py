@@ -161,7 +161,9 @@ class Generation:
                     label = self.gate.label_at(at)[0]
                 place = self.window.append_place(cmd.segment)
                 marks = [Written(at, at + 1, label, "generated", place, frozenset({at}))]
-                logits = await self.gate.call("step", self.ctx.step, token, writes=marks)
+                logits = await self.gate.call(
+                    "step", self.ctx.step, token, writes=marks, join=self.gate.joint_step(token)
+                )
                 tally.wrote(marks)
                 self.window.append_token(token, cmd.segment, cmd.cache_class)
                 produced += 1
@@ -202,6 +204,7 @@ class Generation:
                     pending, text=pending.text + text, tool_calls=pending.tool_calls + calls
                 )
                 await _send(cmd.out, pending)
+        await self.gate.settle()
         kept = tail.kept_tokens
         tokens = tuple(t for b in self.window.blocks for t in b.tokens)[start : start + kept]
         if tail.stopped:

@@ -50,6 +50,7 @@ HELP = {
     "hot_tokens": "cap on the hot window in tokens",
     "batch": "prefill batch size in tokens",
     "parallel": "engine calls that may run at once across sessions",
+    "together": "sessions whose steps may run in one engine call, where exact (1: alone)",
     "block_tokens": "tokens per cold-store block",
     "sink_tokens": "leading tokens that never leave the hot window",
     "recent_tokens": "trailing tokens that never leave the hot window",

@@ -78,12 +78,12 @@ def _dependent(m: Any, hot: int) -> str:
     return text
 
 
-def _kernels(k: Any) -> str:
-    """The kernel probe's verdict, with what it measured."""
+def _kernels(k: Any, together: int) -> str:
+    """The kernel probe's verdict, with what it measured, and what sessions do with it."""
     text = str(k.reason)
     st = k.setting
     if st is not None and st.steps:
-        together = (
+        exact = (
             "exact"
             if k.batch_exact
             else f"inexact (max |Δ| {max(s.max_delta for s in st.steps):.3g})"
@@ -91,7 +91,11 @@ def _kernels(k: Any) -> str:
         costs = ", ".join(
             f"{s.sequences}: {s.serial_ms:.1f} -> {s.batched_ms:.1f} ms" for s in st.steps
         )
-        text += f"; sequences decoded together {together}, a step one by one -> together {costs}"
+        text += f"; sequences decoded together {exact}, a step one by one -> together {costs}"
+    if together > 1:
+        text += f"; sessions generating at once step together, up to {together} a step"
+    else:
+        text += "; each session steps alone"
     if k.probe is not None:
         text += (
             f"; probed once in {k.probe.seconds:.1f} s on {k.probe.cpu}, {k.probe.threads} threads"
@@ -172,7 +176,7 @@ def print_info(info: ModelInfo, *, long_context: bool = False) -> None:
             else []
         ),
         ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
-        *([("kernels", _kernels(m.kernels))] if m.kernels is not None else []),
+        *([("kernels", _kernels(m.kernels, info.together))] if m.kernels is not None else []),
         ("KV bytes per token", kv_bytes),
         *(
             [

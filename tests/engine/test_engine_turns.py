@@ -9,12 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from kvrt import policies
-from kvrt._engine.turns import EngineTurns, Served
+from kvrt._engine.turns import EngineTurns, Join, Served
 from kvrt.policy import TurnView
 
 pytestmark = pytest.mark.anyio
@@ -201,3 +203,123 @@ async def test_light_calls_run_beside_the_call_computing() -> None:
         with anyio.fail_after(5):
             assert await turns.run(Served(), "evict", lambda: "dropped", light=True) == "dropped"
         gate.opened.set()
+
+
+class Joint:
+    """An engine call several calls can share: records each call's items; an item of
+    ``"bad"`` fails its own part only."""
+
+    def __init__(self, most: int = 8) -> None:
+        self.calls: list[list[str]] = []
+        self.most = most
+
+    def __call__(self, items: list[str]) -> list[object]:
+        self.calls.append(list(items))
+        time.sleep(0.005)
+        return [ValueError(f"{i} refused") if i == "bad" else f"{i} done" for i in items]
+
+    def join(self, item: str) -> Join:
+        return Join(self, item, self, self.most)
+
+
+async def test_waiting_steps_run_as_one_engine_call() -> None:
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"))
+    joint = Joint()
+    gate = Gate()
+    got: dict[str, object] = {}
+
+    async def step(name: str) -> None:
+        try:
+            got[name] = await turns.run(Served(), "step", lambda: "alone", join=joint.join(name))
+        except ValueError as exc:
+            got[name] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i, name in enumerate(["a", "bad", "c"]):
+            tg.start_soon(step, name)
+            await queued(turns, i + 1)
+        tg.start_soon(turns.run, Served(), "prefill", lambda: got.setdefault("prefill", "ran"))
+        await queued(turns, 4)
+        gate.opened.set()
+    assert joint.calls == [["a", "bad", "c"]]  # one engine call; the prefill joins nothing
+    assert got == {"a": "a done", "bad": "bad refused", "c": "c done", "prefill": "ran"}
+    assert turns.joint == 1
+
+
+async def test_sessions_stepping_together_stay_together() -> None:
+    """After a joint step the slot waits for its sessions' next steps: they run together
+    again, not the first one back alone and the rest after it."""
+    turns = EngineTurns(1, policies.get("engine_turn", "least_served"), grace=0.5)
+    joint = Joint()
+    gate = Gate()
+
+    async def generate(name: str) -> None:
+        served = Served()
+        for _ in range(6):
+            await turns.run(served, "step", lambda: None, join=joint.join(name))
+            await anyio.sleep(0.002 * ord(name[0]) % 5)  # sampling takes its time
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i, name in enumerate(["a", "b", "c"]):
+            tg.start_soon(generate, name)
+            await queued(turns, i + 1)
+        gate.opened.set()
+    assert [sorted(c) for c in joint.calls] == [["a", "b", "c"]] * 6
+
+
+async def test_the_policy_says_who_joins_and_the_engine_how_many() -> None:
+    class Pairs:
+        def pick(self, waiting: Sequence[TurnView]) -> int:
+            return min(w.arrived for w in waiting)
+
+        def join(self, chosen: TurnView, others: Sequence[TurnView]) -> list[int]:
+            return [o.id for o in others if o.left >= 10]
+
+    turns = EngineTurns(1, Pairs())  # type: ignore[arg-type]
+    joint = Joint(most=2)
+    gate = Gate()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i, (name, left) in enumerate([("a", 50), ("short", 1), ("b", 40), ("c", 30)]):
+            tg.start_soon(partial(turns.run, Served(left=left), "step", str, join=joint.join(name)))
+            await queued(turns, i + 1)
+        gate.opened.set()
+    # "short" is left out by the policy, "c" by the engine's limit of two; "short" runs
+    # next (it waited longest) and "c" joins it
+    assert joint.calls == [["a", "b"], ["short", "c"]]
+
+
+async def test_a_cancelled_step_gets_the_result_of_its_part_and_loses_no_slot() -> None:
+    turns = EngineTurns(1, policies.get("engine_turn", "fifo"))
+    joint = Joint()
+    gate = Gate()
+    scopes = {name: anyio.CancelScope() for name in ["a", "b"]}
+    outcome: dict[str, str] = {}
+
+    async def step(name: str) -> None:
+        with scopes[name]:
+            outcome[name] = await turns.run(Served(), "step", str, join=joint.join(name))
+            await anyio.lowlevel.checkpoint()
+            outcome[name] += ", not cancelled"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(turns.run, None, "prefill", gate)
+        await started(gate)
+        for i, name in enumerate(scopes):
+            tg.start_soon(step, name)
+            await queued(turns, i + 1)
+        gate.opened.set()
+        while not joint.calls:
+            await anyio.lowlevel.checkpoint()
+        scopes["a"].cancel()  # the one running the joint call
+        scopes["b"].cancel()
+    # each call's result comes back (its part ran); the cancellation lands after it
+    assert joint.calls == [["a", "b"]]
+    assert outcome == {"a": "a done", "b": "b done"}
+    with anyio.fail_after(5):
+        assert await turns.run(Served(), "step", lambda: "ran") == "ran"

@@ -50,11 +50,17 @@ def test_the_probe_runs_once_and_describe_shows_its_verdict(
     two = kvrt.load_config(flags={"model": zoo_path("llama"), "threads": 2})
     other = kvrt.load_engine("llama", config=two)
     assert len(_records(tmp_path)) == 2
-    text = _kernels(verdict)
+    text = _kernels(verdict, 1)
     assert text.startswith(f"flash attention {'on' if verdict.flash_attention else 'off'}")
     assert "probed once in" in text and "sequences decoded together" in text
+    assert "each session steps alone" in text
     info = kvrt.describe_model(config)
     assert info.model.kernels == verdict
+    # sessions step together where the probe found it exact, as engine.together bounds it
+    assert info.together == (8 if verdict.batch_exact else 1)
+    assert ("up to 8 a step" in _kernels(verdict, info.together)) == verdict.batch_exact
+    alone = kvrt.load_config(flags={"model": zoo_path("llama"), "threads": 1, "together": 1})
+    assert kvrt.describe_model(alone).together == 1
     for engine in (first, again, other):
         engine.close()
 

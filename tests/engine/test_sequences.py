@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvrt.adapters.llama import LlamaEngine
+from kvrt.adapters.llama._context import LlamaEngineContext
 from kvrt.native_bridge import BridgeArgumentError
 from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
 from kvrt.native_bridge.llama_batch import LlamaSequences
@@ -95,3 +96,59 @@ def test_windows_decoded_together_give_their_own_contexts_logits(engine: LlamaEn
         for own in owns:
             own.close()
         model.close()
+
+
+def _prefilled(engine: LlamaEngine, tokens: list[int]) -> LlamaEngineContext:
+    ctx = engine.open_context(1024)
+    ctx.prefill(tokens)
+    return ctx
+
+
+def test_windows_stepping_together_get_their_logits_alone(engine: LlamaEngine) -> None:
+    """Through the engine: windows moved into its streams and stepped together give, bit
+    for bit, what the same windows give stepped alone; one comes home for its next
+    prefill, one closes away, and each goes on as its reference does."""
+    verdict = engine.facts.kernels
+    assert verdict is not None
+    prompts = [engine.tokenize(t) for t in TEXTS]
+    mine = [_prefilled(engine, p) for p in prompts]
+    refs = [_prefilled(engine, p) for p in prompts]
+    try:
+        assert all(engine.joins(c) for c in mine) == verdict.batch_exact
+        if not verdict.batch_exact:
+            pytest.skip("the kernel probe found sequences decoded together inexact here")
+        for _ in range(5):
+            tokens = [int(np.argmax(r.logits())) for r in refs]
+            got = engine.step_together(list(zip(mine, tokens, strict=True)))
+            for r, t, g in zip(refs, tokens, got, strict=True):
+                assert isinstance(g, np.ndarray)
+                assert np.array_equal(g, r.step(t))
+        assert engine.joint_steps >= 5 and all(c.away for c in mine)
+        assert engine.stream_bytes > 0
+        # a lone step of a window away runs in its stream
+        t = int(np.argmax(refs[1].logits()))
+        (alone,) = engine.step_together([(mine[1], t)])
+        assert mine[1].away and np.array_equal(alone, refs[1].step(t))
+        # a refused step leaves the window as it was; the others step
+        t = int(np.argmax(refs[1].logits()))
+        bad = engine.step_together([(mine[0], -1), (mine[1], t)])
+        assert isinstance(bad[0], Exception)
+        assert np.array_equal(bad[1], refs[1].step(t))
+        assert mine[0].tokens == refs[0].tokens
+        # a prefill brings the window home first
+        more = engine.tokenize(" And then the tide turned.", add_special=False)
+        assert np.array_equal(mine[0].prefill(more), refs[0].prefill(more))
+        assert not mine[0].away and mine[0].tokens == refs[0].tokens
+        assert np.array_equal(mine[1].prefill(more), refs[1].prefill(more))
+        mine[2].close()  # its stream is freed unread
+        again = _prefilled(engine, prompts[2])
+        ref = engine.open_context(1024)
+        ref.prefill(prompts[2])
+        steps = engine.step_together([(mine[0], 7), (again, 7)])
+        assert np.array_equal(steps[0], refs[0].step(7))
+        assert np.array_equal(steps[1], ref.step(7))
+        again.close()
+        ref.close()
+    finally:
+        for c in mine + refs:
+            c.close()
