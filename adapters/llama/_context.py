@@ -283,7 +283,7 @@ class LlamaEngineContext(KvWindow):
         self._positions.append(pos)
         self._tokens.append(token)
         self._logits_pos = pos
-        self._carried = logits
+        self._carried = logits.copy()  # a row of the joint step's array: keep it alone
         self._counters.decode_tokens += 1
 
     def _come_home(self) -> None:

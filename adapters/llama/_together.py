@@ -42,9 +42,6 @@ __all__ = ["STREAM_ROOM", "Together", "Window"]
 
 _log = logging.getLogger("kvrt")
 
-PAD = 256
-"""llama.cpp rounds a stream up to this many cells."""
-
 STREAM_ROOM = 512
 """Cells a stream keeps beyond the largest window that made it: room for replies."""
 
@@ -226,13 +223,10 @@ class Together:
             self._seqs = None
 
     def _make(self, need: int) -> None:
-        cells = -(-(need + STREAM_ROOM) // PAD) * PAD
-        cells = min(cells, self._facts.trained_context)
+        # LlamaSequences rounds a stream up to llama.cpp's 256 cells itself.
+        cells = min(need + STREAM_ROOM, self._facts.trained_context)
         if cells <= need:
             return
-        if self._seqs is not None:
-            self._seqs.close()
-            self._seqs = None
         with translate_errors(f"making {self.streams} streams of {cells} cells"):
             self._seqs = LlamaSequences(
                 self._model,
