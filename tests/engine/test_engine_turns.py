@@ -279,7 +279,7 @@ async def test_the_policy_says_who_joins_and_the_engine_how_many() -> None:
         def join(self, chosen: TurnView, others: Sequence[TurnView]) -> list[int]:
             return [o.id for o in others if o.left >= 10]
 
-    turns = EngineTurns(1, Pairs())  # type: ignore[arg-type]
+    turns = EngineTurns(1, Pairs())
     joint = Joint(most=2)
     gate = Gate()
     async with anyio.create_task_group() as tg:
