@@ -137,6 +137,7 @@ class LongContext:
                 "and the segments required visible: open the session with more hot_tokens"
             )
         self.window.virtual = True
+        self.sketches.reserve(len(blocks))
         await self._sketch_copies(blocks, set(tail))
         todo = [i for i in range(len(blocks)) if i not in tail and not self._held(blocks[i])]
         due = self._size(blocks, {i for i in range(len(blocks)) if not self._held(blocks[i])})

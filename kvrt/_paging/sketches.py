@@ -5,7 +5,12 @@ Scoring a thousand blocks a turn reads every sketch: packed in one arena, a turn
 them where they lie, instead of gathering a thousand small arrays into one (which took as
 long as the scoring itself). A block's slot is written once, when its sketch is made, with
 its vectors' squared lengths beside it; the slots of blocks the context no longer holds
-are reused. The arena grows by doubling: its untouched slots cost no memory.
+are reused.
+
+Every slot of the arena takes memory, written or not (a slot is a column: writing one
+touches every row's page), and growing it holds the old and the new arena at once. So a
+context says how many blocks it has before it is sketched (:meth:`SketchStore.reserve`),
+the arena is sized once for them, and what it reports is what it holds.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from .._types import KeySketch, KeySketches
 __all__ = ["SketchStore"]
 
 _FIRST_SLOTS = 64
+_ROUND_SLOTS = 64  # a reservation's unit: a context grown by a few blocks fits again
 
 
 class SketchStore:
     """Sketches by block key, in one packed arena."""
 
     def __init__(self) -> None:
+        self._want = 0
         self._clear()
 
     def _clear(self) -> None:
@@ -44,13 +51,16 @@ class SketchStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the arena's written slots take: the sketches held, and slots freed for
-        reuse, which stay in memory (the arena never shrinks while a sketch is held)."""
+        """Bytes the arena takes: every slot, holding a sketch, freed for reuse or not
+        written yet (the arena never shrinks while a sketch is held)."""
         if self._keys is None or self._scale is None or self._norms is None:
             return 0
-        n_slots = int(self._keys.shape[4])
-        per_slot = (self._keys.nbytes + self._scale.nbytes + self._norms.nbytes) // n_slots
-        return per_slot * self._used
+        return self._keys.nbytes + self._scale.nbytes + self._norms.nbytes
+
+    def reserve(self, n: int) -> None:
+        """Size the arena for ``n`` sketches held at once (a context's blocks), in one
+        allocation when the first is put, or one growth where it holds fewer slots."""
+        self._want = -(-max(n, 1) // _ROUND_SLOTS) * _ROUND_SLOTS
 
     def put(self, key: Hashable, sketch: object) -> None:
         """Keep ``sketch`` (a :class:`KeySketch`, or its vectors) as ``key``'s. A sketch of
@@ -88,11 +98,12 @@ class SketchStore:
         )
 
     def _take(self, shape: tuple[int, ...]) -> int:
-        """A new slot for sketches of ``shape``, the arena grown (doubled) where it is full."""
+        """A new slot for sketches of ``shape``, the arena grown where it is full: to the
+        reservation, or by half again past it."""
         held = 0 if self._keys is None else int(self._keys.shape[4])
         if self._used == held:
             n_layer, n_head, vectors, dim = shape
-            slots = max(_FIRST_SLOTS, 2 * held)
+            slots = self._want if self._want > held else max(_FIRST_SLOTS, held + held // 2)
             keys = np.empty((n_layer, n_head, vectors, dim, slots), dtype=np.int8)
             scale = np.empty((n_layer, n_head, vectors, slots), dtype=np.float32)
             norms = np.empty((n_layer, n_head, vectors, slots), dtype=np.float32)

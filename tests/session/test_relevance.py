@@ -186,7 +186,8 @@ def test_int8_key_sketches_score_as_their_float_vectors() -> None:
 def test_packed_sketches_score_as_the_same_sketches_one_by_one() -> None:
     """A long context's store hands its sketches packed: scored where they lie, they score
     as the same sketches handed one by one, whatever else the arena holds (slots of blocks
-    the context dropped, reused; blocks left out); the arena grows without losing any."""
+    the context dropped, reused; blocks left out); the arena grows without losing any, and
+    reports every slot it holds; reserved, it is sized once."""
     rng = np.random.default_rng(11)
     shape = (3, 2, 5, 16)
     sketches = {k: KeySketch.quantize(rng.normal(0, 1, shape)) for k in range(150)}
@@ -197,7 +198,8 @@ def test_packed_sketches_score_as_the_same_sketches_one_by_one() -> None:
     for k in range(100, 150):
         store.put(k, sketches[k])
     assert len(store) == 110
-    assert store.nbytes == 110 * (sketches[0].nbytes + 4 * 3 * 2 * 5)  # with |K|^2 per vector
+    per_slot = sketches[0].nbytes + 4 * 3 * 2 * 5  # with |K|^2 per vector
+    assert store.nbytes == 144 * per_slot  # 64 slots, grown by half twice
     body = [*range(45, 60), 7, *range(120, 150)]  # 7 was dropped: no sketch
     query = rng.normal(0, 1, (3, 2, 4, 16)).astype(np.float32)
     packed = store.select(body)
@@ -214,6 +216,13 @@ def test_packed_sketches_score_as_the_same_sketches_one_by_one() -> None:
     assert got != policy.key_relevance(store.select([*body, 40]), query)[: len(body)]  # centre
     store.keep(set())  # nothing held: the arena is given back
     assert store.nbytes == 0 and len(store) == 0
+    store.reserve(100)  # a context of 100 blocks: one arena of 128 slots, never grown
+    store.put(0, sketches[0])
+    assert store.nbytes == 128 * per_slot
+    for k in range(1, 100):
+        store.put(k, sketches[k])
+    assert store.nbytes == 128 * per_slot
+    assert np.array_equal(np.asarray(store.select([99])[0]), np.asarray(sketches[99]))
 
 
 def test_key_scores_of_look_alike_needles_are_told_apart_by_the_query_s_words() -> None:
