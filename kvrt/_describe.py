@@ -44,6 +44,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Sessions whose steps may run in one engine call (1: each steps alone), as the
     engine offers it here (where the kernel probe found it exact) and ``engine.together``
     bounds it."""
+    together_bytes: int = 0
+    """The most memory the engine holds for sessions stepping together, beside their own
+    windows, where each window is as large as the hot window (0 where each steps alone):
+    a stream per session that may join, counted by no budget above."""
 
     @property
     def hot_context_tokens(self) -> int:
@@ -94,7 +98,7 @@ def describe_model(config: Config | None = None) -> ModelInfo:
     config = config or Config()
     engine = open_engine(config.engine)
     try:
-        return model_info(engine.facts, config, together=together(engine))
+        return model_info(engine.facts, config, engine=engine)
     finally:
         engine.close()
 
@@ -104,14 +108,22 @@ def together(engine: Engine) -> int:
     return engine.streams if isinstance(engine, StepsTogether) else 1
 
 
-def model_info(facts: ModelFacts, config: Config, *, together: int = 1) -> ModelInfo:
-    """Facts of a loaded model with the capacity resolved from live memory now."""
+def model_info(facts: ModelFacts, config: Config, *, engine: Engine | None = None) -> ModelInfo:
+    """Facts of a loaded model with the capacity resolved from live memory now, and what
+    ``engine`` (where given) does for sessions generating at once."""
     memory = read_memory()
+    capacity = resolve_capacity(capacity_inputs(facts, config, memory))
+    steps = engine is not None and isinstance(engine, StepsTogether) and engine.streams > 1
     return ModelInfo(
         model=facts,
-        capacity=resolve_capacity(capacity_inputs(facts, config, memory)),
+        capacity=capacity,
         memory=memory,
-        together=together,
+        together=together(engine) if engine is not None else 1,
+        together_bytes=(
+            engine.stream_bytes_at(capacity.hot_context_tokens)
+            if steps and isinstance(engine, StepsTogether)
+            else 0
+        ),
     )
 
 

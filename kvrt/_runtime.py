@@ -20,7 +20,7 @@ from ._chat.templates import JinjaTemplate, read_template_file
 from ._checks import check_bool, check_choice, check_int, check_salt, check_text
 from ._cold import ColdStats, ColdStore, RemoteTier, SharedStore, salted
 from ._config import Config, EngineConfig, check_config, load_config
-from ._describe import ModelInfo, check_limits, model_info, together
+from ._describe import ModelInfo, check_limits, model_info
 from ._engine.capacity import Limit, planner_context
 from ._engine.contract import Engine
 from ._engine.registry import open_engine
@@ -435,7 +435,7 @@ async def open_runtime(
     if engine is None:
         engine = await anyio.to_thread.run_sync(open_engine, cfg.engine)
     try:
-        info = model_info(engine.facts, cfg, together=together(engine))
+        info = model_info(engine.facts, cfg, engine=engine)
         check_limits(info, cfg)
         chat = _configured_template(engine, cfg)
         budget = info.capacity.host_cold_budget_bytes

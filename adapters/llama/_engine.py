@@ -477,6 +477,11 @@ class LlamaEngine:
         """KV bytes of the streams windows step together in (0 before any did)."""
         return self._together.nbytes
 
+    def stream_bytes_at(self, window_tokens: int) -> int:
+        """The most KV bytes the streams hold while windows of up to ``window_tokens``
+        step together, beside the windows' own contexts."""
+        return self._together.most_bytes(window_tokens)
+
     def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
         """Advance each ``(context, token)`` by its token: the windows in (or moved into)
         the engine's streams in one engine call, any other alone in its own context.

@@ -96,6 +96,14 @@ class Together:
         """The streams' KV bytes, allocated while the context lives."""
         return self.cells * self.streams * self._facts.kv_bytes_per_token
 
+    def most_bytes(self, window_tokens: int) -> int:
+        """The streams' KV bytes where windows of up to ``window_tokens`` step together
+        (as :meth:`_make` sizes them; 0 where none is offered)."""
+        if not self.offered:
+            return 0
+        cells = min(window_tokens + 1 + STREAM_ROOM, self._facts.trained_context)
+        return -(-cells // 256) * 256 * self.streams * self._facts.kv_bytes_per_token
+
     @property
     def offered(self) -> bool:
         """Whether windows may step here: where the kernel probe found sequences decoded

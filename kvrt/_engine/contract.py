@@ -436,6 +436,11 @@ class StepsTogether(Protocol):
         place for other windows; a no-op where it is home."""
         ...
 
+    def stream_bytes_at(self, window_tokens: int) -> int:
+        """The most memory the engine holds for windows of up to ``window_tokens`` tokens
+        stepping together, beside their own contexts (0 where it holds none)."""
+        ...
+
     def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
         """Advance each ``(context, token)``; each one's next logits, or the error its
         step raised (a step refused leaves its window as it was)."""

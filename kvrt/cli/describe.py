@@ -78,7 +78,7 @@ def _dependent(m: Any, hot: int) -> str:
     return text
 
 
-def _kernels(k: Any, together: int) -> str:
+def _kernels(k: Any, together: int, together_bytes: int = 0) -> str:
     """The kernel probe's verdict, with what it measured, and what sessions do with it."""
     text = str(k.reason)
     st = k.setting
@@ -94,6 +94,11 @@ def _kernels(k: Any, together: int) -> str:
         text += f"; sequences decoded together {exact}, a step one by one -> together {costs}"
     if together > 1:
         text += f"; sessions generating at once step together, up to {together} a step"
+        if together_bytes:
+            text += (
+                f" (their streams hold up to {format_size(together_bytes)} beside the "
+                "sessions' own windows)"
+            )
     else:
         text += "; each session steps alone"
     if k.probe is not None:
@@ -176,7 +181,11 @@ def print_info(info: ModelInfo, *, long_context: bool = False) -> None:
             else []
         ),
         ("KV type", m.kv_type + (", flash attention" if m.flash_attention else "")),
-        *([("kernels", _kernels(m.kernels, info.together))] if m.kernels is not None else []),
+        *(
+            [("kernels", _kernels(m.kernels, info.together, info.together_bytes))]
+            if m.kernels is not None
+            else []
+        ),
         ("KV bytes per token", kv_bytes),
         *(
             [

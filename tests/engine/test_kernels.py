@@ -59,8 +59,15 @@ def test_the_probe_runs_once_and_describe_shows_its_verdict(
     # sessions step together where the probe found it exact, as engine.together bounds it
     assert info.together == (8 if verdict.batch_exact else 1)
     assert ("up to 8 a step" in _kernels(verdict, info.together)) == verdict.batch_exact
+    # what the streams may hold, beside the windows: 8 streams of a hot window and room
+    m, hot = info.model, info.hot_context_tokens
+    cells = -(-min(hot + 1 + 512, m.trained_context or hot) // 256) * 256
+    assert info.together_bytes == (8 * cells * m.kv_bytes_per_token if verdict.batch_exact else 0)
+    text = _kernels(verdict, info.together, info.together_bytes)
+    assert ("their streams hold up to" in text) == verdict.batch_exact
     alone = kvrt.load_config(flags={"model": zoo_path("llama"), "threads": 1, "together": 1})
-    assert kvrt.describe_model(alone).together == 1
+    lone = kvrt.describe_model(alone)
+    assert lone.together == 1 and lone.together_bytes == 0
     for engine in (first, again, other):
         engine.close()
 
