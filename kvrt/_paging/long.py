@@ -111,11 +111,14 @@ class LongContext:
                 f"{self.window.long_limit} (the hot window plus what memory.cold and the disk "
                 "tier's budget hold): raise memory.cold or disk.budget"
             )
+        current = {b.key for b in blocks}  # what the next context may ask for again
+        # The last context's other sketches go before this one's are made: their slots
+        # are reused, and the arena holds one context's.
+        self.sketches.keep(current)
         try:
             return await self._place_long(blocks, require)
         finally:
             self.progress = None
-            current = {b.key for b in blocks}  # what the next context may ask for again
             self.copies = {k: v for k, v in self.copies.items() if k in current}
             self.sketches.keep(current)
             self.unsketched &= current
