@@ -113,15 +113,15 @@ def model_info(facts: ModelFacts, config: Config, *, engine: Engine | None = Non
     ``engine`` (where given) does for sessions generating at once."""
     memory = read_memory()
     capacity = resolve_capacity(capacity_inputs(facts, config, memory))
-    steps = engine is not None and isinstance(engine, StepsTogether) and engine.streams > 1
+    joined = together(engine) if engine is not None else 1
     return ModelInfo(
         model=facts,
         capacity=capacity,
         memory=memory,
-        together=together(engine) if engine is not None else 1,
+        together=joined,
         together_bytes=(
             engine.stream_bytes_at(capacity.hot_context_tokens)
-            if steps and isinstance(engine, StepsTogether)
+            if joined > 1 and isinstance(engine, StepsTogether)
             else 0
         ),
     )

@@ -38,7 +38,12 @@ from .llama import (
 )
 from .llama_keys import _HEADER, state_streams
 
-__all__ = ["LlamaSequences"]
+__all__ = ["LlamaSequences", "whole_stream"]
+
+
+def whole_stream(cells: int) -> int:
+    """The cells llama.cpp gives a stream asked for ``cells``: a multiple of 256."""
+    return -(-cells // 256) * 256
 
 
 class LlamaSequences:
@@ -66,8 +71,7 @@ class LlamaSequences:
             raise BridgeArgumentError(f"n_threads must be in [1, 1024], got {n_threads}")
         if not 1 <= n_batch <= 8192:
             raise BridgeArgumentError(f"n_batch must be in [1, 8192], got {n_batch}")
-        # llama.cpp rounds a stream up to 256 cells: ask for whole streams.
-        per_seq = -(-cells // 256) * 256
+        per_seq = whole_stream(cells)  # llama.cpp would round it so: ask for it whole
         params = context_params(
             n_ctx=per_seq * n_seq,
             n_batch=n_batch,

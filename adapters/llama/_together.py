@@ -33,7 +33,7 @@ import numpy.typing as npt
 from kvrt import EngineError
 from kvrt.backend import Logits, ModelFacts
 from kvrt.native_bridge.llama import LlamaModel
-from kvrt.native_bridge.llama_batch import LlamaSequences
+from kvrt.native_bridge.llama_batch import LlamaSequences, whole_stream
 
 from .._errors import translate_errors
 from ._rope import ModelRope
@@ -101,8 +101,8 @@ class Together:
         (as :meth:`_make` sizes them; 0 where none is offered)."""
         if not self.offered:
             return 0
-        cells = min(window_tokens + 1 + STREAM_ROOM, self._facts.trained_context)
-        return -(-cells // 256) * 256 * self.streams * self._facts.kv_bytes_per_token
+        cells = whole_stream(self._cells(window_tokens + 1))
+        return cells * self.streams * self._facts.kv_bytes_per_token
 
     @property
     def offered(self) -> bool:
@@ -230,9 +230,13 @@ class Together:
             self._seqs.close()
             self._seqs = None
 
+    def _cells(self, need: int) -> int:
+        """Cells asked of each stream for windows of up to ``need`` cells (LlamaSequences
+        rounds them to whole streams)."""
+        return min(need + STREAM_ROOM, self._facts.trained_context)
+
     def _make(self, need: int) -> None:
-        # LlamaSequences rounds a stream up to llama.cpp's 256 cells itself.
-        cells = min(need + STREAM_ROOM, self._facts.trained_context)
+        cells = self._cells(need)
         if cells <= need:
             return
         with translate_errors(f"making {self.streams} streams of {cells} cells"):
