@@ -28,6 +28,7 @@ __all__ = [
     "KV_PRECISIONS",
     "OvModel",
     "OvRequest",
+    "OvRows",
     "pack",
     "rotate_keys",
     "unpack",
@@ -366,3 +367,56 @@ class OvRequest:
             raise BridgeArgumentError(
                 f"entry range [{start}, {end}) is outside [0, {self._length})"
             )
+
+
+class OvRows:
+    """Sequences of one length held in one infer request, a row each, and stepped
+    together: what sessions decoding at once would run on this IR (the kernel probe
+    measures whether each row's logits equal its own request's)."""
+
+    def __init__(self, model: OvModel, requests: Sequence[OvRequest]) -> None:
+        lengths = {r.length for r in requests}
+        if not requests or len(lengths) != 1 or 0 in lengths:
+            raise BridgeArgumentError("rows start from requests holding entries of one length")
+        if model._compiled is None:
+            raise BridgeArgumentError("the model is closed")
+        self._req: Any = model._compiled.create_infer_request()
+        self._rows = len(requests)
+        self._length = lengths.pop()
+        self._beam = ov.Tensor(np.arange(self._rows, dtype=np.int32))
+        held = [r.take(0, r.length) for r in requests]
+        for state in self._req.query_state():
+            layer, part = next(
+                (i, j)
+                for i, names in enumerate(model.state_names)
+                for j, name in enumerate(names)
+                if name == state.name
+            )
+            rows = [unpack(h[layer, part])[None] for h in held]
+            state.state = ov.Tensor(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def step(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """One token a row, at the next position; the logits ``[rows, vocab]``."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        if ids.shape[0] != self._rows:
+            raise BridgeArgumentError(f"{ids.shape[0]} tokens for {self._rows} rows")
+        req = self._req
+        try:
+            req.set_tensor("input_ids", ov.Tensor(ids))
+            req.set_tensor(
+                "position_ids", ov.Tensor(np.full((self._rows, 1), self._length, np.int64))
+            )
+            req.set_tensor(
+                "attention_mask", ov.Tensor(np.ones((self._rows, self._length + 1), np.int64))
+            )
+            req.set_tensor("beam_idx", self._beam)
+            req.infer()
+            logits = np.array(req.get_tensor("logits").data[:, -1], dtype=np.float32)
+        except Exception as exc:
+            raise BridgeCallError(f"OpenVINO inference failed: {str(exc).splitlines()[0]}") from exc
+        self._length += 1
+        return logits

@@ -21,6 +21,7 @@ from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack,
 from .._errors import translate_errors
 from .._sketch import QUERY_TOKENS, block_sketch
 from .._window import KvWindow, check_tokens
+from ._probe import stepping
 
 __all__ = ["EXACT_KV", "OpenVinoEngineContext"]
 
@@ -60,12 +61,10 @@ class OpenVinoEngineContext(KvWindow):
 
     @property
     def capabilities(self) -> Capabilities:
-        notes = [
-            "tail admission re-rotates keys in numpy: argmax-equal, not bit-exact",
-            "sessions step one at a time: a request's state holds rows of one length (a "
-            "shorter session's padded and masked), and OpenVINO's results change with how "
-            "work is cut (one batch against pieces: about 4e-5 on SmolLM2)",
-        ]
+        notes = ["tail admission re-rotates keys in numpy: argmax-equal, not bit-exact"]
+        kernels = self._facts.kernels
+        if kernels is not None:
+            notes += [f"kernels: {kernels.reason}", stepping(kernels)]
         if not self.exact:
             notes.append(
                 f"{self._facts.kv_type} KV cache re-quantizes on import: cold restores are approximate"

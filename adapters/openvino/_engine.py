@@ -9,14 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvrt import ConfigError, EngineError, InvalidRangeError, ModelLoadError
-from kvrt.backend import EngineConfig, ModelFacts, TemplateSource
+from kvrt.backend import EngineConfig, ModelFacts, TemplateSource, file_digest
 from kvrt.native_bridge.openvino import COLD_BYTES, DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import EXACT_KV, OpenVinoEngineContext
 from ._prepare import IrInfo, prepare_ir
+from ._probe import kernel_verdict
 
 __all__ = ["PROFILES", "OpenVinoEngine"]
 
@@ -25,6 +28,8 @@ PROFILES: dict[str, dict[str, str]] = {
     "default": {},
 }
 """Compile settings by name; the KV precision comes from ``engine.kv_type``."""
+
+PROBE_TEXT = "The harbour master logs every ship that comes in at dawn, and the clerk copies it. "
 
 
 class _BuildProgress:
@@ -118,7 +123,19 @@ class OpenVinoEngine:
                 f"cannot load the tokenizer in {folder}: {str(exc).splitlines()[0]}"
             ) from exc
         eos = {int(tokenizer.get_eos_token_id())}
-        return cls(model, tokenizer, config, cls._facts_for(model, info, folder, config), eos)
+        facts = cls._facts_for(model, info, folder, config)
+        try:
+            text = tokenizer.encode(PROBE_TEXT * 16, add_special_tokens=False)
+            kernels = kernel_verdict(
+                model,
+                config,
+                [int(t) for t in text.input_ids.data[0]],
+                model_key=f"{facts.fingerprint}|{file_digest(folder / 'openvino_model.xml')}",
+            )
+        except BaseException:
+            model.close()
+            raise
+        return cls(model, tokenizer, config, msgspec.structs.replace(facts, kernels=kernels), eos)
 
     @staticmethod
     def _vocabulary(tokenizer: Any, n_vocab: int) -> tuple[list[bytes], frozenset[int]]:

@@ -64,8 +64,12 @@ class KernelVerdict(msgspec.Struct, frozen=True, kw_only=True):
 
     flash_attention: bool
     exact: bool
-    """The probe found every cut of the same work bit-identical under it: restores equal
-    computing again. False: nothing the engine computes is labelled exact."""
+    """kvrt's exact labels hold under these kernels. False: nothing the engine computes
+    is labelled exact."""
+    cut_invariant: bool = True
+    """The probe found every cut of the same work bit-identical (llama.cpp: what
+    ``exact`` requires, restores equal computing again). False where ``exact`` holds
+    (OpenVINO): an exact label compares with the same work computed in the same pieces."""
     batch_exact: bool
     """Sequences decoded together give each one's logits decoded alone, bit for bit."""
     reason: str
@@ -194,6 +198,7 @@ def settle_kernels(
             return KernelVerdict(
                 flash_attention=forced,
                 exact=False,
+                cut_invariant=False,
                 batch_exact=False,
                 reason=f"flash attention {'on' if forced else 'off'} {why}, which the probe "
                 "could not run here: labelled approximate",
@@ -218,6 +223,7 @@ def settle_kernels(
     return KernelVerdict(
         flash_attention=chosen.flash_attention,
         exact=chosen.exact,
+        cut_invariant=chosen.exact,
         batch_exact=chosen.batch_exact,
         reason=reason,
         setting=chosen,

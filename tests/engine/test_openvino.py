@@ -24,9 +24,9 @@ from kvrt import (
     ModelLoadError,
 )
 from kvrt._describe import model_info
-from kvrt.adapters.openvino import OpenVinoEngine
+from kvrt.adapters.openvino import OpenVinoEngine, _probe
 from kvrt.adapters.openvino._context import OpenVinoEngineContext
-from kvrt.backend import KeySketching
+from kvrt.backend import KeySketching, load_probe
 from kvrt.native_bridge.openvino import DETERMINISTIC
 from tests.support.text import STORY
 
@@ -257,6 +257,69 @@ def test_describe_openvino() -> None:
         8192,
     )
     assert m["kv_type"] == "f16" and m["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+    kernels = m["kernels"]  # the kernel probe's verdict, with what it measured
+    assert kernels["exact"] and kernels["reason"].startswith("OpenVINO ")
+    assert [s["sequences"] for s in kernels["setting"]["steps"]] == [1, 2, 4, 8]
+    assert json.loads(proc.stdout)["together"] == 1
+
+
+def test_kernel_probe_measures_cuts_and_rows(ov_engine: OpenVinoEngine) -> None:
+    """The verdict is the probe's measurement, kept for the next open; what it says of
+    cuts holds when the same cut is computed again here, and where rows of one request
+    are not each alone's, bit for bit, sessions step alone and say why."""
+    k = ov_engine.facts.kernels
+    assert k is not None and k.setting is not None and k.probe is not None
+    s = k.setting
+    assert k.exact and k.cut_invariant == s.exact
+    assert k.batch_exact == all(st.max_delta == 0 for st in s.steps)
+    assert model_info(ov_engine.facts, kvrt.Config(), engine=ov_engine).together == 1
+
+    tokens = (words(ov_engine, STORY) * 8)[: _probe.SEED + _probe.CUT]
+    assert len(tokens) == _probe.SEED + _probe.CUT
+    seeded = _probe._Seeded(ov_engine._model, tokens)
+    one, _ = seeded.cut([_probe.CUT])
+    pieces, _ = seeded.cut((8,) * (_probe.CUT // 8))
+    trial = next(t for t in s.trials if t.name.endswith(f"pieces of 8 after {_probe.SEED} cells"))
+    assert (trial.max_delta == 0) == np.array_equal(one, pieces)
+
+    notes = ov_engine.open_context(64).capabilities.notes
+    assert f"kernels: {k.reason}" in notes and _probe.stepping(k) in notes
+    if not k.batch_exact:
+        assert "differ from each alone" in _probe.stepping(k)
+
+
+def test_kernel_probe_record_is_kept_by_what_it_depends_on(
+    ov_engine: OpenVinoEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = ov_engine.facts.kernels
+    assert k is not None and k.setting is not None
+    measured: list[str] = []
+
+    def measure(model: object, tokens: object) -> object:
+        measured.append("probe")
+        return k.setting
+
+    monkeypatch.setattr(_probe, "measure", measure)
+    tokens = words(ov_engine, STORY) * 8
+    config = ov_engine.config
+    first = _probe.kernel_verdict(ov_engine._model, config, tokens, model_key="ir-a")
+    assert first.probe is not None and load_probe(first.probe.key) == first.probe
+    again = _probe.kernel_verdict(ov_engine._model, config, tokens, model_key="ir-a")
+    assert again == first and measured == ["probe"]  # read back, not probed again
+    other = msgspec.structs.replace(config, threads=(config.threads or 1) + 1)
+    _probe.kernel_verdict(ov_engine._model, other, tokens, model_key="ir-a")
+    _probe.kernel_verdict(ov_engine._model, config, tokens, model_key="ir-b")
+    assert measured == ["probe"] * 3
+
+
+def test_rows_that_agree_are_still_stepped_alone_and_say_so(ov_engine: OpenVinoEngine) -> None:
+    k = ov_engine.facts.kernels
+    assert k is not None and k.probe is not None and k.setting is not None
+    steps = tuple(msgspec.structs.replace(st, max_delta=0.0) for st in k.setting.steps)
+    setting = msgspec.structs.replace(k.setting, steps=steps)
+    verdict = _probe.settle(msgspec.structs.replace(k.probe, settings=(setting,)))
+    assert verdict.batch_exact
+    assert "padded and masked" in _probe.stepping(verdict)
 
 
 @pytest.mark.parametrize(("kv_type", "value_bytes"), [("f16", 2), ("bf16", 4)])
