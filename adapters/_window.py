@@ -286,9 +286,23 @@ class KvWindow(abc.ABC):
         except EngineError:
             self._after_failure()
             raise
+        self._record(chunk, pos)
+
+    def _record(self, chunk: list[int], pos: int) -> None:
         self._positions.extend(range(pos, pos + len(chunk)))
         self._tokens.extend(chunk)
         self._logits_pos = pos + len(chunk) - 1
+
+    def stepped(self, token: int, logits: Logits) -> None:
+        """Record a step the window took beside other windows' (where the engine steps
+        them together): ``token`` at its next position, followed by ``logits``."""
+        self._record([token], self.next_position)
+        self._keep_logits(logits.copy())  # a row of the joint step's array: keep it alone
+        self._counters.decode_tokens += 1
+
+    def _keep_logits(self, logits: Logits) -> None:
+        """Hold ``logits`` as the ones after the last token (a step computed elsewhere)."""
+        raise EngineError("this window does not step beside others")
 
     def logits(self) -> Logits:
         """Logits following the last decoded token, while that token is resident."""

@@ -370,53 +370,108 @@ class OvRequest:
 
 
 class OvRows:
-    """Sequences of one length held in one infer request, a row each, and stepped
-    together: what sessions decoding at once would run on this IR (the kernel probe
-    measures whether each row's logits equal its own request's)."""
+    """Sequences held as rows of one infer request and stepped together, a token a row
+    in one ``infer``: what windows decoding at once run on this IR.
 
-    def __init__(self, model: OvModel, requests: Sequence[OvRequest]) -> None:
-        lengths = {r.length for r in requests}
-        if not requests or len(lengths) != 1 or 0 in lengths:
-            raise BridgeArgumentError("rows start from requests holding entries of one length")
+    Rows are loaded together (:meth:`load`), each padded on the left to the longest with
+    masked entries. A step gives every row an entry: a row with no token this step gets
+    a stand-in, masked from then on, so each row's attention sees exactly its own
+    entries. (Whether a row's logits then equal its own request's, bit for bit, is what
+    the kernel probe measures.) The plugin's state is a copy on every read and write, so
+    loading and reading rows cost a pass over every row's entries."""
+
+    def __init__(self, model: OvModel) -> None:
         if model._compiled is None:
             raise BridgeArgumentError("the model is closed")
+        self._model = model
         self._req: Any = model._compiled.create_infer_request()
-        self._rows = len(requests)
-        self._length = lengths.pop()
-        self._beam = ov.Tensor(np.arange(self._rows, dtype=np.int32))
-        held = [r.take(0, r.length) for r in requests]
-        for state in self._req.query_state():
-            layer, part = next(
-                (i, j)
-                for i, names in enumerate(model.state_names)
-                for j, name in enumerate(names)
-                if name == state.name
-            )
-            rows = [unpack(h[layer, part])[None] for h in held]
-            state.state = ov.Tensor(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+        self._mask = np.zeros((0, 0), dtype=bool)
 
     @property
     def rows(self) -> int:
-        return self._rows
+        return int(self._mask.shape[0])
 
-    def step(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
-        """One token a row, at the next position; the logits ``[rows, vocab]``."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
-        if ids.shape[0] != self._rows:
-            raise BridgeArgumentError(f"{ids.shape[0]} tokens for {self._rows} rows")
+    @property
+    def width(self) -> int:
+        """Entries a row spans, its padding and stand-ins included."""
+        return int(self._mask.shape[1])
+
+    def held(self, row: int) -> int:
+        """Entries row ``row`` holds (its own, not padding nor stand-ins)."""
+        return int(self._mask[row].sum())
+
+    def load(self, parts: Sequence[npt.NDArray[Any]]) -> None:
+        """Hold ``parts`` (entries as :meth:`OvRequest.take` gives them), a row each, in
+        place of what the rows held."""
+        m = self._model
+        if not parts or any(
+            p.ndim != 5 or p.shape[:3] != (m.n_layers, 2, m.n_kv_heads) or p.shape[4] != m.head_dim
+            for p in parts
+        ):
+            raise BridgeArgumentError("rows are loaded from entries shaped as take() gives them")
+        width = max(p.shape[3] for p in parts)
+        if width == 0:
+            raise BridgeArgumentError("rows start from at least one entry")
+        mask = np.zeros((len(parts), width), dtype=bool)
+        for row, p in enumerate(parts):
+            mask[row, width - p.shape[3] :] = True
+        shape = (len(parts), m.n_kv_heads, width, m.head_dim)
+        try:
+            for state in self._req.query_state():
+                layer, part = self._where(state.name)
+                data = np.zeros(shape, dtype=np.float32)
+                for row, p in enumerate(parts):
+                    data[row, :, width - p.shape[3] :] = p[layer, part]
+                state.state = ov.Tensor(data)
+        except BridgeArgumentError:
+            raise
+        except Exception as exc:
+            raise BridgeCallError(f"OpenVINO refused the rows: {str(exc).splitlines()[0]}") from exc
+        self._mask = mask
+
+    def entries(self, row: int, start: int = 0) -> npt.NDArray[np.float32]:
+        """Row ``row``'s entries from its ``start``-th on, shaped as :meth:`OvRequest.take`
+        gives them (f32)."""
+        m = self._model
+        columns = np.flatnonzero(self._mask[row])[start:]
+        out = np.empty((m.n_layers, 2, m.n_kv_heads, columns.size, m.head_dim), np.float32)
+        for state in self._req.query_state():
+            layer, part = self._where(state.name)
+            out[layer, part] = state.state.data[row][:, columns]
+        return out
+
+    def step(
+        self, tokens: Sequence[int | None], positions: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """Row ``i`` advanced by ``tokens[i]`` at ``positions[i]`` (None: a stand-in,
+        masked once computed); the logits ``[rows, vocab]``."""
+        rows = self.rows
+        if len(tokens) != rows or len(positions) != rows:
+            raise BridgeArgumentError(f"{len(tokens)} tokens for {rows} rows")
+        ids = np.array([0 if t is None else t for t in tokens], dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= self._model.n_vocab:
+            raise BridgeArgumentError(f"token ids must be in [0, {self._model.n_vocab})")
+        mask = np.concatenate([self._mask, np.ones((rows, 1), dtype=bool)], axis=1)
         req = self._req
         try:
-            req.set_tensor("input_ids", ov.Tensor(ids))
-            req.set_tensor(
-                "position_ids", ov.Tensor(np.full((self._rows, 1), self._length, np.int64))
-            )
-            req.set_tensor(
-                "attention_mask", ov.Tensor(np.ones((self._rows, self._length + 1), np.int64))
-            )
-            req.set_tensor("beam_idx", self._beam)
+            req.set_tensor("input_ids", ov.Tensor(ids[:, None]))
+            req.set_tensor("position_ids", ov.Tensor(np.asarray(positions, np.int64)[:, None]))
+            req.set_tensor("attention_mask", ov.Tensor(mask.astype(np.int64)))
+            req.set_tensor("beam_idx", ov.Tensor(np.arange(rows, dtype=np.int32)))
             req.infer()
             logits = np.array(req.get_tensor("logits").data[:, -1], dtype=np.float32)
         except Exception as exc:
             raise BridgeCallError(f"OpenVINO inference failed: {str(exc).splitlines()[0]}") from exc
-        self._length += 1
+        mask[:, -1] = [t is not None for t in tokens]
+        self._mask = mask
         return logits
+
+    def close(self) -> None:
+        self._req = None
+        self._mask = np.zeros((0, 0), dtype=bool)
+
+    def _where(self, name: str) -> tuple[int, int]:
+        for layer, names in enumerate(self._model.state_names):
+            if name in names:
+                return layer, names.index(name)
+        raise BridgeArgumentError(f"unexpected state variable {name!r}")

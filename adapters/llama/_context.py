@@ -276,15 +276,8 @@ class LlamaEngineContext(KvWindow):
         if self._away is not None:
             self._come_home()
 
-    def stepped(self, token: int, logits: Logits) -> None:
-        """Record a step the window took in its stream: ``token`` at its next position,
-        followed by ``logits``."""
-        pos = self.next_position
-        self._positions.append(pos)
-        self._tokens.append(token)
-        self._logits_pos = pos
-        self._carried = logits.copy()  # a row of the joint step's array: keep it alone
-        self._counters.decode_tokens += 1
+    def _keep_logits(self, logits: Logits) -> None:
+        self._carried = logits
 
     def _come_home(self) -> None:
         """Bring the window's cells back from its stream into its own context (grown

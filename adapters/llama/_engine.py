@@ -477,6 +477,10 @@ class LlamaEngine:
         """KV bytes of the streams windows step together in (0 before any did)."""
         return self._together.nbytes
 
+    gather_seconds: float | None = None
+    """A window missing from a joint step steps in the next one, in its own stream: the
+    runtime's default wait."""
+
     def stream_bytes_at(self, window_tokens: int) -> int:
         """The most KV bytes the streams hold while windows of up to ``window_tokens``
         step together, beside the windows' own contexts."""

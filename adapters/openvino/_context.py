@@ -22,6 +22,7 @@ from .._errors import translate_errors
 from .._sketch import QUERY_TOKENS, block_sketch
 from .._window import KvWindow, check_tokens
 from ._probe import stepping
+from ._rows import Rows
 
 __all__ = ["EXACT_KV", "OpenVinoEngineContext"]
 
@@ -37,15 +38,82 @@ class OpenVinoEngineContext(KvWindow):
         budget: int,
         chunk: int,
         is_end: Callable[[int], bool],
+        *,
+        rows: Rows | None = None,
     ) -> None:
         super().__init__(facts, budget)
         self._model = model
-        self._req: OvRequest = model.request()
+        self._own: OvRequest = model.request()
+        self._rows = rows
         self._chunk = chunk
         self._is_end_token = is_end
         self._last_logits: Logits | None = None
         self._probe: OvRequest | None = None
         self._probe_tokens: list[int] = []
+
+    # -- stepping beside other windows (see :mod:`._rows`) --
+
+    @property
+    def _req(self) -> OvRequest:
+        """The window's own request, with the window brought home first if it is away."""
+        if self.away:
+            self._come_home()
+        return self._own
+
+    @property
+    def joins(self) -> bool:
+        """The engine offers this window steps beside others' (see :mod:`._rows`)."""
+        return self._rows is not None
+
+    @property
+    def away(self) -> bool:
+        """The window is in the engine's rows, stepping beside other windows."""
+        return self._rows is not None and self._rows.holds(self)
+
+    def check_step(self, token: int) -> None:
+        """Refuse a step of ``token`` as :meth:`step` would, before it joins others'."""
+        check_tokens([token], self._facts.n_vocab)
+        self._check_room(1, "decoding a token")
+        if not self._tokens:
+            raise EngineError("no logits: decode something first")
+
+    def home_entries(self) -> npt.NDArray[Any]:
+        """Every entry of the window's own request (what its row starts from)."""
+        with translate_errors("reading the window"):
+            return self._own.take(0, self._own.length)
+
+    def _keep_logits(self, logits: Logits) -> None:
+        self._last_logits = logits
+
+    def settle(self) -> None:
+        """Bring the window home from its row, if it is in one."""
+        if self.away:
+            self._come_home()
+
+    def _come_home(self) -> None:
+        """Append the entries the window gained in its row to its own request; if that
+        fails, the window is left empty."""
+        assert self._rows is not None
+        try:
+            gained = self._rows.leave(self)
+        except BaseException:
+            self.clear()
+            raise
+        self.took_home(gained)
+
+    def took_home(self, gained: npt.NDArray[np.float32] | None) -> None:
+        """Append ``gained``, the entries the window gained in its row, to its own
+        request (None: they could not be read); where that fails, the window is left
+        empty."""
+        try:
+            with translate_errors("bringing a window back from its row"):
+                if gained is None:
+                    raise EngineError("the window's row could not be read")
+                if gained.shape[3]:
+                    self._own.insert(self._own.length, [gained])
+        except BaseException:
+            self.clear()
+            raise
 
     @property
     def can_shift(self) -> bool:
@@ -64,7 +132,7 @@ class OpenVinoEngineContext(KvWindow):
         notes = ["tail admission re-rotates keys in numpy: argmax-equal, not bit-exact"]
         kernels = self._facts.kernels
         if kernels is not None:
-            notes += [f"kernels: {kernels.reason}", stepping(kernels)]
+            notes += [f"kernels: {kernels.reason}", stepping(kernels, joins=self.joins)]
         if not self.exact:
             notes.append(
                 f"{self._facts.kv_type} KV cache re-quantizes on import: cold restores are approximate"
@@ -154,13 +222,15 @@ class OpenVinoEngineContext(KvWindow):
             self._req.insert(i, [kv])
 
     def _reset(self) -> None:
+        if self._rows is not None:
+            self._rows.abandon(self)  # emptied: what its row held goes too
         with translate_errors("clearing the request"):
-            self._req.reset()
+            self._own.reset()
         self._last_logits = None
 
     @property
     def closed(self) -> bool:
-        return self._req.closed
+        return self._own.closed
 
     # -- key sketches (kvrt.backend.KeySketching) --
 
@@ -214,8 +284,10 @@ class OpenVinoEngineContext(KvWindow):
         return self._keys(kv, np.arange(len(chunk), dtype=np.int64))
 
     def close(self) -> None:
+        if self._rows is not None:
+            self._rows.abandon(self)  # nothing will read its row again
         if self._probe is not None:
             self._probe.close()
             self._probe = None
         if not self.closed:
-            self._req.close()
+            self._own.close()

@@ -12,7 +12,14 @@ from typing import Any
 import msgspec
 
 from kvrt import ConfigError, EngineError, InvalidRangeError, ModelLoadError
-from kvrt.backend import EngineConfig, ModelFacts, TemplateSource, file_digest
+from kvrt.backend import (
+    EngineConfig,
+    EngineContext,
+    Logits,
+    ModelFacts,
+    TemplateSource,
+    file_digest,
+)
 from kvrt.native_bridge.openvino import COLD_BYTES, DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
@@ -20,6 +27,7 @@ from .._window import check_tokens
 from ._context import EXACT_KV, OpenVinoEngineContext
 from ._prepare import IrInfo, prepare_ir
 from ._probe import kernel_verdict
+from ._rows import Rows
 
 __all__ = ["PROFILES", "OpenVinoEngine"]
 
@@ -28,6 +36,12 @@ PROFILES: dict[str, dict[str, str]] = {
     "default": {},
 }
 """Compile settings by name; the KV precision comes from ``engine.kv_type``."""
+
+GATHER_SECONDS = 0.025
+"""How long the runtime waits for a joint step's sessions to come back: a window missing
+from a step comes home and joins again later, a pass over every row each way (about 45 ms
+a miss measured, eight SmolLM2 windows of some 100 tokens), where a wait ends as soon as
+the last one is back."""
 
 PROBE_TEXT = "The harbour master logs every ship that comes in at dawn, and the clerk copies it. "
 
@@ -72,6 +86,7 @@ class OpenVinoEngine:
         self._facts = facts
         self._eos = eos
         self._closed = False
+        self._rows = Rows(model, facts, streams=config.together)
         self._bytes, self._special = self._vocabulary(tokenizer, facts.n_vocab)
         self._bos = int(tokenizer.get_bos_token_id())
         names = sorted(
@@ -298,12 +313,64 @@ class OpenVinoEngine:
             n_ctx,
             n_batch or self.config.batch or 512,
             self.is_end_of_generation,
+            rows=self._rows if self._rows.offered else None,
         )
+
+    # -- windows stepping together (see :mod:`._rows`) --
+
+    def joins(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s steps may run beside other windows' (:meth:`step_together`):
+        the kernel probe found rows of one request exact here."""
+        return isinstance(ctx, OpenVinoEngineContext) and ctx.joins
+
+    @property
+    def streams(self) -> int:
+        """Windows that may step in one engine call: ``engine.together`` where this
+        engine offers it, else 1."""
+        return self._rows.streams if self._rows.offered else 1
+
+    def away(self, ctx: EngineContext) -> bool:
+        """Whether ``ctx``'s window is in the engine's rows."""
+        return isinstance(ctx, OpenVinoEngineContext) and ctx.away
+
+    def settle(self, ctx: EngineContext) -> None:
+        """Bring ``ctx``'s window back from the engine's rows, if it is there."""
+        if isinstance(ctx, OpenVinoEngineContext):
+            ctx.settle()
+
+    @property
+    def joint_steps(self) -> int:
+        """Steps that advanced two windows or more in one engine call, so far."""
+        return self._rows.steps
+
+    gather_seconds: float | None = GATHER_SECONDS
+
+    @property
+    def stream_bytes(self) -> int:
+        """KV bytes of the rows windows step together in (0 while none is there)."""
+        return self._rows.nbytes
+
+    def stream_bytes_at(self, window_tokens: int) -> int:
+        """The most KV bytes the rows hold while windows of up to ``window_tokens`` step
+        together, beside the windows' own requests."""
+        return self._rows.most_bytes(window_tokens)
+
+    def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
+        """Advance each ``(context, token)`` by its token: the windows in (or brought
+        into) the engine's rows in one ``infer``, any other alone in its own request."""
+        windows: list[OpenVinoEngineContext | Exception] = [
+            c
+            if isinstance(c, OpenVinoEngineContext)
+            else EngineError("a context of another engine")
+            for c, _ in steps
+        ]
+        return self._rows.step_windows(windows, [t for _, t in steps])
 
     def close(self) -> None:
         """Release the compiled model and the tokenizer (contexts must be closed first)."""
         if self._closed:
             return
         self._closed = True
+        self._rows.close()
         self._model.close()
         self._tokenizer = None

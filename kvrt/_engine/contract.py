@@ -441,6 +441,12 @@ class StepsTogether(Protocol):
         stepping together, beside their own contexts (0 where it holds none)."""
         ...
 
+    @property
+    def gather_seconds(self) -> float | None:
+        """How long the runtime waits for a joint step's sessions to come back before
+        the next step runs without them (None: its default, a few milliseconds)."""
+        ...
+
     def step_together(self, steps: Sequence[tuple[EngineContext, int]]) -> list[Logits | Exception]:
         """Advance each ``(context, token)``; each one's next logits, or the error its
         step raised (a step refused leaves its window as it was)."""

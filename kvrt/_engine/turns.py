@@ -57,6 +57,10 @@ class Join:
     item: Any
     run: Callable[[list[Any]], Sequence[Any]]
     most: int
+    grace: float | None = None
+    """How long a freed slot waits for the joint call's sessions to come back (None:
+    :data:`GRACE`): longer where a session missing from the next joint call costs the
+    engine more than the wait."""
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +122,10 @@ class EngineTurns:
         """Slots kept for a returning session (see :data:`GRACE`), with their deadlines."""
         self._gathering: _Gathering | None = None
         """The slot kept for the sessions of the joint call that just ended."""
+        self._running: dict[object, int] = {}
+        """Joint calls running now, by their join's key: a call that could join one
+        waits for the next rather than run beside it in another slot (the engine would
+        run the two one after another, or pay for the windows split between them)."""
         self.joint = 0
         """Engine calls that ran two calls or more as one, so far."""
         self._threads = anyio.CapacityLimiter(slots)
@@ -160,6 +168,9 @@ class EngineTurns:
             return await self._follow(me, me.group)  # type: ignore[no-any-return]
         began = time.perf_counter()
         members = me.group.members if me.group is not None else [me]
+        key = me.join.key if me.join is not None else None
+        if key is not None:
+            self._running[key] = self._running.get(key, 0) + 1
         try:
             if me.join is None:
                 return await in_thread(fn, limiter=self._threads)
@@ -168,11 +179,14 @@ class EngineTurns:
             share = (time.perf_counter() - began) / len(members)
             for m in members:
                 m.served.seconds += share
+            if key is not None:
+                self._running[key] -= 1
+                if not self._running[key]:
+                    del self._running[key]
             if served is None:
                 self._release(())
             else:
-                key = me.join.key if me.join is not None else None
-                self._release([m.served for m in members], key)
+                self._release([m.served for m in members], me.join)
 
     async def _lead(self, members: list[_Waiting]) -> Any:
         """Run the joint call of ``members`` (this call first) and hand each its result.
@@ -212,7 +226,8 @@ class EngineTurns:
             if held is served:  # its slot was kept for it
                 del self._held[i]
                 return waiting
-        if gathering is None and self._free and not self._waiting:
+        queued = any(not self._deferred(w) for w in self._waiting.values())
+        if gathering is None and self._free and not queued and not self._deferred(waiting):
             self._free -= 1
             return waiting
         self._waiting[me] = waiting
@@ -242,7 +257,7 @@ class EngineTurns:
                 with anyio.CancelScope(shield=True):
                     with contextlib.suppress(Exception):
                         await self._lead(group.members)
-                    self._release([m.served for m in group.members], group.members[0].join.key)  # type: ignore[union-attr]
+                    self._release([m.served for m in group.members], group.members[0].join)
             else:
                 with anyio.CancelScope(shield=True):  # its part runs: wait for it
                     await group.done.wait()
@@ -258,29 +273,33 @@ class EngineTurns:
             self._gathering = None
             self._hand_on(None)
 
-    def _release(self, returning: Sequence[Served], key: object = None) -> None:
-        """Hand the freed slot on. After a call that may run with others (``key``: its
-        join's) and did, or that a waiting call could join, keep it for its sessions'
-        next calls (see :data:`GRACE`): they then run together; after another, to the
-        call the policy picks, or keep it for ``returning`` (the session whose call
-        freed it) if the policy picks that one, or free it."""
-        if key is not None and (
+    def _release(self, returning: Sequence[Served], join: Join | None = None) -> None:
+        """Hand the freed slot on. After a call that may run with others (``join``) and
+        did, or that a waiting call could join, keep it for its sessions' next calls
+        (see :data:`GRACE`; ``join.grace`` where it says): they then run together; after
+        another, to the call the policy picks, or keep it for ``returning`` (the session
+        whose call freed it) if the policy picks that one, or free it."""
+        if join is not None and (
             len(returning) > 1
-            or any(w.join is not None and w.join.key == key for w in self._waiting.values())
+            or any(w.join is not None and w.join.key == join.key for w in self._waiting.values())
         ):
-            self._gathering = _Gathering(
-                {id(s) for s in returning}, time.perf_counter() + self.grace
-            )
+            grace = self.grace if join.grace is None else join.grace
+            self._gathering = _Gathering({id(s) for s in returning}, time.perf_counter() + grace)
             for w in self._waiting.values():
                 w.wake.set()  # each looks again once the gathering is over
             return
         self._hand_on(returning[0] if returning else None)
 
+    def _deferred(self, waiting: _Waiting) -> bool:
+        """``waiting`` could join a joint call running now: it waits for the next."""
+        return waiting.join is not None and waiting.join.key in self._running
+
     def _hand_on(self, returning: Served | None) -> None:
-        if not self._waiting:
+        ready = {key: w for key, w in self._waiting.items() if not self._deferred(w)}
+        if not ready:
             self._free += 1
             return
-        views = [self._view(key, w) for key, w in self._waiting.items()]
+        views = [self._view(key, w) for key, w in ready.items()]
         if returning is not None:
             views.append(
                 TurnView(
@@ -301,14 +320,14 @@ class EngineTurns:
             for w in self._waiting.values():
                 w.wake.set()  # each looks again once the grace is over
             return
-        if not isinstance(chosen, int) or chosen not in self._waiting:
+        if not isinstance(chosen, int) or chosen not in ready:
             if chosen is not None:
                 _log.warning(
                     "the engine-turn policy picked %r, which is not waiting; "
                     "the longest-waiting call runs",
                     chosen,
                 )
-            chosen = min(self._waiting)
+            chosen = min(ready)
         waiting = self._waiting.pop(chosen)
         members = [waiting, *self._joining(chosen, waiting)]
         if len(members) > 1:

@@ -237,7 +237,9 @@ class EngineGate:
         engine = self.engine
         if not isinstance(engine, StepsTogether) or not engine.joins(self.ctx):
             return None
-        return Join(engine, (self.ctx, token), engine.step_together, engine.streams)
+        return Join(
+            engine, (self.ctx, token), engine.step_together, engine.streams, engine.gather_seconds
+        )
 
     async def settle(self) -> None:
         """Bring the window back from where windows step together, where a reply took it:

@@ -323,3 +323,63 @@ async def test_a_cancelled_step_gets_the_result_of_its_part_and_loses_no_slot() 
     assert outcome == {"a": "a done", "b": "b done"}
     with anyio.fail_after(5):
         assert await turns.run(Served(), "step", lambda: "ran") == "ran"
+
+
+async def test_a_step_waits_for_the_next_joint_call_rather_than_run_beside_one() -> None:
+    """With a slot free, steps that could join the joint call running now wait and run
+    as the next one: beside it, the engine would run the two one after another, or pay
+    for the windows split between them (OpenVINO's rows)."""
+    turns = EngineTurns(2, policies.get("engine_turn", "least_served"), grace=0.5)
+    calls: list[list[str]] = []
+    gate = Gate()
+
+    def run(items: list[str]) -> list[object]:
+        calls.append(list(items))
+        if len(calls) == 1:
+            gate()
+        return [f"{i} done" for i in items]
+
+    async def step(name: str) -> None:
+        await turns.run(Served(), "step", str, join=Join("engine", name, run, 8))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(step, "a")
+        await started(gate)
+        tg.start_soon(step, "b")
+        await queued(turns, 1)
+        tg.start_soon(step, "c")
+        await queued(turns, 2)
+        assert turns.busy == 1  # the free slot stays free for other calls
+        with anyio.fail_after(5):
+            assert await turns.run(Served(), "prefill", lambda: "beside") == "beside"
+        gate.opened.set()
+    assert calls == [["a"], ["b", "c"]] and turns.waiting == 0
+
+
+async def test_an_engine_that_pays_for_a_missing_window_waits_longer() -> None:
+    """The join's own grace (an engine whose windows leave its joint call when they
+    miss a step) keeps sessions that sample slowly together; the default would not."""
+    joint = Joint()
+
+    async def steps(grace: float | None) -> list[list[str]]:
+        turns = EngineTurns(1, policies.get("engine_turn", "least_served"))
+        joint.calls = []
+        gate = Gate()
+
+        async def generate(name: str) -> None:
+            for _ in range(4):
+                join = Join(joint, name, joint, 8, grace)
+                await turns.run(Served(), "step", str, join=join)
+                await anyio.sleep(0.03 if name == "slow" else 0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(turns.run, None, "prefill", gate)
+            await started(gate)
+            for i, name in enumerate(["a", "slow"]):
+                tg.start_soon(generate, name)
+                await queued(turns, i + 1)
+            gate.opened.set()
+        return joint.calls
+
+    assert [sorted(c) for c in await steps(0.5)] == [["a", "slow"]] * 4
+    assert len(await steps(None)) > 4  # "a" goes on without the slow one

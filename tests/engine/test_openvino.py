@@ -26,6 +26,7 @@ from kvrt import (
 from kvrt._describe import model_info
 from kvrt.adapters.openvino import OpenVinoEngine, _probe
 from kvrt.adapters.openvino._context import OpenVinoEngineContext
+from kvrt.adapters.openvino._rows import Rows
 from kvrt.backend import KeySketching, load_probe
 from kvrt.native_bridge.openvino import DETERMINISTIC
 from tests.support.text import STORY
@@ -260,7 +261,8 @@ def test_describe_openvino() -> None:
     kernels = m["kernels"]  # the kernel probe's verdict, with what it measured
     assert kernels["exact"] and kernels["reason"].startswith("OpenVINO ")
     assert [s["sequences"] for s in kernels["setting"]["steps"]] == [1, 2, 4, 8]
-    assert json.loads(proc.stdout)["together"] == 1
+    rows_exact = all(s["max_delta"] == 0 for s in kernels["setting"]["steps"])
+    assert json.loads(proc.stdout)["together"] == (8 if rows_exact else 1)
 
 
 def test_kernel_probe_measures_cuts_and_rows(ov_engine: OpenVinoEngine) -> None:
@@ -272,7 +274,9 @@ def test_kernel_probe_measures_cuts_and_rows(ov_engine: OpenVinoEngine) -> None:
     s = k.setting
     assert k.exact and k.cut_invariant == s.exact
     assert k.batch_exact == all(st.max_delta == 0 for st in s.steps)
-    assert model_info(ov_engine.facts, kvrt.Config(), engine=ov_engine).together == 1
+    info = model_info(ov_engine.facts, kvrt.Config(), engine=ov_engine)
+    assert info.together == (ov_engine.config.together if k.batch_exact else 1)
+    assert (info.together_bytes > 0) is k.batch_exact
 
     tokens = (words(ov_engine, STORY) * 8)[: _probe.SEED + _probe.CUT]
     assert len(tokens) == _probe.SEED + _probe.CUT
@@ -283,9 +287,8 @@ def test_kernel_probe_measures_cuts_and_rows(ov_engine: OpenVinoEngine) -> None:
     assert (trial.max_delta == 0) == np.array_equal(one, pieces)
 
     notes = ov_engine.open_context(64).capabilities.notes
-    assert f"kernels: {k.reason}" in notes and _probe.stepping(k) in notes
-    if not k.batch_exact:
-        assert "differ from each alone" in _probe.stepping(k)
+    assert f"kernels: {k.reason}" in notes
+    assert _probe.stepping(k, joins=k.batch_exact) in notes
 
 
 def test_kernel_probe_record_is_kept_by_what_it_depends_on(
@@ -312,14 +315,58 @@ def test_kernel_probe_record_is_kept_by_what_it_depends_on(
     assert measured == ["probe"] * 3
 
 
-def test_rows_that_agree_are_still_stepped_alone_and_say_so(ov_engine: OpenVinoEngine) -> None:
+def test_rows_are_offered_only_where_the_probe_found_them_exact(
+    ov_engine: OpenVinoEngine,
+) -> None:
     k = ov_engine.facts.kernels
     assert k is not None and k.probe is not None and k.setting is not None
-    steps = tuple(msgspec.structs.replace(st, max_delta=0.0) for st in k.setting.steps)
-    setting = msgspec.structs.replace(k.setting, steps=steps)
-    verdict = _probe.settle(msgspec.structs.replace(k.probe, settings=(setting,)))
-    assert verdict.batch_exact
-    assert "padded and masked" in _probe.stepping(verdict)
+    for delta, streams, offered in ((0.0, 8, True), (0.0, 1, False), (1e-5, 8, False)):
+        steps = tuple(msgspec.structs.replace(st, max_delta=delta) for st in k.setting.steps)
+        setting = msgspec.structs.replace(k.setting, steps=steps)
+        verdict = _probe.settle(msgspec.structs.replace(k.probe, settings=(setting,)))
+        facts = msgspec.structs.replace(ov_engine.facts, kernels=verdict)
+        assert Rows(ov_engine._model, facts, streams=streams).offered is offered
+        words_ = _probe.stepping(verdict, joins=offered)
+        assert ("beside other sessions'" in words_) is offered
+        assert ("differ from each alone" in words_) is (delta > 0)
+
+
+def test_windows_stepping_as_rows_get_what_they_get_alone(ov_engine: OpenVinoEngine) -> None:
+    """Windows of other lengths step together in varying sets (a window left out of a
+    step comes home first; one settles midway), then on alone: every logit equals the
+    same window's stepped alone, bit for bit."""
+    k = ov_engine.facts.kernels
+    if k is None or not k.batch_exact:
+        pytest.skip("the kernel probe found rows of one request inexact here")
+    prompts = [words(ov_engine, STORY[: 40 + 37 * i]) for i in range(4)]
+
+    def run(together: bool) -> list[list[npt.NDArray[np.float32]]]:
+        ctxs = [ov_engine.open_context(512) for _ in prompts]
+        last = [c.prefill(p) for c, p in zip(ctxs, prompts, strict=True)]
+        seen: list[list[npt.NDArray[np.float32]]] = [[] for _ in ctxs]
+        for n in range(10):
+            which = [i for i in range(len(ctxs)) if (n + i) % 3 or not together]
+            steps = [(ctxs[i], int(np.argmax(last[i]))) for i in which]
+            got = ov_engine.step_together(steps) if together else [c.step(t) for c, t in steps]
+            for i, logits in zip(which, got, strict=True):
+                assert not isinstance(logits, Exception), logits
+                last[i] = logits
+                seen[i].append(logits)
+            if together and n == 5:
+                ov_engine.settle(ctxs[1])
+                assert not ov_engine.away(ctxs[1])
+        for i, c in enumerate(ctxs):
+            seen[i].append(c.step(int(np.argmax(last[i]))))  # home again
+            c.close()
+        return seen
+
+    before = ov_engine.joint_steps
+    together = run(True)
+    assert ov_engine.joint_steps - before >= 8 and ov_engine.stream_bytes == 0
+    alone = run(False)
+    for i, rows in enumerate(together):
+        for n, logits in enumerate(rows):
+            assert np.array_equal(logits, alone[i][n]), (i, n)
 
 
 @pytest.mark.parametrize(("kv_type", "value_bytes"), [("f16", 2), ("bf16", 4)])
