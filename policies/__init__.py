@@ -7,6 +7,16 @@ name in :mod:`kvrt.policy`, whose protocols it implements, so configuration can 
 >>> from kvrt import policies
 >>> policies.get("hot_eviction", "class_lru")
 <kvrt.policies.hot_eviction.ClassThenLRU object at ...>
+
+The modules, one question each: which block leaves the hot window (:mod:`.hot_eviction`),
+whether a block computed after another prefix may stand in (:mod:`.approximate`), whether
+restoring beats recomputing (:mod:`.restore`), what is copied to the cold store at once
+(:mod:`.write_through`), what earns a KV-byte slot there (:mod:`.cold_admission`) and what
+leaves it first (:mod:`.cold_victim`), whether KV computed under a partial window is
+computed again (:mod:`.partial_window`), where a recurrent state is kept
+(:mod:`.checkpoint`), a message's cache class (:mod:`.message_class`), the kernels an
+engine runs (:mod:`.kernels`) and whose engine call goes next (:mod:`.engine_turn`); knobs
+are read by :mod:`._knobs`. In the order of :data:`LAYERS`; the architecture test holds it.
 """
 
 from kvrt.policy import create as create
@@ -54,3 +64,19 @@ from .write_through import StableThrough as StableThrough
 
 get = create
 """A new instance of a registered policy (``kvrt.policy.create``)."""
+
+LAYERS = (
+    "hot_eviction",
+    "approximate",
+    "restore",
+    "write_through",
+    "cold_admission",
+    "cold_victim",
+    "partial_window",
+    "checkpoint",
+    "message_class",
+    "kernels",
+    "engine_turn",
+    "_knobs",
+)
+"""The modules from the top down: each imports only those after it."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
-import re
 import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -166,18 +164,6 @@ def cache_dir(
 REAL_MODEL_FIXTURES = {"engine", "engine_q8", "engine_q4", "gemma_path"}
 """Fixtures that load a real model (SmolLM2 or Gemma 3)."""
 
-_REAL_MODEL_CALLS = re.compile(
-    r"\bloaded\(|open_runtime\(\)|open_runtime\(\"llama\"\)|open_runtime\(backend\)"
-    r"|LlamaEngine\.open\(|load_engine\(\)|load_engine\(\"llama\"|load_engine, \"llama\""
-    r"|getfixturevalue\(|gemma3-270m|\"-m\", \"kvrt\"|examples/|tests\.support\.server import"
-)
-
-
-@functools.cache
-def _uses_a_real_model(path: Path) -> bool:
-    """Whether a test module loads a real model itself (the rest run the zoo's tiny ones)."""
-    return bool(_REAL_MODEL_CALLS.search(path.read_text()))
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Engine-neutral tests run llama.cpp on both event loops and OpenVINO on trio alone
@@ -199,7 +185,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if "redis_server" in fixtures:
             item.add_marker(pytest.mark.redis)
-        if fixtures & REAL_MODEL_FIXTURES or _uses_a_real_model(item.path):
+        if fixtures & REAL_MODEL_FIXTURES:  # modules that load one themselves say so
             item.add_marker(pytest.mark.model)
     if drop:
         config.hook.pytest_deselected(items=drop)

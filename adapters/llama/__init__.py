@@ -1,4 +1,9 @@
-"""kvrt's llama.cpp backend."""
+"""kvrt's llama.cpp backend: the engine without kvrt, for benchmarks (:mod:`._reference`);
+one loaded GGUF model (:mod:`._engine`) and its kernel probe (:mod:`._probe`); one KV
+window (:mod:`._context`) and windows decoding together (:mod:`._together`); keys read
+back for relevance (:mod:`._keys`); how the model turns its keys (:mod:`._rope`); and its
+GGUF metadata (:mod:`._gguf`). Dependencies run one way, in the order of
+:data:`LAYERS`; the architecture test holds it."""
 
 from ._context import LlamaEngineContext as LlamaEngineContext
 from ._engine import LlamaEngine as LlamaEngine
@@ -8,3 +13,15 @@ from ._reference import reference_llama as reference_llama
 from ._reference import reference_trace as reference_trace
 from ._reference import same_settings as same_settings
 from ._reference import same_weights as same_weights
+
+LAYERS = (
+    "_reference",
+    "_engine",
+    "_probe",
+    "_context",
+    "_together",
+    "_keys",
+    "_rope",
+    "_gguf",
+)
+"""The modules from the top down: each imports only those after it."""

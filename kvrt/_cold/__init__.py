@@ -1,14 +1,18 @@
-"""The cold store and its tiers.
+"""The cold store and its tiers, from the service down to the bytes.
 
-- :mod:`.entry` — what every tier holds: immutable blocks under a content key;
 - :mod:`.store` — the service sessions talk to: the RAM tier, its budget, pins, and the
   traffic to the tiers below (write-through, demotion, promotion);
-- :mod:`.blockfile` — a block's bytes outside RAM, checked before use;
+- :mod:`.shared` — other values replicas share on the remote server (replies, API state);
+- :mod:`.stats` — what the store and its tiers report;
+- :mod:`.ram` — the RAM tier's entries and their budget;
+- :mod:`.tier` — the protocol every tier below RAM implements, which the store knows them by;
 - :mod:`.disk` — the disk tier: one file per block, crash-safe, rebuilt on open;
 - :mod:`.remote` — the remote tier: blocks shared by many hosts through Redis/Valkey;
-- :mod:`.shared` — other values replicas share on the remote server (replies, API state);
-- :mod:`.trust` — names and tags that let a shared store be read without trusting it.
-"""
+- :mod:`.trust` — names and tags that let a shared store be read without trusting it;
+- :mod:`.blockfile` — a block's bytes outside RAM, checked before use;
+- :mod:`.entry` — what every tier holds: immutable blocks under a content key.
+
+Dependencies run one way, in the order of :data:`LAYERS`; the architecture test holds it."""
 
 from .disk import BlockIO, DiskStats, DiskTier, default_disk_path
 from .entry import LONG_PREFIX, PARTIAL_PREFIX, ColdEntry, ColdKey, salted, token_digest
@@ -42,3 +46,17 @@ __all__ = [
     "salted",
     "token_digest",
 ]
+
+LAYERS = (
+    "store",
+    "shared",
+    "stats",
+    "ram",
+    "tier",
+    "disk",
+    "remote",
+    "trust",
+    "blockfile",
+    "entry",
+)
+"""The modules from the top down: each imports only those after it."""

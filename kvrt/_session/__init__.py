@@ -1,20 +1,18 @@
-"""A session: its handle, its actor task and the layers the actor stands on.
+"""A session: its handle, its actor task and what the actor stands on (the paging layers
+below live in :mod:`kvrt._paging`).
 
-Dependencies run one way: ``handle`` (the public :class:`Session`) -> ``saving`` (a
-context saved to a file and resumed in a later process) -> ``chat`` (messages to segments
-in the model's template) -> ``reply`` (a generation as its caller holds it: pieces, the
-completion) -> ``mailbox`` (the one way commands reach the actor, shared by the handle
-and its replies) -> ``prefetch`` (the background job a handle starts for its next
-context) -> ``actor`` (the mailbox loop, commands, ``explain()``) -> ``generation``
-(the continuation, stop sequences, remembered replies) -> ``placement`` (plan -> place ->
-converge; ``tokens`` what it places, ``scoring`` relevance, ``approximate`` approximate
-hits) -> ``computing`` (tokens computed in batches, or one at a time where they were
-generated) -> ``paging`` (evict and export runs, restore runs from any cold tier, room)
--> ``gate`` (engine
-calls in threads, derived residency, tallies) -> ``provenance`` (what each token's KV
-attended to) -> ``arguments`` (a call's arguments checked) -> ``layout`` (segments and blocks:
-synchronous bookkeeping, no ``await``).
-"""
+- :mod:`.handle` — the public :class:`Session`;
+- :mod:`.saving` — a context saved to a file and resumed in a later process;
+- :mod:`.chat` — messages to segments in the model's template;
+- :mod:`.reply` — a generation as its caller holds it: pieces, the completion;
+- :mod:`.mailbox` — the one way commands reach the actor, shared by the handle and its
+  replies;
+- :mod:`.prefetch` — the background job a handle starts for its next context;
+- :mod:`.actor` — the mailbox loop, the commands, ``explain()``;
+- :mod:`.generation` — the continuation, stop sequences, remembered replies;
+- :mod:`.arguments` — a call's arguments checked.
+
+Dependencies run one way, in the order of :data:`LAYERS`; the architecture test holds it."""
 
 from .._paging.gate import SessionParts as SessionParts
 from .._paging.gate import SessionPolicies as SessionPolicies
@@ -30,3 +28,16 @@ from .saving import SavedSegment as SavedSegment
 from .saving import SavedSession as SavedSession
 from .saving import read_saved as read_saved
 from .saving import resume_session as resume_session
+
+LAYERS = (
+    "handle",
+    "saving",
+    "chat",
+    "reply",
+    "mailbox",
+    "prefetch",
+    "actor",
+    "generation",
+    "arguments",
+)
+"""The modules from the top down: each imports only those after it."""

@@ -4,6 +4,12 @@ repository's ``benchmarks/``, outside the wheel.
 
     kvrt bench [--quick]
     python -m kvrt.bench.engine_figures [--backend openvino]
+
+The modules: the PNG of ``kvrt bench`` (:mod:`.plot`), the full set of figures
+(:mod:`.full`), the cold tiers' parts timed one by one (:mod:`.tiers`), the quick
+session-level figures (:mod:`.quick`), the engine-layer figures (:mod:`.engine_figures`)
+and the engine's own way of doing the work without kvrt (:mod:`.reference`). Dependencies
+run one way, in the order of :data:`LAYERS`; the architecture test holds it.
 """
 
 from __future__ import annotations
@@ -33,3 +39,14 @@ def own_disk_tier() -> Iterator[str]:
                 os.environ.pop("KVRT_CACHE_DIR", None)
             else:
                 os.environ["KVRT_CACHE_DIR"] = before
+
+
+LAYERS = (
+    "plot",
+    "full",
+    "tiers",
+    "quick",
+    "engine_figures",
+    "reference",
+)
+"""The modules from the top down: each imports only those after it."""

@@ -1,5 +1,8 @@
-"""The ``kvrt`` command line, one module per command (``describe``, ``run``, ``ask``,
-``bench``, ``serve``); each registers its parser and the function that runs it."""
+"""The ``kvrt`` command line, one module per command, each registering its parser and the
+function that runs it: :mod:`.run` (the main demo, its agents in :mod:`.demo` and their
+messages in :mod:`.messages`), :mod:`.ask`, :mod:`.bench`, :mod:`.describe` and
+:mod:`.serve`, on what every command shares (:mod:`.arguments`). Dependencies run one way,
+in the order of :data:`LAYERS`; the architecture test holds it."""
 
 from __future__ import annotations
 
@@ -37,3 +40,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+LAYERS = (
+    "run",
+    "demo",
+    "messages",
+    "ask",
+    "bench",
+    "describe",
+    "serve",
+    "arguments",
+)
+"""The modules from the top down: each imports only those after it."""

@@ -9,6 +9,16 @@ pins a conversation to a session of its own. Uses only kvrt's public API.
 
 >>> async with kvrt.open_runtime() as rt:
 ...     await kvrt.serve.serve(rt, kvrt.serve.ServeConfig(port=8000))
+
+The modules: the app in process for frameworks that take an ``openai`` client
+(:mod:`.inprocess`), the ASGI application and its routes (:mod:`.app`), API keys and
+tenants (:mod:`.auth`), the routes' state and work (:mod:`.server`), the routes over kept
+state (:mod:`.kept`), reading a request (:mod:`.reading`), ``/metrics`` (:mod:`.metrics`),
+the bounded session pool (:mod:`.pool`), replies streamed as server-sent events
+(:mod:`.streaming`) to clients whose connection state says what they took
+(:mod:`.stall`), and how the server serves (:mod:`.config`); the API surfaces' translators
+are in :mod:`kvrt.serve.protocol`, the server's own state in :mod:`kvrt.serve.state`.
+Dependencies run one way, in the order of :data:`LAYERS`; the architecture test holds it.
 """
 
 from __future__ import annotations
@@ -137,3 +147,19 @@ async def _listening(host: str, port: int) -> None:
                 continue
             await stream.aclose()
             return
+
+
+LAYERS = (
+    "inprocess",
+    "app",
+    "auth",
+    "server",
+    "kept",
+    "reading",
+    "metrics",
+    "pool",
+    "streaming",
+    "stall",
+    "config",
+)
+"""The modules from the top down: each imports only those after it."""

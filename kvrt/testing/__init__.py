@@ -1,13 +1,19 @@
 """Tools for testing with kvrt: tiny models of the architectures users bring.
 
-:mod:`kvrt.testing.zoo` writes random-weight GGUFs of llama.cpp's architectures (Llama 3,
-Qwen, Phi-3, Gemma, hybrids) at a toy size, so a test suite can prove on each of them in
-milliseconds what the real models take seconds for; :mod:`kvrt.testing.sized` writes a
-llama of a realistic size (1B parameters) for benchmarks. The core never imports this
-package.
+:mod:`.sized` writes a llama of a realistic size (1B parameters) for benchmarks, from the
+writer of :mod:`.zoo`, which writes random-weight GGUFs of llama.cpp's architectures
+(Llama 3, Qwen, Phi-3, Gemma, hybrids) at a toy size, so a test suite can prove on each of
+them in milliseconds what the real models take seconds for. The core never imports this
+package. Dependencies run one way, in the order of :data:`LAYERS`.
 """
 
 from . import sized as sized
 from . import zoo as zoo
 
 __all__ = ["sized", "zoo"]
+
+LAYERS = (
+    "sized",
+    "zoo",
+)
+"""The modules from the top down: each imports only those after it."""

@@ -11,7 +11,7 @@ import kvrt
 from kvrt.adapters.llama import reference_llama
 from tests.support.models import loaded, tiny
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [

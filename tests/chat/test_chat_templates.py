@@ -19,7 +19,7 @@ import pytest
 import kvrt
 from tests.support.models import NO_DISK, loaded
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 HERMES = str(TEMPLATES / "hermes-qwen.jinja")

@@ -14,7 +14,7 @@ import pytest
 import kvrt
 from tests.support.models import NO_DISK, loaded, tiny
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 @pytest.fixture(params=["llama", "openvino"])

@@ -31,6 +31,8 @@ from tests.support.disk_writer import SIZE, block, disk_tier, serving
 from tests.support.models import next_logits
 from tests.support.tiers import DOC, FIRST_PROCESS, OTHER, references, settled
 
+pytestmark = pytest.mark.model
+
 HERE = Path(__file__).resolve().parent
 WRITER = [sys.executable, str(HERE.parent / "support" / "disk_writer.py")]
 

@@ -21,6 +21,8 @@ from tests.support.environments import PINNING_IMPORTS
 from tests.support.models import zoo_path
 from tests.support.server import kvrt_serve
 
+pytestmark = pytest.mark.model
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(

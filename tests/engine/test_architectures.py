@@ -27,6 +27,8 @@ from tests.support.models import NO_DISK, llama_cpp_greedy, next_logits, tiny, z
 from tests.support.partial import check_exact, files_context, in_pieces, partial_blocks
 from tests.support.redis import RedisServer
 
+pytestmark = pytest.mark.model
+
 ATTENTION = [n for n, v in zoo.VARIANTS.items() if not v.recurrent and v.layers > 1]
 ONE_LAYER = [n for n, v in zoo.VARIANTS.items() if v.layers == 1]
 RECURRENT = [n for n, v in zoo.VARIANTS.items() if v.recurrent]

@@ -23,6 +23,8 @@ from kvrt import (
 )
 from kvrt._engine.model_files import read_gguf_metadata
 
+pytestmark = pytest.mark.model
+
 GiB = 1024**3
 
 

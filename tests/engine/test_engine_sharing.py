@@ -7,7 +7,7 @@ import pytest
 
 import kvrt
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 async def test_runtimes_open_on_a_loaded_engine_and_leave_it_open(anyio_backend: str) -> None:

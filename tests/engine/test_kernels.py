@@ -16,6 +16,8 @@ from kvrt.cli.describe import _kernels
 from kvrt.policy import KernelTrial
 from tests.support.models import zoo_path
 
+pytestmark = pytest.mark.model
+
 TEXT = "The harbour master logs every ship that comes in at dawn. " * 30
 
 

@@ -9,6 +9,8 @@ from kvrt import AdmitMode, EngineError, EvictMode
 from kvrt.adapters.llama import LlamaEngine
 from tests.support.text import STORY, slide_then_tail_admit, words
 
+pytestmark = pytest.mark.model
+
 
 def _prompt(engine: LlamaEngine) -> list[int]:
     return engine.tokenize(STORY * 2)

@@ -31,6 +31,8 @@ from kvrt.backend import KeySketching, load_probe
 from kvrt.native_bridge.openvino import DETERMINISTIC
 from tests.support.text import STORY
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def ov_engine() -> Iterator[OpenVinoEngine]:

@@ -23,6 +23,8 @@ from kvrt.native_bridge.rope import ROPE_NEOX, Rope
 from tests.support.models import NO_DISK, greedy, llama_cpp_greedy
 from tests.support.text import STORY, slide_then_tail_admit, words
 
+pytestmark = pytest.mark.model
+
 WINDOW = 512
 
 

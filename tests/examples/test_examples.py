@@ -20,7 +20,7 @@ from tests.support.models import zoo_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> str:

@@ -30,6 +30,8 @@ from kvrt.adapters.llama import LlamaEngine
 from kvrt.backend import EngineContext, EvictMode
 from tests.support.text import STORY
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture
 def ctx(engine: LlamaEngine) -> Iterator[object]:

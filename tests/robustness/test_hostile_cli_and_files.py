@@ -21,7 +21,7 @@ import pytest
 import kvrt
 from kvrt.cli import main
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,6 +24,8 @@ import kvrt
 import kvrt._config
 from tests.support.models import loaded
 
+pytestmark = pytest.mark.model
+
 DEADLINE = 60.0
 
 junk = st.one_of(

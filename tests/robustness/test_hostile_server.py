@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 STALL = 2.0
 

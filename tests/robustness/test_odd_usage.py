@@ -13,7 +13,7 @@ import kvrt
 from kvrt import Config, MemoryConfig
 from tests.support.models import FILE_A, context, loaded, tiny
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 STORY = [kvrt.Segment("story", "Once upon a time, in a lighthouse by the sea, there lived a")]
 

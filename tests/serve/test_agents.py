@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from tests.support.server import kvrt_serve
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.frameworks]
+pytestmark = [pytest.mark.subprocess, pytest.mark.frameworks, pytest.mark.model]
 
 KEY = "kvrt-test-key"
 

@@ -16,7 +16,7 @@ import kvrt
 import kvrt.serve
 from tests.support.models import NO_DISK
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 ASK = [{"role": "user", "content": "Count from one to twenty in words."}]
 

@@ -14,7 +14,7 @@ import pytest
 from tests.support.models import zoo_path
 from tests.support.server import kvrt_serve, post
 
-pytestmark = [pytest.mark.subprocess]
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 DOCUMENT = "The grass is green. The sky is blue. " * 300
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.server import client, in_thread, post, server
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 async def model_of(url: str) -> str:

@@ -22,6 +22,8 @@ import pytest
 from tests.support.models import tiny, zoo_path
 from tests.support.server import in_thread, kvrt_serve, post, server
 
+pytestmark = pytest.mark.model
+
 BIG = 500_000
 """Characters (or bytes) from which a string counts as a request's."""
 MARKS = ("refused ", "kept ")

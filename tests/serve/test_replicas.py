@@ -19,6 +19,8 @@ from kvrt.adapters.llama import LlamaEngine
 from tests.support.redis import RedisServer
 from tests.support.server import kvrt_serve
 
+pytestmark = pytest.mark.model
+
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one sentence."}
 QUESTIONS = [
     "Name a river in France.",

@@ -19,7 +19,7 @@ import pytest
 from tests.support.models import tiny
 from tests.support.server import client, get, in_thread, post, server
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.server import client, in_thread, server
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])

@@ -26,7 +26,7 @@ from tests.support.redis import RedisServer as Redis
 from tests.support.server import kvrt_serve
 from tests.support.tenants import PIN, PREFIX, SECRET
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 KEYS = "key-alice-1 alice\nkey-alice-2 alice\nkey-bob bob\n"
 

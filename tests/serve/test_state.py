@@ -29,7 +29,7 @@ from kvrt.serve.state import (
 )
 from tests.support.redis import RedisServer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 SECRET = b"the replicas' secret, long enough"
 

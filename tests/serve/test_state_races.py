@@ -25,7 +25,7 @@ from tests.support.models import zoo_path
 from tests.support.redis import RedisServer
 from tests.support.server import kvrt_serve
 
-pytestmark = [pytest.mark.subprocess]
+pytestmark = [pytest.mark.subprocess, pytest.mark.model]
 
 SECRET = "the replicas' secret, 32 bytes or more\n"
 TRIALS = 40

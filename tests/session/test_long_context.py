@@ -30,7 +30,7 @@ from tests.support.fuzz import canceller
 from tests.support.models import next_logits, zoo_path
 from tests.support.text import record_tokenized
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 TRAINED = 256
 SESSION = kvrt.SessionConfig(block_tokens=32, sink_tokens=4, recent_tokens=32)

@@ -37,7 +37,7 @@ from tests.support.partial import (
 )
 from tests.support.redis import RedisServer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 @pytest.fixture(scope="module", params=["llama", "openvino"])

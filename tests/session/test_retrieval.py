@@ -26,7 +26,7 @@ from tests.support.models import (
 )
 from tests.support.text import record_tokenized
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 @pytest.fixture(params=["llama", "openvino"])

@@ -28,7 +28,7 @@ from tests.support.models import (
     tiny,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 @pytest.fixture(params=["llama", "openvino"])

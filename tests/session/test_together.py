@@ -15,7 +15,7 @@ from kvrt.adapters.llama import LlamaEngine
 from kvrt.adapters.openvino import OpenVinoEngine
 from tests.support.models import NO_DISK, greedy, loaded
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 QUESTIONS = [
     "Name three birds that live by the sea.",

@@ -8,6 +8,8 @@ import trio
 import kvrt
 from tests.support.models import FILE_A, FILE_B, context, greedy
 
+pytestmark = pytest.mark.model
+
 
 @pytest.mark.trio
 async def test_concurrent_sessions_in_a_nursery() -> None:

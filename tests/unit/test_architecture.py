@@ -7,8 +7,8 @@
 - ``native_bridge/`` imports nothing of kvrt;
 - ``kvrt serve`` imports only kvrt's public names;
 - nothing imports the generic top-level names ``adapters``, ``policies``, ``native_bridge``;
-- inside ``kvrt/_session/``, ``kvrt/_paging/`` and ``kvrt/_cold/`` dependencies run one
-  way, in the order each package states;
+- inside every package dependencies run one way, in the order its ``LAYERS`` states,
+  and its docstring names its modules in that order;
 - the placement planner (``kvrt/_paging/planner.py``) is pure: it imports no I/O, no
   engine and no other part of the session;
 - the session's parts are composed, never inherited.
@@ -225,43 +225,77 @@ def test_nothing_imports_generic_top_level_names(folder: str) -> None:
     assert not wrong
 
 
-SESSION_LAYERS = [
-    "handle",
-    "saving",
-    "chat",
-    "reply",
-    "mailbox",
-    "prefetch",
-    "actor",
-    "generation",
-    "arguments",
+PACKAGES = [
+    "kvrt/_session",
+    "kvrt/_paging",
+    "kvrt/_chat",
+    "kvrt/_cold",
+    "kvrt/_engine",
+    "kvrt/cli",
+    "kvrt/bench",
+    "kvrt/serve",
+    "kvrt/serve/protocol",
+    "kvrt/serve/state",
+    "kvrt/testing",
+    "adapters",
+    "adapters/llama",
+    "adapters/openvino",
+    "native_bridge",
+    "policies",
 ]
-"""``kvrt/_session/``, the session as its caller sees it, from the top down."""
+"""Every package of modules: each states its modules' order in its ``LAYERS``."""
 
 
-def one_way(package: str, layers: list[str]) -> set[str]:
-    """The arrows inside ``kvrt/<package>/`` that run up ``layers``; checks that every
-    module is a layer."""
+def stated_layers(folder: str) -> tuple[list[str], str]:
+    """The ``LAYERS`` a package's ``__init__.py`` states (read, not imported), and its
+    docstring."""
+    tree = ast.parse((ROOT / folder / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "LAYERS"
+        ]:
+            return list(ast.literal_eval(node.value)), ast.get_docstring(tree) or ""
+    raise AssertionError(f"{folder}/__init__.py states no LAYERS")
+
+
+def one_way(folder: str, layers: list[str]) -> set[str]:
+    """The arrows inside ``folder`` that run up ``layers``."""
+    init = ROOT / folder / "__init__.py"
+    package = package_of(init)
     wrong = set()
     for layer in layers:
         rank = layers.index(layer)
-        for m in kvrt_imports(ROOT / "kvrt" / package / f"{layer}.py"):
-            parts = m.split(".")
-            inside = parts[:2] == ["kvrt", package] and len(parts) > 2
-            other = parts[2] if inside else layer
-            if other in layers and layers.index(other) < rank:
-                wrong.add(f"{layer} -> {other}")
-    assert sorted(p.stem for p in (ROOT / "kvrt" / package).glob("*.py")) == sorted(
-        [*layers, "__init__"]
-    )
+        for m in kvrt_imports(ROOT / folder / f"{layer}.py"):
+            if m.startswith(package + "."):
+                other = m[len(package) + 1 :].split(".")[0]
+                if other in layers and layers.index(other) < rank:
+                    wrong.add(f"{layer} -> {other}")
     return wrong
 
 
-def test_session_and_paging_layers_depend_one_way() -> None:
-    from kvrt._paging import LAYERS
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_each_package_states_its_order_and_keeps_it(folder: str) -> None:
+    """A package's modules are its ``LAYERS``, each importing only those after it, and
+    its docstring names them (``:mod:`.name```) in that order."""
+    layers, doc = stated_layers(folder)
+    found = sorted(p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__")
+    assert sorted(layers) == found
+    assert not one_way(folder, layers)
+    named = list(dict.fromkeys(re.findall(r":mod:`\.(\w+)`", doc)))
+    assert named == layers
 
-    assert not one_way("_session", SESSION_LAYERS)
-    assert not one_way("_paging", list(LAYERS))
+
+def test_every_package_is_held() -> None:
+    packages = {
+        str(p.parent.relative_to(ROOT))
+        for folder in ("kvrt", "adapters", "native_bridge", "policies")
+        for p in (ROOT / folder).rglob("__init__.py")
+        if "__pycache__" not in p.parts and len(list(p.parent.glob("*.py"))) > 1
+    }
+    assert packages - {"kvrt"} == set(PACKAGES)
+
+
+def test_core_modules_stay_small() -> None:
     core = [p for p in modules("kvrt") if p.parent == ROOT / "kvrt"]
     packages = [
         p
@@ -332,12 +366,9 @@ def test_tallies_are_returned_never_shared() -> None:
 
 
 def test_the_cold_store_stands_below_the_sessions() -> None:
-    """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime;
-    inside it the service (``store``) stands on the tiers, which stand on ``blockfile`` and
-    ``entry``; the store knows the tiers below RAM only through the ``ColdTier`` protocol
-    (an ordered list), never by kind."""
-    order = ["store", "shared", "stats", "ram", "tier", "disk", "remote", "trust", "blockfile"]
-    order += ["entry"]
+    """``kvrt/_cold`` (the store and its tiers) knows nothing of sessions or the runtime,
+    and the store knows the tiers below RAM only through the ``ColdTier`` protocol (an
+    ordered list), never by kind; its modules' order is its own ``LAYERS``."""
     store = (ROOT / "kvrt" / "_cold" / "store.py").read_text()
     assert not re.findall(r"\b(?:DiskTier|RemoteTier)\b|self\.(?:disk|remote)\b", store)
     wrong = set()
@@ -347,15 +378,7 @@ def test_the_cold_store_stands_below_the_sessions() -> None:
                 ("kvrt._session", "kvrt._paging", "kvrt._runtime", "kvrt.cli", "kvrt.serve")
             ):
                 wrong.add(f"{path.name} -> {m}")
-            parts = m.split(".")
-            other = parts[2] if parts[:2] == ["kvrt", "_cold"] and len(parts) > 2 else None
-            rank = order.index(path.stem) if path.stem in order else -1
-            if other in order and order.index(other) < rank:
-                wrong.add(f"{path.stem} -> {other}")
     assert not wrong
-    assert sorted(p.stem for p in (ROOT / "kvrt" / "_cold").glob("*.py")) == sorted(
-        [*order, "__init__"]
-    )
 
 
 def test_the_reader_sees_a_wrong_arrow() -> None:
@@ -366,6 +389,8 @@ def test_the_reader_sees_a_wrong_arrow() -> None:
     assert "kvrt._session.actor" in kvrt_imports(handle)
     gate = ROOT / "kvrt" / "_paging" / "gate.py"
     assert "kvrt._paging.window" in kvrt_imports(gate)
+    layers, _ = stated_layers("kvrt/_session")
+    assert "handle -> actor" in one_way("kvrt/_session", layers[::-1])
 
 
 def test_every_public_struct_documents_itself_and_its_fields() -> None:

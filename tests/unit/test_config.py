@@ -12,6 +12,8 @@ import pytest
 from kvrt import Config, ConfigError, DiskConfig, load_config, parse_size
 from kvrt._config import check_config
 
+pytestmark = pytest.mark.model
+
 GiB = 1024**3
 MiB = 1024**2
 

@@ -9,6 +9,10 @@
 Both keep per-tenant bounds (:class:`Bounds`), run off the event loop, and answer what
 they cannot do with a :class:`StateError` the routes turn into a clear error (never a 200
 for what was not kept, never a traceback for bad content).
+
+Dependencies run one way, in the order of :data:`LAYERS`: the two stores (:mod:`.sqlite`,
+:mod:`.shared`) stand on work off the event loop (:mod:`.threads`) and on what any store
+holds (:mod:`.records`); the architecture test holds it.
 """
 
 from __future__ import annotations
@@ -140,3 +144,12 @@ def refusal(exc: StateError, param: str | None = None) -> RequestError:
         code=f"state_{exc.kind}",
         kind="server_error",
     )
+
+
+LAYERS = (
+    "sqlite",
+    "shared",
+    "threads",
+    "records",
+)
+"""The modules from the top down: each imports only those after it."""
