@@ -33,7 +33,8 @@ import numpy as np
 
 import kvrt
 from kvrt import AdmitMode, EvictMode
-from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaModel
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 from kvrt.testing import zoo
 
 from ._common import run_main

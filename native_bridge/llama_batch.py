@@ -5,7 +5,7 @@ stream of its own (its own cells, its own attention), so one ``llama_decode`` ca
 all of them by a token each. The kernel probe uses it to measure whether a sequence's
 logits decoded beside others equal its logits decoded alone, and what a step costs.
 
-A window of a context of its own (:class:`~.llama.LlamaContext`, one stream) moves into a
+A window of a context of its own (:class:`~.llama_context.LlamaContext`, one stream) moves into a
 sequence here and back whole (:meth:`LlamaSequences.load_window`,
 :meth:`LlamaSequences.window`): the same cells at the same positions, their bytes
 rewritten for the other stream count, which llama.cpp refuses to load as they are. A
@@ -25,17 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import BridgeArgumentError
-from .llama import (
-    _DECODE_ERRORS,
-    _LOG,
-    KV_TYPES,
-    LlamaModel,
-    _failure,
-    context_params,
-    new_context,
-    read_state,
-    write_state,
-)
+from .llama import _LOG, KV_TYPES, LlamaModel, _failure
+from .llama_context import _DECODE_ERRORS, context_params, new_context, read_state, write_state
 from .llama_keys import _HEADER, state_streams
 
 __all__ = ["LlamaSequences", "whole_stream"]
@@ -142,13 +133,13 @@ class LlamaSequences:
 
     def load_window(self, seq: int, data: npt.NDArray[np.uint8]) -> None:
         """Load a window's KV bytes as a one-stream context writes them
-        (:meth:`~.llama.LlamaContext.state_get`) into ``seq``, which must be empty."""
+        (:meth:`~.llama_context.LlamaContext.state_get`) into ``seq``, which must be empty."""
         self._check_seq(seq)
         self.state_set(seq, _streams(data, self.n_seq, seq))
 
     def window(self, seq: int) -> npt.NDArray[np.uint8]:
         """``seq``'s KV bytes as a one-stream context writes them: they load back into
-        one (:meth:`~.llama.LlamaContext.state_set`)."""
+        one (:meth:`~.llama_context.LlamaContext.state_set`)."""
         return _one_stream(self.state_get(seq))
 
     def decode(self, tokens: Sequence[int], seqs: Sequence[int]) -> npt.NDArray[np.float32]:

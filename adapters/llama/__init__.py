@@ -1,9 +1,11 @@
 """kvrt's llama.cpp backend: the engine without kvrt, for benchmarks (:mod:`._reference`);
 one loaded GGUF model (:mod:`._engine`) and its kernel probe (:mod:`._probe`); one KV
-window (:mod:`._context`) and windows decoding together (:mod:`._together`); keys read
-back for relevance (:mod:`._keys`); how the model turns its keys (:mod:`._rope`); and its
-GGUF metadata (:mod:`._gguf`). Dependencies run one way, in the order of
-:data:`LAYERS`; the architecture test holds it."""
+window (:mod:`._context`), composed of how large its context is (:mod:`._sizing`), a
+hybrid's recurrent state kept after block ends (:mod:`._checkpoints`), its cells as bytes
+(:mod:`._cells`) and keys read back for relevance (:mod:`._keys`); windows decoding
+together (:mod:`._together`); how the model turns its keys (:mod:`._rope`); and its GGUF
+metadata (:mod:`._gguf`). Dependencies run one way, in the order of :data:`LAYERS`; the
+architecture test holds it."""
 
 from ._context import LlamaEngineContext as LlamaEngineContext
 from ._engine import LlamaEngine as LlamaEngine
@@ -19,8 +21,11 @@ LAYERS = (
     "_engine",
     "_probe",
     "_context",
-    "_together",
+    "_sizing",
+    "_checkpoints",
+    "_cells",
     "_keys",
+    "_together",
     "_rope",
     "_gguf",
 )

@@ -16,10 +16,10 @@ order, clears the cache and loads them back (:meth:`LlamaEngineContext.relayout`
 Moving a range to other positions (slide eviction, tail admission) turns its keys.
 llama.cpp's own shift (``llama_memory_seq_add``) does that where it is right; where it
 would scale YaRN or LongRoPE keys again, or crash on quantized keys, the window turns them
-itself: out as bytes, turned in numpy (:func:`~native_bridge.llama_keys.shift_cells`),
-back in at the new positions.
+itself: out as bytes, turned in numpy (:class:`~._cells.Cells`), back in at the new
+positions.
 
-A context smaller than its window (:data:`FIRST_CELLS`) grows as the window fills: its cells
+A context smaller than its window (:mod:`._sizing`) grows as the window fills: its cells
 go out in position order and come back into a larger context, the old one freed first, so
 the memory a session holds follows the tokens it holds. Sizes stay multiples of 256 cells,
 llama.cpp's padding of the cells attention reads: a grown context computes what a
@@ -30,8 +30,8 @@ context allocates and clears its buffer and reserves its graph (15-21 ms for Smo
 1,024-1,536 cells, against 3-4 ms to zero them), on the path of every session opened.
 
 On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it has
-integrated every token computed, in order, and is never evicted. The window checkpoints it
-(``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions the session names (block ends)
+integrated every token computed, in order, and is never evicted. The window checkpoints it (:mod:`._checkpoints`,
+``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions the session names (block ends)
 and after each prefill; a block exported where its checkpoint is held carries it in place
 of the current state, so it can end a restored context in any session. Removing the
 window's tail puts the state back to the nearest checkpoint before it and computes the
@@ -52,63 +52,19 @@ import numpy.typing as npt
 
 from kvrt import ColdBlockMismatchError, InvalidRangeError
 from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts, Recompute
-from kvrt.native_bridge.llama import (
-    KV_TYPES,
-    MAIN_SEQ,
-    SCRATCH_SEQ,
-    STATE_HEAD,
-    LlamaContext,
-    LlamaModel,
-)
-from kvrt.native_bridge.llama_keys import key_rotation, order_cells, shift_cells
+from kvrt.native_bridge.llama import LlamaModel
+from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, LlamaContext
 
 from .._errors import translate_errors
-from .._sketch import QUERY_TOKENS
 from .._window import KvWindow, check_tokens, chunk_bounds
-from ._keys import KeyReader
+from ._cells import Cells
+from ._checkpoints import Checkpoints
+from ._keys import KeyReader, QueryKeys
 from ._rope import ModelRope
+from ._sizing import first_size, fits_spare, padded
 from ._together import Together
 
-__all__ = ["FIRST_CELLS", "LlamaEngineContext"]
-
-FIRST_CELLS = 1024
-"""Cells a context starts with where its window is larger and it may grow."""
-
-PAD = 256
-"""llama.cpp pads the cells attention reads to this: sizes that are multiples of it read
-the same cells at any size."""
-
-
-def _padded(n: int) -> int:
-    return -(-n // PAD) * PAD
-
-
-def first_size(facts: ModelFacts, rope: ModelRope, budget: int, n_batch: int) -> int:
-    """The cells a window of ``budget`` tokens starts with: fewer where it may grow (no
-    recurrent state, no sliding window, keys turned the same at every size), else all."""
-    first = _padded(max(FIRST_CELLS, n_batch))
-    if (
-        first >= budget
-        or facts.checkpoint_bytes
-        or facts.sliding_window_live
-        or facts.recurrent
-        or rope.identity(first) != rope.identity(budget)  # the LongRoPE table in use
-    ):
-        return budget
-    return first
-
-
-def _fits(spare: LlamaContext, first: int, budget: int, n_batch: int, n_threads: int) -> bool:
-    """Whether a window of ``budget`` tokens that would start with ``first`` cells may
-    start in ``spare`` instead: set up alike, and as large as that or larger, within the
-    budget and on llama.cpp's padding (what a grown context holds), or exactly the budget
-    where the window may not grow."""
-    size = spare.n_ctx
-    if spare.n_batch != n_batch or spare.n_threads != n_threads:
-        return False
-    if first >= budget:
-        return size == first
-    return first <= size <= budget and (size % PAD == 0 or size == budget)
+__all__ = ["LlamaEngineContext"]
 
 
 class LlamaEngineContext(KvWindow):
@@ -141,8 +97,10 @@ class LlamaEngineContext(KvWindow):
         windowed = bool(facts.sliding_window_live)
         recurrent = bool(facts.checkpoint_bytes)
         # Keys never move on a model with recurrent layers (some, as Nemotron-H's, have no RoPE).
-        self._ropes = () if recurrent else rope.ropes(ctx.n_ctx_seq, windowed=windowed)
-        """How this context rotates keys: one per KV cache (global, then windowed)."""
+        self._cells = Cells(
+            facts, () if recurrent else rope.ropes(ctx.n_ctx_seq, windowed=windowed)
+        )
+        """The window's cells as bytes; its ``ropes``: how this context rotates keys."""
         identity = rope.identity(ctx.n_ctx_seq)
         self._fingerprint = (
             hashlib.sha256(f"{facts.fingerprint}|rope={identity}".encode()).hexdigest()[:32]
@@ -151,24 +109,19 @@ class LlamaEngineContext(KvWindow):
         )
         self._turn = facts.key_shift == "kvrt"
         """Turn keys in kvrt's own code when moving a range (llama.cpp's shift is wrong)."""
-        k_type = KV_TYPES[facts.kv_type][0]
-        heads = {facts.head_dim}
-        self._k_rotations = tuple(key_rotation(k_type, heads) for _ in self._ropes)
         self._keys = KeyReader.for_model(facts, rope)
         self._n_threads = n_threads
-        self._probe: LlamaContext | None = None
-        self._probe_tokens: list[int] = []
-        """What the probe holds at positions 0...: a query that extends it decodes only
-        the new tokens."""
+        self._query = (
+            QueryKeys(ctx.model, facts, rope, self._keys, n_threads=n_threads)
+            if self._keys is not None
+            else None
+        )
         self._in_order = True
         """Cell ``k`` holds position ``k`` for every resident position, which are ``0...n-1``:
         the layout of a fresh context. Cleared by anything that may leave it otherwise."""
         self._recurrent = bool(facts.checkpoint_bytes)
-        self._states: dict[int, npt.NDArray[np.uint8]] = {}
-        """Position -> the recurrent state after every token before it (a hybrid's)."""
-        self._asked: set[int] = set()
-        """Of ``_states``, the positions a prefill was asked to keep (block ends); the others
-        (ends of prefills) are kept only while the latest."""
+        self._states = Checkpoints()
+        """A hybrid's recurrent state after the positions that may end a context."""
         self._run_end: int | None = None
         self._carried: Logits | None = None
         """The last logits, brought over from the context this one grew out of (until
@@ -202,7 +155,7 @@ class LlamaEngineContext(KvWindow):
         first = first_size(facts, rope, n_ctx, n_batch)
         batch = min(n_batch, first)
         with translate_errors(f"creating a {first}-token context"):
-            if spare is not None and _fits(spare, first, n_ctx, batch, n_threads):
+            if spare is not None and fits_spare(spare, first, n_ctx, batch, n_threads):
                 spare.clear(wipe=True)
                 ctx = spare
             else:
@@ -263,7 +216,7 @@ class LlamaEngineContext(KvWindow):
         with translate_errors("reading the window"):
             data = self._own.state_get(MAIN_SEQ)
             if not self._in_order:
-                data = order_cells(data)
+                data = self._cells.ordered(data)
         self._away = self._together.join(data, n)
         if self._away is not None and not self._in_order:
             self._in_order = True  # in position order in its stream, and once home
@@ -289,7 +242,7 @@ class LlamaEngineContext(KvWindow):
             with translate_errors("bringing a window back from its stream"):
                 data = self._together.leave(seq)
                 if not self._full and need + self.chunk_tokens >= own.n_ctx:
-                    size = _padded(max(need + self.chunk_tokens, own.n_ctx * 3 // 2))
+                    size = padded(max(need + self.chunk_tokens, own.n_ctx * 3 // 2))
                     own.close()
                     self._own = self._rebuilt(own, min(size, self._budget), ())
                 else:
@@ -401,15 +354,12 @@ class LlamaEngineContext(KvWindow):
         made or loaded, the window goes back into one of the old size and the error is
         raised; if even that fails, the window is left empty."""
         old = self._ctx
-        size = _padded(max(need + self.chunk_tokens, old.n_ctx * 3 // 2))
+        size = padded(max(need + self.chunk_tokens, old.n_ctx * 3 // 2))
         size = self._budget if size >= self._budget else size
         with translate_errors(f"growing the context to {size} tokens"):
             if self._logits_pos is not None and self._carried is None:
                 self._carried = old.logits()
-            pieces = []
-            if self._positions:
-                first, last = self._positions[0], self._positions[-1] + 1
-                pieces = [self._ordered(self._cells(s, e)) for s, e in self._spans(first, last)]
+            pieces = self._cells.in_order(old, self._positions)
             old.close()
             try:
                 self._ctx = self._rebuilt(old, size, pieces)
@@ -433,7 +383,7 @@ class LlamaEngineContext(KvWindow):
             if pieces:
                 first, last = self._positions[0], self._positions[-1] + 1
                 for piece in pieces:
-                    self._load(piece, first, last, ctx)
+                    self._cells.load(ctx, piece, first, last)
         except BaseException:
             ctx.close()
             raise
@@ -454,21 +404,10 @@ class LlamaEngineContext(KvWindow):
 
     def _keep_state(self, position: int, asked: bool) -> None:
         with translate_errors("checkpointing the recurrent state"):
-            state = self._ctx.checkpoint_get(MAIN_SEQ)
-        if not asked:  # the previous prefill's end goes, unless a block ends there
-            for p in [p for p in self._states if p not in self._asked and p != position]:
-                del self._states[p]
-        self._states[position] = state
-        if asked:
-            self._asked.add(position)
+            self._states.keep(position, self._ctx.checkpoint_get(MAIN_SEQ), asked=asked)
 
     def _resumable(self, end: int) -> bool:
         return not self._recurrent or end in self._states or end == self.next_position
-
-    def _forget_states(self, after: int) -> None:
-        for p in [p for p in self._states if p > after]:
-            del self._states[p]
-            self._asked.discard(p)
 
     def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
         if not self._recurrent:
@@ -476,34 +415,16 @@ class LlamaEngineContext(KvWindow):
         _, _, i, j = self._resident_slice(start, end)
         if j != len(self._positions):
             return None  # a middle range: its attention cells go, nothing is computed
-        _, k, cut = self._rewind_span(i)
+        _, k, cut = self._states.rewind_span(self._positions, i)
         if k == cut == i:
             return None  # a checkpoint right before the range: nothing to compute
         p = self._positions
         first = p[k] if k < cut else p[cut]
         return Recompute(first, p[cut - 1] + 1 if k < cut else first, p[cut])
 
-    def _rewind_span(self, i: int) -> tuple[int | None, int, int]:
-        """Removing record entries ``i:`` (the window's tail): the checkpoint the state
-        goes back to (None: none, the start), the first entry ``k`` computed again from
-        it, and the first entry removed: ``i``, or an earlier one where entries ``k:i``
-        do not follow the checkpoint without a gap. Tokens after a gap cannot be computed
-        again (the recurrent state would skip the gap's tokens), so they go too, and the
-        checkpoint is chosen again for what is left."""
-        p = self._positions
-        while True:
-            last = p[i - 1] + 1 if i else 0
-            at = max((q for q in self._states if q <= last), default=None)
-            k = 0 if at is None else bisect.bisect_left(p, at)
-            first = 0 if at is None else at
-            cut = next((n for n in range(k, i) if p[n] != first + n - k), i)
-            if cut == i:
-                return at, k, i
-            i = cut
-
     def _rewind(self, i: int) -> int:
-        """Remove the window's tail, record entries ``i:`` on (see :meth:`_rewind_span`
-        for where they start); the first entry removed. The recurrent state goes back to
+        """Remove the window's tail, record entries ``i:`` on (see
+        :meth:`Checkpoints.rewind_span` for where they start); the first entry removed. The recurrent state goes back to
         the nearest checkpoint at or before the last token kept (or to the start), the
         cells from there go, and the resident tokens between are computed again. If
         computing fails, the window is left empty (the record too) and the error raised.
@@ -512,7 +433,7 @@ class LlamaEngineContext(KvWindow):
         are laid out in position order first where they may not be (as before any
         computation on a whole context): what is computed again then equals what was, as
         long as no token before them left the window (the session labels it otherwise)."""
-        at, k, i = self._rewind_span(i)
+        at, k, i = self._states.rewind_span(self._positions, i)
         last = self._positions[i - 1] + 1 if i else 0
         redo = self._tokens[k:i]
         if redo and k:
@@ -520,11 +441,13 @@ class LlamaEngineContext(KvWindow):
         if at is None:
             self._ctx.clear()
         else:
-            self._ctx.checkpoint_set(MAIN_SEQ, self._states[at])
+            state = self._states.get(at)
+            assert state is not None
+            self._ctx.checkpoint_set(MAIN_SEQ, state)
             self._ctx.seq_rm(MAIN_SEQ, at, 1 << 30)  # the tail: the cells left keep their order
         if not k:
             self._in_order = True  # no cell is left
-        self._forget_states(last)
+        self._states.forget(last)
         if not redo:
             return i
         first = self._positions[k]
@@ -536,7 +459,7 @@ class LlamaEngineContext(KvWindow):
             raise
         self._in_order = self._in_order and first == k
         self._counters.prefill_tokens += len(redo)
-        self._states[last] = self._ctx.checkpoint_get(MAIN_SEQ)
+        self._states.put(last, self._ctx.checkpoint_get(MAIN_SEQ))
         self._logits_pos = last - 1
         return i
 
@@ -558,35 +481,17 @@ class LlamaEngineContext(KvWindow):
             return
         first, last = self._positions[0], self._positions[-1] + 1
         with translate_errors("laying the window out in position order"):
-            pieces = [self._ordered(self._cells(s, e)) for s, e in self._spans(first, last)]
+            pieces = self._cells.in_order(self._ctx, self._positions)
             self._ctx.clear()
             try:
                 for piece in pieces:
-                    self._load(piece, first, last)
+                    self._cells.load(self._ctx, piece, first, last)
             except BaseException:
                 self._drop_all()
                 raise
         self._in_order = self._positions[-1] == len(self._positions) - 1
         self._counters.relayouts += 1
         self._counters.relayout_tokens += len(self._positions)
-
-    def _ordered(self, data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
-        """State bytes with their cells in position order; a hybrid's recurrent section,
-        which ends them, kept as it is."""
-        if not self._recurrent:
-            return order_cells(data)
-        cut = data.size - (self._facts.checkpoint_bytes - STATE_HEAD)
-        return np.concatenate([order_cells(data[:cut]), data[cut:]])
-
-    def _cells(self, start: int, end: int) -> npt.NDArray[np.uint8]:
-        """The state bytes of the window's positions in [start, end), through the scratch
-        sequence; llama.cpp writes them straight into the returned buffer."""
-        self._ctx.seq_clear(SCRATCH_SEQ)
-        self._ctx.seq_cp(MAIN_SEQ, SCRATCH_SEQ, start, end)
-        try:
-            return self._ctx.state_get(SCRATCH_SEQ)
-        finally:
-            self._ctx.seq_clear(SCRATCH_SEQ)
 
     def _after_failure(self) -> None:
         # A failed decode leaves none of its batch behind; keep the record matching.
@@ -615,9 +520,7 @@ class LlamaEngineContext(KvWindow):
                 )
             last = self._positions[-1]
             if self._recurrent:  # a rewind into a gap has nothing to compute from
-                for p in [p for p in self._states if start < p < end]:
-                    del self._states[p]
-                    self._asked.discard(p)
+                self._states.forget(start, end)
             self._in_order = self._in_order and j == len(self._positions) and not shift_tail
             if shift_tail and self._turn:
                 self._slide_turning(start, end, last + 1)
@@ -633,49 +536,19 @@ class LlamaEngineContext(KvWindow):
         position) and comes back turned; if loading it back fails, the window is left
         empty (the record too) and the error raised."""
         delta = start - end
-        pieces = [self._turned(self._cells(s, e), delta) for s, e in self._spans(end, stop)]
-        self._ctx.seq_rm(MAIN_SEQ, start, stop)
+        cells, ctx = self._cells, self._ctx
+        spans = cells.spans(self._positions, end, stop)
+        pieces = [cells.turned(cells.read(ctx, s, e), delta) for s, e in spans]
+        ctx.seq_rm(MAIN_SEQ, start, stop)
         try:
             for piece in pieces:
-                self._load(piece, start, stop + delta)
+                cells.load(ctx, piece, start, stop + delta)
         except BaseException:
             self._drop_all()
             raise
 
-    def _turned(self, data: npt.NDArray[np.uint8], delta: int) -> npt.NDArray[np.uint8]:
-        return shift_cells(
-            data, delta, self._ropes, head_dim=self._facts.head_dim, k_rotations=self._k_rotations
-        )
-
-    def _spans(self, first: int, stop: int) -> list[tuple[int, int]]:
-        """[first, stop) in pieces of at most a block on a windowed model, each holding
-        resident positions."""
-        step = self._facts.max_block_tokens or stop - first
-        spans = [(s, min(s + step, stop)) for s in range(first, stop, step)]
-        return [
-            (s, e)
-            for s, e in spans
-            if bisect.bisect_left(self._positions, s) < bisect.bisect_left(self._positions, e)
-        ]
-
-    def _load(
-        self,
-        data: npt.NDArray[np.uint8],
-        first: int,
-        stop: int,
-        ctx: LlamaContext | None = None,
-    ) -> None:
-        """Load state bytes into the window (or ``ctx``) through the scratch sequence."""
-        ctx = ctx or self._ctx
-        ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
-        try:
-            ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, first, stop)
-        finally:
-            ctx.seq_clear(SCRATCH_SEQ)
-
     def _drop_all(self) -> None:
         self._states.clear()
-        self._asked.clear()
         if not self._ctx.closed:
             self._ctx.clear()
         self._positions.clear()
@@ -696,7 +569,7 @@ class LlamaEngineContext(KvWindow):
             state = self._states.get(end) if self._recurrent else None
             if state is not None and end != self.next_position:
                 return self._ctx.range_with_checkpoint(start, end, state)
-            return self._cells(start, end)
+            return self._cells.read(self._ctx, start, end)
 
     def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
         """As :meth:`KvWindow.admit_run`; on a model with recurrent layers a run ending the
@@ -752,7 +625,7 @@ class LlamaEngineContext(KvWindow):
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
             data = block.data
             if moved and self._turn:
-                data = self._turned(data, target - meta.start)
+                data = self._cells.turned(data, target - meta.start)
             first = target if moved and self._turn else meta.start
             self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
             try:
@@ -774,8 +647,7 @@ class LlamaEngineContext(KvWindow):
             if before is not None:
                 self._ctx.checkpoint_set(MAIN_SEQ, before)
             elif tail and meta.resumable:
-                self._states[meta.end] = self._ctx.checkpoint_get(MAIN_SEQ)
-                self._asked.add(meta.end)
+                self._states.keep(meta.end, self._ctx.checkpoint_get(MAIN_SEQ), asked=True)
 
     # -- key sketches (kvrt.backend.KeySketching) --
 
@@ -786,43 +658,17 @@ class LlamaEngineContext(KvWindow):
             if self._keys is None or j - i != e - s:
                 out.append(None)
                 continue
-            out.append(self._keys.sketch(self._take(i, j, s, e), self._ropes[0]))
+            out.append(self._keys.sketch(self._take(i, j, s, e), self._cells.ropes[0]))
         return out
 
     def cold_key_sketch(self, block: ColdBlock) -> object | None:
         if self._keys is None or block.meta.fingerprint != self.fingerprint:
             return None
-        return self._keys.sketch(block.data, self._ropes[0])
+        return self._keys.sketch(block.data, self._cells.ropes[0])
 
     def query_sketch(self, tokens: Sequence[int]) -> object | None:
-        """Keys of the last :data:`QUERY_TOKENS` of ``tokens``, computed alone in a small
-        context of their own (opened on first use), so the window and its logits stay. A
-        query extending the previous one (an answer fed back token by token) computes only
-        its new tokens."""
-        if self._keys is None or not tokens:
-            return None
-        chunk = list(tokens)[-QUERY_TOKENS:]
-        check_tokens(chunk, self._facts.n_vocab)
-        with translate_errors("computing the query's keys"):
-            if self._probe is None:
-                self._probe = LlamaContext(
-                    self._model,
-                    n_ctx=QUERY_TOKENS,
-                    n_batch=QUERY_TOKENS,
-                    n_threads=self._n_threads,
-                    kv_type=self._facts.kv_type,
-                    flash_attn=self._facts.flash_attention,
-                )
-            probe, held = self._probe, self._probe_tokens
-            kept = len(held) if chunk[: len(held)] == held and len(chunk) > len(held) else 0
-            self._probe_tokens = []
-            if not kept:
-                probe.clear()
-            probe.decode(chunk[kept:], kept)
-            data = probe.state_get(MAIN_SEQ)
-            self._probe_tokens = chunk
-        # The probe is smaller than the window: on LongRoPE models it may use the other table.
-        return self._keys.keys(data, self._rope.ropes(probe.n_ctx_seq, windowed=False)[0])
+        """Keys of the last tokens of ``tokens``, computed alone (:class:`~._keys.QueryKeys`)."""
+        return self._query.keys(tokens) if self._query is not None and tokens else None
 
     def _reset(self) -> None:
         if self._away is not None and self._together is not None:
@@ -833,7 +679,6 @@ class LlamaEngineContext(KvWindow):
         self._carried = None
         self._in_order = True
         self._states.clear()
-        self._asked.clear()
 
     @property
     def closed(self) -> bool:
@@ -844,9 +689,8 @@ class LlamaEngineContext(KvWindow):
             if self._away is not None and self._together is not None:
                 self._together.abandon(self._away)  # nothing will read it again
                 self._away = None
-            if self._probe is not None:
-                self._probe.close()
-                self._probe = None
+            if self._query is not None:
+                self._query.close()
             if not self._own.closed:
                 if self._release is not None:
                     self._release(self._own.handover())  # this window can reach it no more

@@ -20,15 +20,8 @@ from kvrt.backend import (
     resolve_model_path,
 )
 from kvrt.native_bridge import BridgeError
-from kvrt.native_bridge.llama import (
-    FLOAT_KV_TYPES,
-    KV_TYPES,
-    MAIN_SEQ,
-    STATE_HEAD,
-    LlamaContext,
-    LlamaModel,
-    kv_type_row_bytes,
-)
+from kvrt.native_bridge.llama import FLOAT_KV_TYPES, KV_TYPES, LlamaModel, kv_type_row_bytes
+from kvrt.native_bridge.llama_context import MAIN_SEQ, STATE_HEAD, LlamaContext
 from kvrt.native_bridge.llama_keys import StatePart, key_rotation_disabled, state_parts
 
 from .._errors import translate_errors

@@ -1,7 +1,10 @@
-"""Un-rotated keys of llama.cpp KV bytes, for relevance scoring."""
+"""Un-rotated keys of llama.cpp KV bytes, for relevance scoring: read out of a window's
+bytes (:class:`KeyReader`), and computed for a question in a small context of their own
+(:class:`QueryKeys`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,14 +12,17 @@ import numpy.typing as npt
 
 from kvrt.backend import ModelFacts
 from kvrt.native_bridge import BridgeError
-from kvrt.native_bridge.llama import KV_TYPES
+from kvrt.native_bridge.llama import KV_TYPES, LlamaModel
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 from kvrt.native_bridge.llama_keys import key_rotation, read_keys, unrotate
 from kvrt.native_bridge.rope import Rope
 
-from .._sketch import block_sketch
+from .._errors import translate_errors
+from .._sketch import QUERY_TOKENS, block_sketch
+from .._window import check_tokens
 from ._rope import ModelRope
 
-__all__ = ["KeyReader"]
+__all__ = ["KeyReader", "QueryKeys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +69,50 @@ class KeyReader:
         """The block sketch of sequence state bytes, or None when they cannot be read."""
         keys = self.keys(data, rope)
         return None if keys is None else block_sketch(keys)
+
+
+class QueryKeys:
+    """Keys of a question's last :data:`QUERY_TOKENS` tokens, computed alone in a small
+    context of their own (made on first use), so a window and its logits stay as they
+    are. A query extending the previous one (an answer fed back token by token) computes
+    only its new tokens."""
+
+    def __init__(
+        self, model: LlamaModel, facts: ModelFacts, rope: ModelRope, reader: KeyReader, *,
+        n_threads: int | None,
+    ) -> None:  # fmt: skip
+        self._model, self._facts, self._rope, self._reader = model, facts, rope, reader
+        self._n_threads = n_threads
+        self._ctx: LlamaContext | None = None
+        self._held: list[int] = []
+        """What the context holds at positions 0...."""
+
+    def keys(self, tokens: Sequence[int]) -> npt.NDArray[np.float32] | None:
+        """``float32[layer, head, token, head_dim]`` of the last tokens of ``tokens``."""
+        chunk = list(tokens)[-QUERY_TOKENS:]
+        check_tokens(chunk, self._facts.n_vocab)
+        with translate_errors("computing the query's keys"):
+            if self._ctx is None:
+                self._ctx = LlamaContext(
+                    self._model,
+                    n_ctx=QUERY_TOKENS,
+                    n_batch=QUERY_TOKENS,
+                    n_threads=self._n_threads,
+                    kv_type=self._facts.kv_type,
+                    flash_attn=self._facts.flash_attention,
+                )
+            ctx, held = self._ctx, self._held
+            kept = len(held) if chunk[: len(held)] == held and len(chunk) > len(held) else 0
+            self._held = []
+            if not kept:
+                ctx.clear()
+            ctx.decode(chunk[kept:], kept)
+            data = ctx.state_get(MAIN_SEQ)
+            self._held = chunk
+        # Smaller than the window: on LongRoPE models it may use the other table.
+        return self._reader.keys(data, self._rope.ropes(ctx.n_ctx_seq, windowed=False)[0])
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None

@@ -51,15 +51,9 @@ from kvrt.backend import (
     settle_kernels,
 )
 from kvrt.native_bridge import BridgeError
-from kvrt.native_bridge.llama import (
-    FLOAT_KV_TYPES,
-    MAIN_SEQ,
-    SCRATCH_SEQ,
-    LlamaContext,
-    LlamaModel,
-    build_info,
-)
+from kvrt.native_bridge.llama import FLOAT_KV_TYPES, LlamaModel, build_info
 from kvrt.native_bridge.llama_batch import LlamaSequences
+from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, LlamaContext
 
 from .._errors import translate_errors
 

@@ -25,7 +25,8 @@ from rich.table import Table
 
 from kvrt import AdmitMode, EngineConfig, EvictMode, open_engine
 from kvrt.bench.reference import reference_greedy_tps
-from kvrt.native_bridge.llama import LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaModel
+from kvrt.native_bridge.llama_context import LlamaContext
 
 TEXT = (
     "In the archive of the old harbour office, every ship that ever docked had a card: its "

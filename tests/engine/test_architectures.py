@@ -235,7 +235,8 @@ def test_moved_keys_equal_keys_computed_there_up_to_rounding(name: str) -> None:
 def test_llama_cpp_alone_scales_yarn_and_longrope_keys_again(name: str) -> None:
     """What the test above guards against: llama.cpp's own key shift (seq_add) multiplies
     keys by the attention factor again, far past rounding."""
-    from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
+    from kvrt.native_bridge.llama import LlamaModel
+    from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 
     engine = tiny(name)
     tokens = engine.tokenize(STORY)
@@ -357,7 +358,8 @@ def test_a_recurrent_model_says_which_layers_are_recurrent_and_what_a_checkpoint
 
 CRASH = """
 import sys
-from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaModel
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 model = LlamaModel(sys.argv[1])
 ctx = LlamaContext(model, n_ctx=256, n_batch=64, kv_type=sys.argv[2])
 tokens = model.tokenize("The keeper wrote down the colour of the sky every evening.",

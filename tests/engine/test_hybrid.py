@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from kvrt.native_bridge import BridgeArgumentError, BridgeCallError
-from kvrt.native_bridge.llama import LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaModel
+from kvrt.native_bridge.llama_context import LlamaContext
 from tests.support.models import tiny, zoo_path
 
 HYBRIDS = ["granitehybrid", "lfm2", "mamba2"]

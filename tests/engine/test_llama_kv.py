@@ -168,7 +168,7 @@ def test_a_context_that_grows_computes_what_a_full_size_one_does(
     restored in between included, and the last logits survive a growth that no compute
     follows. (With a gap, neither layout is a fresh context's: kvrt lays the window out
     again before computing on it whole.)"""
-    from kvrt.adapters.llama import _context
+    from kvrt.adapters.llama import _sizing
     from tests.support.models import tiny
 
     engine = tiny()
@@ -195,7 +195,7 @@ def test_a_context_that_grows_computes_what_a_full_size_one_does(
         return out, sizes
 
     grown, sizes = run()
-    monkeypatch.setattr(_context, "FIRST_CELLS", 1 << 20)  # every context full size
+    monkeypatch.setattr(_sizing, "FIRST_CELLS", 1 << 20)  # every context full size
     full, full_sizes = run()
     assert sizes[0] == 1024 and sizes[0] < sizes[1] < sizes[2] and full_sizes == [4096] * 3
     for i, (a, b) in enumerate(zip(grown, full, strict=True)):

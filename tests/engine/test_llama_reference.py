@@ -52,7 +52,8 @@ def test_seeded_sampling_is_repeatable_and_top_k_1_is_greedy(engine: LlamaEngine
 AMX_PROBE = """
 import kvrt
 from kvrt.adapters.llama import reference_llama
-from kvrt.native_bridge.llama import LlamaContext, LlamaModel, cpu_features
+from kvrt.native_bridge.llama import LlamaModel, cpu_features
+from kvrt.native_bridge.llama_context import LlamaContext
 
 path = str(kvrt.embedded_model_path())
 model = LlamaModel(path)

@@ -15,8 +15,9 @@ import pytest
 from kvrt.adapters.llama import LlamaEngine
 from kvrt.adapters.llama._context import LlamaEngineContext
 from kvrt.native_bridge import BridgeArgumentError
-from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext, LlamaModel
+from kvrt.native_bridge.llama import LlamaModel
 from kvrt.native_bridge.llama_batch import LlamaSequences
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 from tests.support.models import zoo_path
 
 TEXTS = [

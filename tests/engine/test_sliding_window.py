@@ -17,7 +17,7 @@ import pytest
 import kvrt
 from kvrt import AdmitMode, EngineConfig, EvictMode
 from kvrt.adapters.llama import LlamaEngine, LlamaEngineContext
-from kvrt.native_bridge.llama import MAIN_SEQ, LlamaContext
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 from kvrt.native_bridge.llama_keys import state_parts, unrotate
 from kvrt.native_bridge.rope import ROPE_NEOX, Rope
 from tests.support.models import NO_DISK, greedy, llama_cpp_greedy

@@ -227,7 +227,8 @@ ABORT_PRONE = textwrap.dedent(
     """
     import numpy as np
     from kvrt import native_bridge
-    from kvrt.native_bridge.llama import LlamaContext, LlamaModel
+    from kvrt.native_bridge.llama import LlamaModel
+    from kvrt.native_bridge.llama_context import LlamaContext
     from kvrt.adapters.llama import LlamaEngine
     import kvrt
 
