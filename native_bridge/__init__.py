@@ -7,8 +7,9 @@ Every wrapper validates its arguments before the native call: an input that woul
 The modules: the C allocator's settings (:mod:`.memory`), OpenVINO's public API
 (:mod:`.openvino`), several llama.cpp sequences decoded together (:mod:`.llama_batch`),
 one llama.cpp context (:mod:`.llama_context`) over a loaded model (:mod:`.llama`), its
-sequence state bytes read and rewritten (:mod:`.llama_keys`) and RoPE as ggml applies it (:mod:`.rope`), on the errors
-(:mod:`._errors`), in the order of :data:`LAYERS`; the architecture test holds it.
+sequence state bytes read and rewritten (:mod:`.llama_keys`) and RoPE as ggml applies it
+(:mod:`.rope`), on the errors (:mod:`._errors`), in the order of :data:`LAYERS`; the
+architecture test holds it.
 """
 
 from ._errors import BridgeArgumentError as BridgeArgumentError

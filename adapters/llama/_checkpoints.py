@@ -4,7 +4,7 @@ On a model with recurrent layers the recurrent state is one per sequence: it has
 integrated every token computed, in order, and is never evicted. The window keeps it
 (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions a prefill is asked to keep
 (block ends) and after each prefill, which only the latest keeps. Removing the window's tail
-goes back to the nearest of them before it (:meth:`Checkpoints.rewind_span` says where);
+goes back to the nearest of them before it (:meth:`RecurrentStates.rewind_span` says where);
 what the window then computes again is its own (:mod:`._context`).
 """
 
@@ -16,12 +16,12 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Checkpoints"]
+__all__ = ["RecurrentStates"]
 
 State = npt.NDArray[np.uint8]
 
 
-class Checkpoints:
+class RecurrentStates:
     """Position -> the recurrent state after every token before it."""
 
     def __init__(self) -> None:

@@ -29,14 +29,14 @@ context to the engine, which keeps one for the next window to start in, wiped: m
 context allocates and clears its buffer and reserves its graph (15-21 ms for SmolLM2's
 1,024-1,536 cells, against 3-4 ms to zero them), on the path of every session opened.
 
-On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it has
-integrated every token computed, in order, and is never evicted. The window checkpoints it (:mod:`._checkpoints`,
-``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the positions the session names (block ends)
-and after each prefill; a block exported where its checkpoint is held carries it in place
-of the current state, so it can end a restored context in any session. Removing the
-window's tail puts the state back to the nearest checkpoint before it and computes the
-resident tokens from there again; a block admitted before resident tokens leaves the
-state as it was.
+On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it
+has integrated every token computed, in order, and is never evicted. The window
+checkpoints it (:mod:`._checkpoints`, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the
+positions the session names (block ends) and after each prefill; a block exported where
+its checkpoint is held carries it in place of the current state, so it can end a restored
+context in any session. Removing the window's tail puts the state back to the nearest
+checkpoint before it and computes the resident tokens from there again; a block admitted
+before resident tokens leaves the state as it was.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, LlamaContext
 from .._errors import translate_errors
 from .._window import KvWindow, check_tokens, chunk_bounds
 from ._cells import Cells
-from ._checkpoints import Checkpoints
+from ._checkpoints import RecurrentStates
 from ._keys import KeyReader, QueryKeys
 from ._rope import ModelRope
 from ._sizing import first_size, fits_spare, padded
@@ -120,7 +120,7 @@ class LlamaEngineContext(KvWindow):
         """Cell ``k`` holds position ``k`` for every resident position, which are ``0...n-1``:
         the layout of a fresh context. Cleared by anything that may leave it otherwise."""
         self._recurrent = bool(facts.checkpoint_bytes)
-        self._states = Checkpoints()
+        self._states = RecurrentStates()
         """A hybrid's recurrent state after the positions that may end a context."""
         self._run_end: int | None = None
         self._carried: Logits | None = None
@@ -424,10 +424,11 @@ class LlamaEngineContext(KvWindow):
 
     def _rewind(self, i: int) -> int:
         """Remove the window's tail, record entries ``i:`` on (see
-        :meth:`Checkpoints.rewind_span` for where they start); the first entry removed. The recurrent state goes back to
-        the nearest checkpoint at or before the last token kept (or to the start), the
-        cells from there go, and the resident tokens between are computed again. If
-        computing fails, the window is left empty (the record too) and the error raised.
+        :meth:`RecurrentStates.rewind_span` for where they start); the first entry
+        removed. The recurrent state goes back to the nearest checkpoint at or before the
+        last token kept (or to the start), the cells from there go, and the resident
+        tokens between are computed again. If computing fails, the window is left empty
+        (the record too) and the error raised.
 
         Tokens computed again attend over the cells before them in cache order, so those
         are laid out in position order first where they may not be (as before any

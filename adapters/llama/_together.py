@@ -38,7 +38,7 @@ from kvrt.native_bridge.llama_batch import LlamaSequences, whole_stream
 from .._errors import translate_errors
 from ._rope import ModelRope
 
-__all__ = ["STREAM_ROOM", "Together", "Window"]
+__all__ = ["STREAM_ROOM", "StreamWindow", "Together"]
 
 _log = logging.getLogger("kvrt")
 
@@ -46,7 +46,7 @@ STREAM_ROOM = 512
 """Cells a stream keeps beyond the largest window that made it: room for replies."""
 
 
-class Window(Protocol):
+class StreamWindow(Protocol):
     """What of a window a joint step uses (:class:`~._context.LlamaEngineContext`)."""
 
     @property
@@ -162,14 +162,14 @@ class Together:
         return rows
 
     def step_windows(
-        self, windows: Sequence[Window | Exception], tokens: Sequence[int]
+        self, windows: Sequence[StreamWindow | Exception], tokens: Sequence[int]
     ) -> list[Logits | Exception]:
         """Advance ``windows[i]`` by ``tokens[i]``: those in (or moved into) a stream in
         one engine call, any other alone in its own context. Each gets its next logits,
         or the error its step raised (a step refused leaves its window as it was; an
         error in ``windows`` is its own answer)."""
         out: list[Logits | Exception] = [EngineError("a step gave nothing")] * len(windows)
-        joined: list[tuple[int, Window, int, int]] = []
+        joined: list[tuple[int, StreamWindow, int, int]] = []
         if len(windows) > 1:
             try:
                 self.reserve(max(w.next_position for w in windows if not isinstance(w, Exception)))

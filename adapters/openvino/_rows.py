@@ -31,12 +31,12 @@ from kvrt.native_bridge.openvino import OvModel, OvRows
 
 from .._errors import translate_errors
 
-__all__ = ["Rows", "Window"]
+__all__ = ["RowWindow", "Rows"]
 
 _log = logging.getLogger("kvrt")
 
 
-class Window(Protocol):
+class RowWindow(Protocol):
     """What of a window a joint step uses (:class:`~._context.OpenVinoEngineContext`)."""
 
     @property
@@ -65,7 +65,7 @@ class Rows:
         self.streams = streams
         self._model, self._facts = model, facts
         self._rows: OvRows | None = None
-        self._members: list[Window | None] = []
+        self._members: list[RowWindow | None] = []
         """The window in each row (None: it left; its row goes at the next load)."""
         self._home: list[int] = []
         """Entries each row's window holds in its own request."""
@@ -92,19 +92,19 @@ class Rows:
         where none is offered)."""
         return self.streams * window_tokens * self._facts.kv_bytes_per_token if self.offered else 0
 
-    def holds(self, window: Window) -> bool:
+    def holds(self, window: RowWindow) -> bool:
         with self._lock:
             return any(w is window for w in self._members)
 
     def step_windows(
-        self, windows: Sequence[Window | Exception], tokens: Sequence[int]
+        self, windows: Sequence[RowWindow | Exception], tokens: Sequence[int]
     ) -> list[Logits | Exception]:
         """Advance ``windows[i]`` by ``tokens[i]``: those in (or brought into) the rows in
         one ``infer``, any other alone in its own request. Each gets its next logits, or
         the error its step raised (a step refused leaves its window as it was; an error in
         ``windows`` is its own answer)."""
         out: list[Logits | Exception] = [EngineError("a step gave nothing")] * len(windows)
-        ready: list[tuple[int, Window, int]] = []
+        ready: list[tuple[int, RowWindow, int]] = []
         for i, (window, token) in enumerate(zip(windows, tokens, strict=True)):
             try:
                 if isinstance(window, Exception):
@@ -144,7 +144,7 @@ class Rows:
                     out[i] = exc
         return out
 
-    def _send_home(self, window: Window) -> None:
+    def _send_home(self, window: RowWindow) -> None:
         """``window``'s gained entries appended to its own request, its row given up."""
         row = self._row(window)
         gained: npt.NDArray[np.float32] | None = None
@@ -161,7 +161,7 @@ class Rows:
         except EngineError as exc:  # its next call says so
             _log.warning("kvrt: a window could not come home from its row: %s", exc)
 
-    def leave(self, window: Window) -> npt.NDArray[np.float32]:
+    def leave(self, window: RowWindow) -> npt.NDArray[np.float32]:
         """The entries ``window`` gained in its row, for its own request; its row is no
         longer its own."""
         with self._lock:
@@ -173,7 +173,7 @@ class Rows:
             finally:
                 self._drop(row)
 
-    def abandon(self, window: Window) -> None:
+    def abandon(self, window: RowWindow) -> None:
         """Give up ``window``'s row without reading it (its window is lost to its session)."""
         with self._lock:
             for row, w in enumerate(self._members):
@@ -186,10 +186,10 @@ class Rows:
 
     # -- under the lock --
 
-    def _row(self, window: Window) -> int:
+    def _row(self, window: RowWindow) -> int:
         return next(r for r, w in enumerate(self._members) if w is window)
 
-    def _seat(self, windows: Sequence[Window]) -> list[Window]:
+    def _seat(self, windows: Sequence[RowWindow]) -> list[RowWindow]:
         """Seat ``windows`` in the rows (as many as there is room for, loading the rows
         again where any is new); the windows in the rows."""
         members = [w for w in self._members if w is not None]
@@ -199,7 +199,7 @@ class Rows:
             self._load(members, new[:room])
         return [w for w in self._members if w is not None]
 
-    def _load(self, members: list[Window], joining: list[Window]) -> None:
+    def _load(self, members: list[RowWindow], joining: list[RowWindow]) -> None:
         """Rows of ``members`` (as they are) and ``joining`` (from their own requests) in
         a request made for them; the rows before are given up only once it holds them,
         so a load that fails loses nothing."""

@@ -46,12 +46,12 @@ from .generation import Generate, Generation
 __all__ = [
     "Actor",
     "Admit",
-    "Call",
     "Command",
     "Ensure",
     "Evict",
     "Generate",
     "NextLogits",
+    "Pending",
     "Snapshot",
 ]
 
@@ -93,7 +93,7 @@ Command = Ensure | Generate | Evict | Admit | Snapshot | NextLogits
 
 
 @dataclass(slots=True, eq=False)
-class Call:
+class Pending:
     """A command in flight and the caller's side of its reply."""
 
     command: Command
@@ -129,9 +129,9 @@ class Actor:
         self.policies, self.config, self.replies = parts.policies, parts.config, parts.replies
         self.share = parts.share
         self.tokenize = self.placement.tokenize
-        self.send, self.receive = anyio.create_memory_object_stream[Call](parts.config.mailbox)
+        self.send, self.receive = anyio.create_memory_object_stream[Pending](parts.config.mailbox)
         self.finished = anyio.Event()
-        self.current: Call | None = None
+        self.current: Pending | None = None
         self._view = self._build_view()
         """What the session looked like after its last command (see :meth:`report`)."""
         self._closing = False
@@ -188,14 +188,14 @@ class Actor:
         with anyio.move_on_after(CLOSE_OFFER_SECONDS), suppress(KvrtError):
             await self.paging.write_back(self.window.blocks)
 
-    async def _run_one(self, call: Call) -> None:
+    async def _run_one(self, call: Pending) -> None:
         try:
             await self._run_call(call)
         finally:
             if isinstance(call.command, Generate):
                 call.command.out.close()  # its reader never waits on a reply that won't come
 
-    async def _run_call(self, call: Call) -> None:
+    async def _run_call(self, call: Pending) -> None:
         self._release_offer()  # a call run after the close began may change the window
         if call.abandoned is not None:
             self.gate.counters.cancelled_calls += 1

@@ -11,7 +11,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._errors import KvrtError, SessionClosedError, detached
 from .._reports import Piece
-from .actor import Actor, Call, Command
+from .actor import Actor, Command, Pending
 
 __all__ = ["Mailbox", "Stream"]
 
@@ -35,10 +35,10 @@ class Mailbox:
         self.actor = actor
         self.name = name
         self.closed = False
-        self.pending: set[Call] = set()
+        self.pending: set[Pending] = set()
         self.streams: set[Stream] = set()
 
-    async def submit(self, command: Command) -> Call:
+    async def submit(self, command: Command) -> Pending:
         if self.closed:
             raise SessionClosedError(f"session {self.name!r} is closed")
         # A stream this task left open (a loop that called the session, a generator kept
@@ -51,7 +51,7 @@ class Mailbox:
                 self.streams.discard(stream)
         for settled in [c for c in self.pending if c.done.is_set()]:
             self.pending.discard(settled)  # replies dropped unread leave theirs behind
-        call = Call(command)
+        call = Pending(command)
         self.pending.add(call)
         try:
             await self.actor.send.send(call)
@@ -63,10 +63,10 @@ class Mailbox:
             raise
         return call
 
-    def running(self, call: Call) -> bool:
+    def running(self, call: Pending) -> bool:
         return self.actor.current is call
 
-    async def abandon(self, call: Call) -> None:
+    async def abandon(self, call: Pending) -> None:
         """Give up on ``call``; if it is running, wait (shielded) until the actor has
         settled it, so the caller sees the session consistent again. A queued call is
         skipped by the actor without touching anything, so there is nothing to wait for."""
@@ -75,7 +75,7 @@ class Mailbox:
             with anyio.CancelScope(shield=True):
                 await call.done.wait()
 
-    async def outcome(self, call: Call) -> Any:
+    async def outcome(self, call: Pending) -> Any:
         try:
             await call.done.wait()
         except BaseException:

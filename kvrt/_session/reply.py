@@ -11,7 +11,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._errors import KvrtError, detached
 from .._reports import Completion, Piece, Timings, Usage
-from .actor import Call, Command
+from .actor import Command, Pending
 from .generation import Generated
 from .mailbox import Mailbox, Stream
 
@@ -38,7 +38,7 @@ class Reply:
         self._command = command
         self._receive = receive
         self._mail = mail
-        self._call: Call | None = None
+        self._call: Pending | None = None
         self._dropped = False
         self._stream: Stream | None = None
         self._sent = 0.0
@@ -105,7 +105,7 @@ class Reply:
 
     # -- plumbing --
 
-    async def _started(self) -> Call | None:
+    async def _started(self) -> Pending | None:
         if self._call is None:
             if self._dropped:
                 return None
@@ -121,7 +121,7 @@ class Reply:
         if self._stream is not None:
             self._mail.streams.discard(self._stream)
 
-    async def _finish(self, call: Call) -> None:
+    async def _finish(self, call: Pending) -> None:
         self._drop()
         if self._result is not None or self._error is not None:
             return
