@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.engine_shift:  # the child of _engine_shift_in_child
         print(_engine_shift(*args.engine_shift))
         return
-    names = args.variants.split(",") if args.variants else list(zoo.NAMES)
+    names = args.variants.split(",") if args.variants else list(zoo.VARIANT_NAMES)
     unknown = [n for n in names if n not in zoo.VARIANTS]
     if unknown:
         raise kvrt.ConfigError(f"unknown zoo variants: {', '.join(unknown)}")

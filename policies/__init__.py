@@ -10,11 +10,11 @@ name in :mod:`kvrt.policy`, whose protocols it implements, so configuration can 
 
 The modules, one question each: which block leaves the hot window (:mod:`.hot_eviction`),
 whether a block computed after another prefix may stand in (:mod:`.approximate`), whether
-restoring beats recomputing (:mod:`.restore`), what is copied to the cold store at once
-(:mod:`.write_through`), what earns a KV-byte slot there (:mod:`.cold_admission`) and what
-leaves it first (:mod:`.cold_victim`), whether KV computed under a partial window is
-computed again (:mod:`.partial_window`), where a recurrent state is kept
-(:mod:`.checkpoint`), a message's cache class (:mod:`.message_class`), the kernels an
+restoring beats recomputing (:mod:`.restore`), what earns a KV-byte slot in the cold
+store (:mod:`.cold_admission`) and what leaves it first (:mod:`.cold_victim`), whether KV
+computed under a partial window is computed again (:mod:`.partial_window`), where a
+recurrent state is kept (:mod:`.checkpoint`), what is copied to the cold store at once
+(:mod:`.write_through`: the stable cache classes both read), a message's cache class (:mod:`.message_class`), the kernels an
 engine runs (:mod:`.kernels`) and whose engine call goes next (:mod:`.engine_turn`); knobs
 are read by :mod:`._knobs`. In the order of :data:`LAYERS`; the architecture test holds it.
 """
@@ -69,11 +69,11 @@ LAYERS = (
     "hot_eviction",
     "approximate",
     "restore",
-    "write_through",
     "cold_admission",
     "cold_victim",
     "partial_window",
     "checkpoint",
+    "write_through",
     "message_class",
     "kernels",
     "engine_turn",

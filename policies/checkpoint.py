@@ -8,11 +8,11 @@ checkpoint's bytes in the block's cold entry.
 
 from __future__ import annotations
 
-from kvrt.policy import CacheClass, CheckpointView, register
+from kvrt.policy import CheckpointView, register
+
+from .write_through import STABLE
 
 __all__ = ["EveryBlock", "KvSized"]
-
-STABLE = frozenset({CacheClass.TASK_PINNED, CacheClass.REPO_MAP})
 
 
 @register("checkpoint", "every_block")

@@ -26,6 +26,7 @@ from .._errors import translate_errors
 from .._window import check_tokens
 from ._context import EXACT_KV, OpenVinoEngineContext
 from ._prepare import IrInfo, prepare_ir
+from ._probe import TEXT as PROBE_TEXT
 from ._probe import kernel_verdict
 from ._rows import Rows
 
@@ -42,8 +43,6 @@ GATHER_SECONDS = 0.025
 from a step comes home and joins again later, a pass over every row each way (about 45 ms
 a miss measured, eight SmolLM2 windows of some 100 tokens), where a wait ends as soon as
 the last one is back."""
-
-PROBE_TEXT = "The harbour master logs every ship that comes in at dawn, and the clerk copies it. "
 
 
 class _BuildProgress:

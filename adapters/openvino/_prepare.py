@@ -27,7 +27,7 @@ IR_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenize
 _INFO = "kvrt-ir.json"
 CACHE_ENV = "KVRT_CACHE_DIR"
 
-Progress = Callable[[str, float], None]
+StageReport = Callable[[str, float], None]
 """Called with a stage description and the fraction done (0 to 1)."""
 
 
@@ -169,7 +169,7 @@ def _user_ir(folder: Path) -> tuple[Path, IrInfo]:
 
 
 def _rewrite_f16(
-    src: Path, dst: Path, progress: Progress | None
+    src: Path, dst: Path, progress: StageReport | None
 ) -> tuple[str, str | None, int, int | None]:
     try:
         import gguf
@@ -227,7 +227,7 @@ def _reason(exc: Exception) -> str:
     return " ".join(lines) or type(exc).__name__
 
 
-def prepare_ir(model: str | None, *, progress: Progress | None = None) -> tuple[Path, IrInfo]:
+def prepare_ir(model: str | None, *, progress: StageReport | None = None) -> tuple[Path, IrInfo]:
     """The IR folder for ``model`` (a GGUF file, an IR folder, or ``None``: the embedded model)."""
     if model is not None and expand_path(model).is_dir():
         return _user_ir(expand_path(model))

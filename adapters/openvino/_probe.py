@@ -51,6 +51,8 @@ __all__ = ["kernel_verdict", "settle", "stepping"]
 
 _log = logging.getLogger("kvrt")
 
+TEXT = "The harbour master logs every ship that comes in at dawn, and the clerk copies it. "
+"""What the probe computes, repeated (the engine tokenizes it)."""
 SEED = 192
 """Tokens computed once; fresh requests start from copies of their state."""
 CUT = 72

@@ -35,7 +35,7 @@ __all__ = [
     "CorruptBlockError",
     "decode",
     "encode",
-    "read_header",
+    "read_block_header",
     "read_prefix",
 ]
 
@@ -115,7 +115,7 @@ def read_prefix(raw: bytes) -> tuple[int, int]:
     return header_len, payload_len
 
 
-def read_header(raw: bytes) -> Header:
+def read_block_header(raw: bytes) -> Header:
     """The header of a stored block (checked for shape, not against the checksum)."""
     try:
         header = _decoder.decode(raw)
@@ -140,7 +140,7 @@ def decode(buf: npt.NDArray[np.uint8], expect: ColdKey | None = None) -> ColdEnt
     h.update(payload)
     if h.digest() != checksum:
         raise CorruptBlockError("checksum mismatch")
-    header = read_header(bytes(header_bytes))
+    header = read_block_header(bytes(header_bytes))
     cache_class = CacheClass(header.cache_class)
     if any(not 0 <= i < len(header.tokens) for i in header.lone):
         raise CorruptBlockError("the offsets of lone tokens fall outside the block")

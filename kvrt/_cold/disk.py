@@ -227,7 +227,7 @@ class DiskTier:
                     raise blockfile.CorruptBlockError(f"{size} bytes, truncated or padded")
                 if header_len > MAX_HEADER_BYTES:
                     raise blockfile.CorruptBlockError(f"a {header_len}-byte header")
-                header = blockfile.read_header(f.read(header_len))
+                header = blockfile.read_block_header(f.read(header_len))
         except FileNotFoundError:
             return None  # removed by another process meanwhile
         except NotRegularError:

@@ -26,7 +26,7 @@ from .planner import (
     Begin,
     Compute,
     Cursor,
-    Restore,
+    RestoreRun,
     Scene,
     Step,
     WaitFor,
@@ -358,7 +358,7 @@ class Placement:
             return {layout[k].id for k in indices}
 
         match step:
-            case Restore(blocks=blocks, keep=keep, required=required):
+            case RestoreRun(blocks=blocks, keep=keep, required=required):
                 try:
                     return await self.paging.restore_run([layout[k] for k in blocks], ids(keep))
                 except HotWindowFullError:

@@ -37,7 +37,7 @@ __all__ = [
     "Begin",
     "Compute",
     "Cursor",
-    "Restore",
+    "RestoreRun",
     "Scene",
     "Step",
     "WaitFor",
@@ -107,7 +107,7 @@ class Cursor:
 
 
 @dataclass(frozen=True, slots=True)
-class Restore:
+class RestoreRun:
     """Bring ``blocks`` (adjacent, cold) back in one engine call, never evicting ``keep``.
 
     Outcome: how many came back (0: the store let the first go meanwhile), or None when
@@ -164,7 +164,7 @@ class WaitFor:
     index: int
 
 
-Step = Restore | Begin | Compute | WaitFor
+Step = RestoreRun | Begin | Compute | WaitFor
 
 
 def plan(scene: Scene, cursor: Cursor) -> Step | None:
@@ -191,7 +191,7 @@ def plan(scene: Scene, cursor: Cursor) -> Step | None:
             # The block before stays only if the plan keeps it or this run feeds a
             # computation; otherwise it may make room like any unplanned block.
             keep = pred if feeds or pred <= planned else frozenset()
-            return Restore(i, tuple(run), keep, required=feeds)
+            return RestoreRun(i, tuple(run), keep, required=feeds)
         if not cursor.computing:
             j = i
             while j > 0 and states[j - 1] is Residency.DROPPED:
@@ -230,12 +230,12 @@ def plan(scene: Scene, cursor: Cursor) -> Step | None:
     return _converge(scene, 0)
 
 
-def _converge(scene: Scene, start: int) -> Restore | None:
+def _converge(scene: Scene, start: int) -> RestoreRun | None:
     """Bring back a planned block that computing later ones pushed out, in exchange for
     unplanned ones, so the window ends as the eviction policy chose."""
     for i in range(start, len(scene)):
         if i in scene.planned and scene.states[i] is Residency.COLD:
-            return Restore(i, (i,), scene.planned, converging=True)
+            return RestoreRun(i, (i,), scene.planned, converging=True)
     return None
 
 
@@ -243,11 +243,11 @@ def advance(cursor: Cursor, step: Step, outcome: int | None) -> Cursor:
     """Where placement stands once ``step`` (planned at ``cursor``) ended with ``outcome``
     (see each step's type)."""
     match step:
-        case Restore(converging=True):
+        case RestoreRun(converging=True):
             if outcome is None:  # only planned or protected blocks left to evict
                 return Cursor(index=DONE, converging=True)
             return Cursor(index=step.index + 1, converging=True)
-        case Restore():
+        case RestoreRun():
             skipped = len(step.blocks) if outcome is None else outcome
             return replace(cursor, index=step.index + skipped)
         case Begin():

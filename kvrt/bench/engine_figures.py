@@ -28,7 +28,7 @@ from kvrt.bench.reference import reference_greedy_tps
 from kvrt.native_bridge.llama import LlamaModel
 from kvrt.native_bridge.llama_context import LlamaContext
 
-TEXT = (
+ARCHIVE = (
     "In the archive of the old harbour office, every ship that ever docked had a card: its "
     "name, its cargo, the weather on the day it arrived and the name of the pilot who "
     "brought it in. "
@@ -93,7 +93,7 @@ def main() -> None:
         backend=args.backend, kv_type="f32" if args.backend == "openvino" else "f16"
     )
     engine = open_engine(config)
-    base = engine.tokenize(TEXT * (args.tokens // 20 + 2))
+    base = engine.tokenize(ARCHIVE * (args.tokens // 20 + 2))
     tokens = base[: args.tokens]
     n = len(tokens)
     with Progress(transient=True) as progress:

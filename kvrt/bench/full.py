@@ -30,7 +30,7 @@ from kvrt.cli.messages import message
 
 __all__ = ["FullBench", "run_full_bench"]
 
-Progress = Callable[[str], None]
+StepReport = Callable[[str], None]
 
 
 class CrossoverPoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +113,7 @@ class FullBench(msgspec.Struct, frozen=True, kw_only=True):
 # -- restore vs recompute by block size --
 
 
-async def _crossover(config: Config, sizes: Sequence[int], step: Progress) -> Crossover:
+async def _crossover(config: Config, sizes: Sequence[int], step: StepReport) -> Crossover:
     async with open_runtime(config=config) as rt:
         calibrated = rt.policy("restore", "calibrated")  # learns from everything below
         system = message(rt, "system", "system", "Answer briefly.")
@@ -219,7 +219,7 @@ def _system(name: str, turns: Sequence[tuple[float, float]]) -> TraceSystem:
 
 
 async def serve_trace(
-    rt: Runtime, contexts: list[list[Segment]], hot: int, approximate: str, step: Progress
+    rt: Runtime, contexts: list[list[Segment]], hot: int, approximate: str, step: StepReport
 ) -> tuple[list[tuple[float, float]], int, int, int]:
     """kvrt serving the trace: per turn seconds, and tokens restored, restored
     approximately, prefilled."""
@@ -241,7 +241,7 @@ async def serve_trace(
     return turns, restored, approximated, prefilled
 
 
-async def _trace(config: Config, turns: int, file_tokens: int, step: Progress) -> Trace:
+async def _trace(config: Config, turns: int, file_tokens: int, step: StepReport) -> Trace:
     async with open_runtime(config=config) as rt:
         contexts = trace_contexts(turns, file_tokens)
         prompts = [context_tokens(rt.engine, c) for c in contexts]
@@ -322,7 +322,7 @@ async def _decode_at_once(rt: Runtime, n: int, decode: int) -> tuple[float, int,
 
 
 async def _sessions(
-    config: Config, counts: Sequence[int], decode: int, step: Progress
+    config: Config, counts: Sequence[int], decode: int, step: StepReport
 ) -> list[SessionsPoint]:
     out: list[SessionsPoint] = []
     async with open_runtime(config=config) as rt:
@@ -405,7 +405,7 @@ async def run_full_bench(
     tokens: int = 2048,
     decode: int = 64,
     sessions: Sequence[int] = (1, 4, 8),
-    progress: Progress | None = None,
+    progress: StepReport | None = None,
 ) -> FullBench:
     def step(what: str) -> None:
         if progress is not None:

@@ -14,10 +14,10 @@ from starlette.responses import JSONResponse, Response
 
 from .protocol import RequestError
 from .protocol.conversations import ID, body, canonical_items, metadata, not_kept
-from .protocol.responses import input_items, new_id, page
+from .protocol.responses import input_items, object_id, page
 from .reading import listing, read_json, tenant_of
 from .state import ConversationHead, KeptResponse, StateError, StateStore, refusal
-from .state.threads import in_thread
+from .state.threads import off_loop
 
 __all__ = [
     "ConversationRoutes",
@@ -129,7 +129,7 @@ async def items_in(
 
 async def json_response(content: Any) -> Response:
     """``content`` as a JSON response, encoded in a worker thread (items may be large)."""
-    encoded = await in_thread(msgspec.json.encode, content)
+    encoded = await off_loop(msgspec.json.encode, content)
     return Response(encoded, media_type="application/json")
 
 
@@ -161,9 +161,9 @@ class ConversationRoutes:
             unknown = sorted(set(sent) - {"items", "metadata"})
             if unknown:
                 raise RequestError(f"{unknown[0]} is not supported by kvrt", param=unknown[0])
-            items = await in_thread(canonical_items, sent.get("items") or [])
+            items = await off_loop(canonical_items, sent.get("items") or [])
             head = ConversationHead(int(time.time()), metadata(sent.get("metadata")))
-            cid = new_id("conv")
+            cid = object_id("conv")
             await store.create_conversation(tenant_of(request), cid, head, items)
             return JSONResponse(body(cid, head.created_at, head.metadata))
 
@@ -198,7 +198,7 @@ class ConversationRoutes:
             store = await self.state()
             if request.method == "POST":
                 sent = await read_json(request)
-                added = await in_thread(canonical_items, sent.get("items"))
+                added = await off_loop(canonical_items, sent.get("items"))
                 if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, added):
                     raise not_kept(cid)
                 return JSONResponse(page(added, limit=len(added) or 1, order="asc", after=None))

@@ -43,7 +43,7 @@ class PoolFull(kvrt.KvrtError):
 
 
 @dataclass(eq=False)
-class Slot:
+class PoolSlot:
     pin: str | None
     scope: str | None = None
     """The tenant and salt the session serves (its cache salt), or None."""
@@ -52,7 +52,7 @@ class Slot:
     last_used: float = field(default_factory=time.monotonic)
     session: kvrt.Session | None = None
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)
-    closes: list[Slot] = field(default_factory=list)
+    closes: list[PoolSlot] = field(default_factory=list)
     """Idle sessions this one's request closes first (the one it takes the place of, those
     past ``idle_sessions``)."""
 
@@ -100,7 +100,7 @@ class Pool:
         self.max_queue = max_queue
         self.idle_sessions = idle_sessions
         self.hot_tokens = hot_tokens
-        self.slots: list[Slot] = []
+        self.slots: list[PoolSlot] = []
         self.waiting = 0
         self._changed = anyio.Event()
         self._names = itertools.count(1)
@@ -112,7 +112,7 @@ class Pool:
     @asynccontextmanager
     async def lend(
         self, wanted: History, pin: str | None, scope: str | None = None
-    ) -> AsyncIterator[Slot]:
+    ) -> AsyncIterator[PoolSlot]:
         """A session of ``scope`` for a request whose context is ``wanted``; set
         ``slot.history`` to what it holds afterwards. Raises :class:`PoolFull` when nothing
         is free and the queue is full."""
@@ -140,7 +140,7 @@ class Pool:
 
     # -- choosing --
 
-    async def _acquire(self, wanted: History, pin: str | None, scope: str | None) -> Slot:
+    async def _acquire(self, wanted: History, pin: str | None, scope: str | None) -> PoolSlot:
         slot = self._choose(wanted, pin, scope)
         if slot is not None:
             return slot
@@ -159,7 +159,7 @@ class Pool:
             self.waiting -= 1
         return slot
 
-    def _choose(self, wanted: History, pin: str | None, scope: str | None) -> Slot | None:
+    def _choose(self, wanted: History, pin: str | None, scope: str | None) -> PoolSlot | None:
         """The slot to lend now (marked busy, with the idle sessions past
         ``idle_sessions`` to close), or None to wait. Synchronous: no other request can
         choose between the look and the mark."""
@@ -178,7 +178,7 @@ class Pool:
                 slot.closes.append(old)
         return slot
 
-    def _pick(self, wanted: History, pin: str | None, scope: str | None) -> Slot | None:
+    def _pick(self, wanted: History, pin: str | None, scope: str | None) -> PoolSlot | None:
         idle = [s for s in self.slots if not s.busy]
         if pin is not None:
             mine = next((s for s in self.slots if s.pin == pin and s.scope == scope), None)
@@ -203,12 +203,12 @@ class Pool:
             return self._new(None, scope, idle)
         return None
 
-    def _take(self, slot: Slot) -> Slot:
+    def _take(self, slot: PoolSlot) -> PoolSlot:
         slot.busy = True
         return slot
 
-    def _new(self, pin: str | None, scope: str | None, idle: Sequence[Slot]) -> Slot | None:
-        slot = Slot(pin=pin, scope=scope)
+    def _new(self, pin: str | None, scope: str | None, idle: Sequence[PoolSlot]) -> PoolSlot | None:
+        slot = PoolSlot(pin=pin, scope=scope)
         if len(self.slots) >= self.max_sessions:
             if not idle:
                 return None
@@ -218,7 +218,7 @@ class Pool:
         self.slots.append(slot)
         return slot
 
-    async def _ready(self, slot: Slot) -> None:
+    async def _ready(self, slot: PoolSlot) -> None:
         """Close the idle sessions the slot's request closes (their hot blocks go to the
         cold store), before its own opens or is used. They close side by side: each claims
         the blocks it offers as its close begins, so a request placing one of their
@@ -229,7 +229,7 @@ class Pool:
                 for old in closing:
                     tg.start_soon(old.stack.aclose)
 
-    async def _open(self, slot: Slot) -> None:
+    async def _open(self, slot: PoolSlot) -> None:
         name = f"serve-{next(self._names)}" if slot.pin is None else f"serve-{slot.pin}"
         slot.session = await slot.stack.enter_async_context(
             self.runtime.open_session(

@@ -9,7 +9,7 @@ import msgspec
 from starlette.requests import Request
 
 from .protocol.errors import MAX_BODY, RequestError
-from .state.threads import in_thread
+from .state.threads import off_loop
 
 __all__ = ["listing", "read_body", "read_json", "tenant_of"]
 
@@ -43,7 +43,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         return {}
     try:
         if len(body) > LARGE_BODY:  # decoded in a worker thread: the loop serves others
-            found = await in_thread(msgspec.json.decode, body)
+            found = await off_loop(msgspec.json.decode, body)
         else:
             found = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):

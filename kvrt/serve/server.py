@@ -21,7 +21,7 @@ import kvrt
 from . import kept
 from .config import PIN_HEADER, ServeConfig, model_id, reuse_scope
 from .metrics import exposition
-from .pool import History, Pool, PoolFull, Slot
+from .pool import History, Pool, PoolFull, PoolSlot
 from .protocol import (
     Call,
     Limits,
@@ -35,7 +35,7 @@ from .protocol import (
 from .reading import read_body, tenant_of
 from .state import KeptResponse, StateError, StateStats, StateStore, open_state
 from .state import refusal as state_refusal
-from .state.threads import in_thread
+from .state.threads import off_loop
 from .streaming import EventStream, Started, until_gone
 
 __all__ = ["Server"]
@@ -228,7 +228,7 @@ class Server:
             added = []
             if cid is not None:
                 added = [i for m in given for i in conversations.items_of(m)]
-                added += conversations.output_items(body["output"])
+                added += conversations.conversation_items(body["output"])
             response = None
             if req.store is not False:
                 messages = (*before, *given, *responses.output_messages(done))
@@ -298,7 +298,7 @@ class Server:
         (chat and completions by default)."""
         is_chat = route == "chat"
         prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[route]
-        rid = chat.new_id(prefix) if route != "responses" else responses.new_id(prefix)
+        rid = chat.completion_id(prefix) if route != "responses" else responses.object_id(prefix)
         stack = AsyncExitStack()
         try:
             call = await start()
@@ -404,7 +404,7 @@ class Server:
         request is a 400 (the thread finishes on its own; what it compiled is kept)."""
         limit = self.config.grammar_timeout
         with anyio.move_on_after(limit) as waited:
-            return await in_thread(partial(fn, *args), limiter=self.readers, abandon_on_cancel=True)
+            return await off_loop(partial(fn, *args), limiter=self.readers, abandon_on_cancel=True)
         assert waited.cancelled_caught
         raise RequestError(
             f"reading the request and compiling its grammars took more than {limit:g} s "
@@ -416,7 +416,7 @@ class Server:
         self,
         route: str,
         stack: AsyncExitStack,
-        slot: Slot,
+        slot: PoolSlot,
         wanted: History,
         events: Callable[[Callable[[kvrt.Completion], None]], AsyncIterator[bytes]],
     ) -> AsyncIterator[bytes]:
@@ -460,7 +460,7 @@ class Server:
         route: str,
         rid: str,
         stack: AsyncExitStack,
-        slot: Slot,
+        slot: PoolSlot,
         wanted: History,
         answer: Started,
         include_usage: bool,
@@ -523,7 +523,7 @@ def _sse(event: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
-def _session(slot: Slot) -> kvrt.Session:
+def _session(slot: PoolSlot) -> kvrt.Session:
     assert slot.session is not None
     return slot.session
 

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from .._engine.embedded import embedded_model_path
 from .._engine.gguf_header import read_header
 
-__all__ = ["NAMES", "VARIANTS", "Variant", "write", "write_all"]
+__all__ = ["VARIANTS", "VARIANT_NAMES", "Variant", "write", "write_all"]
 
 Array = npt.NDArray[Any]
 Tensors = dict[str, Array]
@@ -451,7 +451,7 @@ def _all() -> list[Variant]:
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in _all()}
 """Every variant by name."""
-NAMES: tuple[str, ...] = tuple(VARIANTS)
+VARIANT_NAMES: tuple[str, ...] = tuple(VARIANTS)
 
 
 # -- writing --
@@ -573,4 +573,4 @@ def written(target: Path, architecture: str, fill: Callable[[Any], None]) -> Pat
 
 def write_all(folder: str | os.PathLike[str]) -> dict[str, Path]:
     """Every variant written into ``folder``, by name."""
-    return {name: write(name, folder) for name in NAMES}
+    return {name: write(name, folder) for name in VARIANT_NAMES}

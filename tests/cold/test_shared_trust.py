@@ -85,7 +85,7 @@ def unsealed(raw: bytes, signed: bool) -> blockfile.Header:
     body = raw[:-TAG_BYTES] if signed else raw
     header_len, _ = blockfile.read_prefix(body)
     start = blockfile.PREFIX.size
-    return blockfile.read_header(body[start : start + header_len])
+    return blockfile.read_block_header(body[start : start + header_len])
 
 
 def reencoded(raw: bytes, signed: bool, data: np.ndarray) -> bytes:

@@ -13,13 +13,13 @@ from typing import Any, cast
 import openai
 import pytest
 
-from tests.support.server import client, in_thread, post, server
+from tests.support.server import client, off_loop, post, server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 
 async def model_of(url: str) -> str:
-    return str((await in_thread(client(url).models.list)).data[0].id)
+    return str((await off_loop(client(url).models.list)).data[0].id)
 
 
 def chat(model: str, **fields: Any) -> bytes:
@@ -31,7 +31,7 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
     async with server() as (_, url):
         c = client(url)
         model = await model_of(url)
-        first = await in_thread(
+        first = await off_loop(
             lambda: c.responses.create(
                 model=model,
                 input=[{"role": "user", "content": "Say hello."}],
@@ -44,7 +44,7 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
         assert part.logprobs and len(part.logprobs) == cast(Any, first.usage).output_tokens
         kvrt_usage = cast(Any, first.usage).model_extra["kvrt"]
         assert kvrt_usage["prefilled_tokens"] + kvrt_usage["reused_tokens"] > 0
-        second = await in_thread(
+        second = await off_loop(
             lambda: c.responses.create(
                 model=model,
                 input="And goodbye.",
@@ -53,30 +53,30 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
                 temperature=0,
             )
         )
-        again = await in_thread(c.responses.retrieve, second.id)
+        again = await off_loop(c.responses.retrieve, second.id)
         assert again.id == second.id and again.output_text == second.output_text
-        items = await in_thread(lambda: c.responses.input_items.list(second.id, order="asc"))
+        items = await off_loop(lambda: c.responses.input_items.list(second.id, order="asc"))
         assert [cast(Any, i).content[0].text for i in items.data] == [
             "And goodbye."
         ]  # its own input
-        listed = await in_thread(lambda: c.responses.input_items.list(first.id, limit=1))
+        listed = await off_loop(lambda: c.responses.input_items.list(first.id, limit=1))
         assert len(listed.data) == 1 and not listed.has_more
-        await in_thread(c.responses.delete, first.id)
+        await off_loop(c.responses.delete, first.id)
         with pytest.raises(openai.NotFoundError):
-            await in_thread(c.responses.retrieve, first.id)
+            await off_loop(c.responses.retrieve, first.id)
         with pytest.raises(openai.NotFoundError):
-            await in_thread(
+            await off_loop(
                 lambda: c.responses.create(
                     model=model, input="Hi", previous_response_id=first.id, max_output_tokens=2
                 )
             )
-        unkept = await in_thread(
+        unkept = await off_loop(
             lambda: c.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
         )
         with pytest.raises(openai.NotFoundError):
-            await in_thread(c.responses.retrieve, unkept.id)
+            await off_loop(c.responses.retrieve, unkept.id)
         with pytest.raises(openai.BadRequestError, match="not supported by kvrt"):
-            await in_thread(
+            await off_loop(
                 lambda: c.responses.create(
                     model=model, input="Hi", include=["file_search_call.results"]
                 )
@@ -86,16 +86,16 @@ async def test_kept_responses_are_read_back_listed_and_deleted(anyio_backend: st
 async def test_logit_bias_bans_and_forces_tokens(anyio_backend: str) -> None:
     async with server() as (rt, url):
         model = await model_of(url)
-        status, plain, _ = await in_thread(post, url, "/v1/chat/completions", chat(model))
+        status, plain, _ = await off_loop(post, url, "/v1/chat/completions", chat(model))
         assert status == 200, plain
         chosen = plain["choices"][0]["message"]["content"]
         (token,) = rt.engine.tokenize(chosen, add_special=False, parse_special=False)
         banned = chat(model, logit_bias={str(token): -100})
-        status, body, _ = await in_thread(post, url, "/v1/chat/completions", banned)
+        status, body, _ = await off_loop(post, url, "/v1/chat/completions", banned)
         assert status == 200 and body["choices"][0]["message"]["content"] != chosen
         forced_token = rt.engine.tokenize(" zebra", add_special=False, parse_special=False)[0]
         forced = chat(model, logit_bias={str(forced_token): 100})
-        status, body, _ = await in_thread(post, url, "/v1/chat/completions", forced)
+        status, body, _ = await off_loop(post, url, "/v1/chat/completions", forced)
         content = body["choices"][0]["message"]["content"]
         assert status == 200 and content == rt.engine.token_bytes(forced_token).decode()
         for bias, says in (
@@ -103,7 +103,7 @@ async def test_logit_bias_bans_and_forces_tokens(anyio_backend: str) -> None:
             ({"5": 101}, "-100"),
             ({str(10**9): 1}, "vocabulary"),
         ):
-            status, body, _ = await in_thread(
+            status, body, _ = await off_loop(
                 post, url, "/v1/chat/completions", chat(model, logit_bias=bias)
             )
             assert status == 400 and body["error"]["param"] == "logit_bias", body
@@ -129,7 +129,7 @@ async def test_legacy_functions_are_tools_answered_in_their_form(anyio_backend: 
         body = json.dumps(
             {"model": model, "messages": asked, "max_tokens": 40, "temperature": 0, **legacy}
         ).encode()
-        status, answer, _ = await in_thread(post, url, "/v1/chat/completions", body)
+        status, answer, _ = await off_loop(post, url, "/v1/chat/completions", body)
         assert status == 200, answer
         choice = answer["choices"][0]
         assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
@@ -143,7 +143,7 @@ async def test_legacy_functions_are_tools_answered_in_their_form(anyio_backend: 
         body = json.dumps(
             {"model": model, "messages": history, "max_tokens": 4, "functions": [WEATHER]}
         ).encode()
-        status, answer, _ = await in_thread(post, url, "/v1/chat/completions", body)
+        status, answer, _ = await off_loop(post, url, "/v1/chat/completions", body)
         assert status == 200, answer
         streamed = json.dumps(
             {
@@ -155,7 +155,7 @@ async def test_legacy_functions_are_tools_answered_in_their_form(anyio_backend: 
                 **legacy,
             }
         ).encode()
-        chunks = await in_thread(streamed_chunks, url, streamed)
+        chunks = await off_loop(streamed_chunks, url, streamed)
         deltas = [ch["choices"][0] for ch in chunks if ch.get("choices")]
         assert deltas[-1]["finish_reason"] == "function_call"
         assert any("function_call" in d["delta"] for d in deltas)
@@ -165,7 +165,7 @@ async def test_legacy_functions_are_tools_answered_in_their_form(anyio_backend: 
         ]
         assert names[0] == "get_weather"
         orphan = [*asked, {"role": "function", "name": "get_weather", "content": "x"}]
-        status, answer, _ = await in_thread(
+        status, answer, _ = await off_loop(
             post, url, "/v1/chat/completions", chat(model, messages=orphan)
         )
         assert status == 400 and answer["error"]["param"] == "messages[1].name", answer
@@ -206,18 +206,18 @@ async def test_what_a_local_text_model_cannot_do_is_refused_by_name(anyio_backen
                 "messages[1].function_call",
             ),
         ):
-            status, body, _ = await in_thread(
+            status, body, _ = await off_loop(
                 post, url, "/v1/chat/completions", chat(model, **fields)
             )
             assert status == 400 and body["error"]["param"] == param, body
-        status, body, _ = await in_thread(
+        status, body, _ = await off_loop(
             post, url, "/v1/chat/completions", chat(model, modalities=["text"])
         )
         assert status == 200, body
         # A response's message sent back whole carries "function_call": null: no call.
         dumped = {"role": "assistant", "content": "Hi.", "function_call": None, "refusal": None}
         history = [{"role": "user", "content": "Hi"}, dumped, {"role": "user", "content": "Bye"}]
-        status, body, _ = await in_thread(
+        status, body, _ = await off_loop(
             post, url, "/v1/chat/completions", chat(model, messages=history)
         )
         assert status == 200, body
@@ -227,7 +227,7 @@ async def test_conversations_keep_items_and_responses_continue_them(anyio_backen
     async with server() as (_, url):
         c = client(url)
         model = await model_of(url)
-        conv = await in_thread(
+        conv = await off_loop(
             lambda: c.conversations.create(
                 items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
                 metadata={"topic": "names"},
@@ -240,43 +240,43 @@ async def test_conversations_keep_items_and_responses_continue_them(anyio_backen
                 model=model, input=text, conversation=conv.id, max_output_tokens=8, temperature=0
             )
 
-        first = await in_thread(ask, "What is my name?")
-        items = (await in_thread(lambda: c.conversations.items.list(conv.id))).data
+        first = await off_loop(ask, "What is my name?")
+        items = (await off_loop(lambda: c.conversations.items.list(conv.id))).data
         kinds = [(i.type, getattr(i, "role", None)) for i in items]
         assert kinds == [("message", "user"), ("message", "user"), ("message", "assistant")]
         assert items[2].id == first.output[0].id  # the response's own item
-        second = await in_thread(ask, "Say it again.")
+        second = await off_loop(ask, "Say it again.")
         kvrt_usage = second.usage.model_extra["kvrt"]
         # Only the new input and the framing were computed: the rest was reused.
         assert kvrt_usage["prefilled_tokens"] < second.usage.input_tokens // 2
-        added = await in_thread(
+        added = await off_loop(
             lambda: c.conversations.items.create(
                 conv.id, items=[{"type": "message", "role": "user", "content": "Thanks."}]
             )
         )
         (note,) = cast(Any, added).data
-        got = await in_thread(
+        got = await off_loop(
             lambda: c.conversations.items.retrieve(note.id, conversation_id=conv.id)
         )
         assert cast(Any, got).content[0].text == "Thanks."
-        await in_thread(lambda: c.conversations.items.delete(note.id, conversation_id=conv.id))
-        assert len((await in_thread(lambda: c.conversations.items.list(conv.id))).data) == 5
-        updated = await in_thread(lambda: c.conversations.update(conv.id, metadata={"a": "b"}))
+        await off_loop(lambda: c.conversations.items.delete(note.id, conversation_id=conv.id))
+        assert len((await off_loop(lambda: c.conversations.items.list(conv.id))).data) == 5
+        updated = await off_loop(lambda: c.conversations.update(conv.id, metadata={"a": "b"}))
         assert updated.metadata == {"a": "b"}
         with pytest.raises(openai.BadRequestError, match="not both"):
-            await in_thread(
+            await off_loop(
                 lambda: c.responses.create(
                     model=model, input="x", conversation=conv.id, previous_response_id=first.id
                 )
             )
-        deleted = await in_thread(c.conversations.delete, conv.id)
+        deleted = await off_loop(c.conversations.delete, conv.id)
         assert deleted.deleted
         with pytest.raises(openai.NotFoundError):
-            await in_thread(c.conversations.retrieve, conv.id)
+            await off_loop(c.conversations.retrieve, conv.id)
         with pytest.raises(openai.NotFoundError):
-            await in_thread(ask, "Still there?")
+            await off_loop(ask, "Still there?")
         with pytest.raises(openai.BadRequestError) as bad:
-            await in_thread(
+            await off_loop(
                 lambda: c.conversations.create(
                     items=[cast(Any, {"type": "message", "role": "pirate"})]
                 )
@@ -294,22 +294,22 @@ async def test_a_conversation_outlives_a_restart_with_its_kv(
     async with server(state_path=folder) as (_, url):
         c = client(url)
         model = await model_of(url)
-        conv = await in_thread(
+        conv = await off_loop(
             lambda: c.conversations.create(
                 items=[{"type": "message", "role": "user", "content": long_note}]
             )
         )
-        await in_thread(
+        await off_loop(
             lambda: c.responses.create(
                 model=model, input="Name a colour.", conversation=conv.id, max_output_tokens=8
             )
         )
-        before = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
+        before = [i.id for i in (await off_loop(lambda: c.conversations.items.list(conv.id))).data]
     async with server(state_path=folder) as (_, url):
         c = client(url)
-        after = [i.id for i in (await in_thread(lambda: c.conversations.items.list(conv.id))).data]
+        after = [i.id for i in (await off_loop(lambda: c.conversations.items.list(conv.id))).data]
         assert after == before
-        again = await in_thread(
+        again = await off_loop(
             lambda: c.responses.create(
                 model=model, input="Another one.", conversation=conv.id, max_output_tokens=4
             )
@@ -318,7 +318,7 @@ async def test_a_conversation_outlives_a_restart_with_its_kv(
         assert kvrt_usage["restored_tokens"] >= 128, kvrt_usage  # its blocks, from disk
         for bad in ("..%2F..%2Fetc%2Fpasswd", "conv_" + "0" * 32):
             with pytest.raises(openai.NotFoundError):
-                await in_thread(c.conversations.retrieve, bad)
+                await off_loop(c.conversations.retrieve, bad)
 
 
 async def test_another_tenant_cannot_reach_kept_responses_or_conversations(
@@ -326,11 +326,11 @@ async def test_another_tenant_cannot_reach_kept_responses_or_conversations(
 ) -> None:
     async with server(api_keys={"key-a": "a", "key-b": "b"}) as (_, url):
         a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key=k) for k in ("key-a", "key-b"))
-        model = str((await in_thread(a.models.list)).data[0].id)
-        conv = await in_thread(
+        model = str((await off_loop(a.models.list)).data[0].id)
+        conv = await off_loop(
             lambda: a.conversations.create(items=[{"role": "user", "content": "PIN 4417"}])
         )
-        kept = await in_thread(
+        kept = await off_loop(
             lambda: a.responses.create(model=model, input="Hi", max_output_tokens=2)
         )
         for reach in (
@@ -345,7 +345,7 @@ async def test_another_tenant_cannot_reach_kept_responses_or_conversations(
             ),
         ):
             with pytest.raises(openai.NotFoundError):
-                await in_thread(reach)
+                await off_loop(reach)
         # Still there for its own tenant.
-        assert (await in_thread(lambda: a.conversations.items.list(conv.id))).data
-        assert (await in_thread(a.responses.retrieve, kept.id)).id == kept.id
+        assert (await off_loop(lambda: a.conversations.items.list(conv.id))).data
+        assert (await off_loop(a.responses.retrieve, kept.id)).id == kept.id

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tests.support.models import tiny, zoo_path
-from tests.support.server import in_thread, kvrt_serve, post, server
+from tests.support.server import kvrt_serve, off_loop, post, server
 
 pytestmark = pytest.mark.model
 
@@ -106,11 +106,11 @@ def _big_reachable(roots: list[Any]) -> int:
 async def test_refused_requests_leave_nothing_in_sessions_or_cycles(anyio_backend: str) -> None:
     async with server(engine=tiny("llama"), state_path=None, max_grammar_bytes=4096) as (rt, url):
         model = Path(rt.model_info.model.path).stem
-        cid = await in_thread(conversation, url, 3)
+        cid = await off_loop(conversation, url, 3)
         gc.collect()
         gc.disable()
         try:
-            await in_thread(refused, url, model, cid)
+            await off_loop(refused, url, model, cid)
             alive, in_cycles = held_big_strings()
         finally:
             gc.enable()

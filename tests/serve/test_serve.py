@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.support.models import tiny
-from tests.support.server import client, get, in_thread, post, server
+from tests.support.server import client, get, off_loop, post, server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
@@ -46,7 +46,7 @@ async def test_six_turn_conversation_reuses_every_earlier_turn(anyio_backend: st
                 )
             return out
 
-        replies = await in_thread(talk)
+        replies = await off_loop(talk)
         for before, after in itertools.pairwise(replies):
             assert before.usage is not None and after.usage is not None
             cached = after.usage.prompt_tokens_details.cached_tokens
@@ -54,12 +54,12 @@ async def test_six_turn_conversation_reuses_every_earlier_turn(anyio_backend: st
             breakdown = (after.usage.model_extra or {})["kvrt"]
             assert breakdown["prefilled_tokens"] <= 24, breakdown
         assert {r.choices[0].finish_reason for r in replies} <= {"stop", "length"}
-        metrics = await in_thread(get, url, "/metrics")
+        metrics = await off_loop(get, url, "/metrics")
         assert 'kvrt_requests_total{route="chat",status="200"} 6' in metrics
         lines = metrics.splitlines()
         reused = next(x for x in lines if x.startswith('kvrt_tokens_total{kind="reused"}'))
         assert int(reused.split()[-1]) > 0
-        health = json.loads(await in_thread(get, url, "/health"))
+        health = json.loads(await off_loop(get, url, "/health"))
         assert health["status"] == "ok" and health["busy"] == 0
         assert rt.cold_stats().bytes <= rt.cold_stats().budget_bytes
 
@@ -86,13 +86,13 @@ async def test_a_reply_sent_back_in_other_words_costs_only_itself(anyio_backend:
                 messages.append({"role": "assistant", "content": kept})
             return out
 
-        replies = await in_thread(talk)
+        replies = await off_loop(talk)
         for before, after in itertools.pairwise(replies):
             assert before.usage is not None and after.usage is not None
             new = after.usage.prompt_tokens - before.usage.prompt_tokens  # reply + question
             prefilled = (after.usage.model_extra or {})["kvrt"]["prefilled_tokens"]
             assert prefilled <= new, (prefilled, new)
-        health = json.loads(await in_thread(get, url, "/health"))
+        health = json.loads(await off_loop(get, url, "/health"))
         assert health["sessions"] == 1, health
 
 
@@ -133,7 +133,7 @@ async def test_idle_sessions_go_to_the_cold_store_and_come_back_exact(anyio_back
                         sessions.append(json.loads(get(url, "/health"))["sessions"])
                 return out, sessions
 
-            return await in_thread(run)
+            return await off_loop(run)
 
     parked, parked_sessions = await talk(0)
     live, live_sessions = await talk(None)  # the default: idle sessions stay live
@@ -177,14 +177,14 @@ async def test_streaming_with_stop_sequences_and_usage(anyio_backend: str) -> No
                     usage = chunk.usage
             return text, stop, "".join(parts) + "|" + finish, usage
 
-        text, stop, streamed, usage = await in_thread(run)
+        text, stop, streamed, usage = await off_loop(run)
         assert streamed == text[: text.index(stop)] + "|stop"
         assert usage is not None and usage.completion_tokens > 0
 
 
 async def test_bad_requests_get_openai_style_400s(anyio_backend: str) -> None:
     async with server() as (_, url):
-        model = (await in_thread(lambda: client(url).models.list())).data[0].id
+        model = (await off_loop(lambda: client(url).models.list())).data[0].id
         good = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
         cases: list[tuple[bytes, str | None]] = [
             (b"{not json", None),
@@ -201,17 +201,17 @@ async def test_bad_requests_get_openai_style_400s(anyio_backend: str) -> None:
             (json.dumps({"model": model}).encode(), "messages"),
         ]
         for body, param in cases:
-            status, answer, _ = await in_thread(post, url, "/v1/chat/completions", body)
+            status, answer, _ = await off_loop(post, url, "/v1/chat/completions", body)
             assert status == 400, (body, answer)
             assert answer["error"]["type"] == "invalid_request_error"
             assert answer["error"]["message"]
             if param is not None:
                 assert answer["error"]["param"] == param, answer
-        status, answer, _ = await in_thread(
+        status, answer, _ = await off_loop(
             post, url, "/v1/chat/completions", json.dumps(good).encode()
         )
         assert status == 200 and answer["choices"][0]["message"]["role"] == "assistant"
-        status, answer, _ = await in_thread(
+        status, answer, _ = await off_loop(
             post, url, "/v1/completions", json.dumps({"model": model, "prompt": ""}).encode()
         )
         assert status == 400 and answer["error"]["param"] == "prompt"
@@ -221,7 +221,7 @@ async def test_full_server_answers_429_and_a_dropped_stream_frees_its_session(
     anyio_backend: str,
 ) -> None:
     async with server(max_sessions=1, max_queue=0, retry_after=2) as (rt, url):
-        model = (await in_thread(lambda: client(url).models.list())).data[0].id
+        model = (await off_loop(lambda: client(url).models.list())).data[0].id
         opened = anyio.Event()
         release = anyio.Event()
 
@@ -244,27 +244,27 @@ async def test_full_server_answers_429_and_a_dropped_stream_frees_its_session(
             return seen
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(in_thread, hold_stream)
+            tg.start_soon(off_loop, hold_stream)
             await opened.wait()
             body = json.dumps(
                 {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
             )
-            status, answer, headers = await in_thread(
+            status, answer, headers = await off_loop(
                 post, url, "/v1/chat/completions", body.encode()
             )
             assert status == 429 and headers.get("Retry-After") == "2"
             assert answer["error"]["type"] == "rate_limit_exceeded"
             with pytest.raises(openai.RateLimitError):
-                await in_thread(
+                await off_loop(
                     lambda: client(url, max_retries=0).chat.completions.create(
                         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
                     )
                 )
             release.set()
         with anyio.fail_after(30):
-            while json.loads(await in_thread(get, url, "/health"))["busy"]:
+            while json.loads(await off_loop(get, url, "/health"))["busy"]:
                 await anyio.sleep(0.05)
-        status, answer, _ = await in_thread(post, url, "/v1/chat/completions", body.encode())
+        status, answer, _ = await off_loop(post, url, "/v1/chat/completions", body.encode())
         assert status == 200, answer  # the session the dropped stream held serves again
         assert rt.cold_stats().bytes <= rt.cold_stats().budget_bytes
 
@@ -297,9 +297,9 @@ async def test_session_id_header_pins_conversations(anyio_backend: str) -> None:
                     cached.append(r.usage.prompt_tokens_details.cached_tokens)  # type: ignore[union-attr]
             return cached
 
-        cached = await in_thread(run)
+        cached = await off_loop(run)
         assert cached[:2] == [0, 0] and all(c > 0 for c in cached[2:])
-        health = json.loads(await in_thread(get, url, "/health"))
+        health = json.loads(await off_loop(get, url, "/health"))
         assert health["sessions"] == 2
 
 
@@ -310,7 +310,7 @@ async def test_sixteen_streaming_clients_five_turns_each(anyio_backend: str) -> 
     errors are deliberate 429s, which the clients retry. (On the zoo's llama: the load,
     not the model's text.)"""
     async with server(engine=tiny(), max_sessions=4, max_queue=6) as (rt, url):
-        model = (await in_thread(lambda: client(url).models.list())).data[0].id
+        model = (await off_loop(lambda: client(url).models.list())).data[0].id
         tokens: list[int] = []
         limited = 0
 
@@ -346,10 +346,10 @@ async def test_sixteen_streaming_clients_five_turns_each(anyio_backend: str) -> 
         with anyio.fail_after(400):
             async with anyio.create_task_group() as tg:
                 for i in range(16):
-                    tg.start_soon(in_thread, converse, i)
+                    tg.start_soon(off_loop, converse, i)
         took = time.perf_counter() - began
         assert len(tokens) == 80
-        metrics = await in_thread(get, url, "/metrics")
+        metrics = await off_loop(get, url, "/metrics")
         assert 'kvrt_requests_total{route="chat",status="200"} 80' in metrics
         stats = rt.cold_stats()
         assert stats.bytes <= stats.budget_bytes
@@ -363,7 +363,7 @@ async def test_pydantic_ai_agent_talks_to_kvrt_serve(anyio_backend: str) -> None
     from pydantic_ai.providers.openai import OpenAIProvider
 
     async with server() as (_, url):
-        model_id = (await in_thread(lambda: client(url).models.list())).data[0].id
+        model_id = (await off_loop(lambda: client(url).models.list())).data[0].id
         model = OpenAIChatModel(
             model_id, provider=OpenAIProvider(base_url=f"{url}/v1", api_key="x")
         )

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support.server import client, in_thread, server
+from tests.support.server import client, off_loop, server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
@@ -25,21 +25,21 @@ async def test_kept_responses_outlive_a_restart(anyio_backend: str, tmp_path: Pa
     path = str(tmp_path / "state.sqlite3")
     async with server(state_path=path) as (_, url):
         c = client(url)
-        model = (await in_thread(c.models.list)).data[0].id
-        first = await in_thread(
+        model = (await off_loop(c.models.list)).data[0].id
+        first = await off_loop(
             lambda: c.responses.create(model=model, input="Name a colour.", max_output_tokens=4)
         )
     async with server(state_path=path) as (_, url):
         c = client(url)
-        kept = await in_thread(c.responses.retrieve, first.id)
+        kept = await off_loop(c.responses.retrieve, first.id)
         assert kept.id == first.id and kept.output_text == first.output_text
-        again = await in_thread(
+        again = await off_loop(
             lambda: c.responses.create(
                 model=model, input="Another.", previous_response_id=first.id, max_output_tokens=2
             )
         )
         assert again.usage is not None and again.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
-        items = await in_thread(lambda: c.responses.input_items.list(again.id))
+        items = await off_loop(lambda: c.responses.input_items.list(again.id))
         assert [i.type for i in items.data] == ["message"]
 
 
@@ -50,25 +50,25 @@ async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
     path = tmp_path / "state.sqlite3"
     async with server(state_path=str(path), conversation_store_bytes=4096) as (_, url):
         c = client(url, max_retries=0)
-        model = (await in_thread(c.models.list)).data[0].id
-        conv = await in_thread(
+        model = (await off_loop(c.models.list)).data[0].id
+        conv = await off_loop(
             lambda: c.conversations.create(items=[{"role": "user", "content": "Hello."}])
         )
         big: Any = [{"role": "user", "content": "x" * 5000}]
         with pytest.raises(openai.APIStatusError) as full:
-            await in_thread(lambda: c.conversations.items.create(conv.id, items=big))
+            await off_loop(lambda: c.conversations.items.create(conv.id, items=big))
         assert full.value.status_code == 507 and "4,096" in full.value.message
         # A response whose conversation cannot take its output is not a 200.
         with pytest.raises(openai.APIStatusError) as full:
-            await in_thread(
+            await off_loop(
                 lambda: c.responses.create(
                     model=model, input="x" * 4000, conversation=conv.id, max_output_tokens=2
                 )
             )
         assert full.value.status_code == 507
-        listed = await in_thread(lambda: c.conversations.items.list(conv.id))
+        listed = await off_loop(lambda: c.conversations.items.list(conv.id))
         assert len(listed.data) == 1  # nothing half kept
-        other = await in_thread(
+        other = await off_loop(
             lambda: c.conversations.create(items=[{"role": "user", "content": "Hi."}])
         )
     db = sqlite3.connect(path)
@@ -78,16 +78,16 @@ async def test_what_cannot_be_kept_is_an_error_and_a_damaged_row_is_refused(
     async with server(state_path=str(path)) as (_, url):
         c = client(url, max_retries=0)
         with pytest.raises(openai.APIStatusError) as damaged:
-            await in_thread(lambda: c.conversations.items.list(conv.id))
+            await off_loop(lambda: c.conversations.items.list(conv.id))
         assert damaged.value.status_code == 500 and "damaged" in damaged.value.message
         with pytest.raises(openai.APIStatusError) as damaged:
-            await in_thread(
+            await off_loop(
                 lambda: c.responses.create(
                     model=model, input="Hi.", conversation=conv.id, max_output_tokens=2
                 )
             )
         assert damaged.value.status_code == 500 and "item 0" in damaged.value.message
-        listed = await in_thread(lambda: c.conversations.items.list(other.id))
+        listed = await off_loop(lambda: c.conversations.items.list(other.id))
         assert [i.type for i in listed.data] == ["message"]  # the rest stays readable
     assert "Traceback" not in caplog.text
 
@@ -106,26 +106,26 @@ async def test_a_20_mb_conversation_read_leaves_health_fast(
 ) -> None:
     async with server(state_path=str(tmp_path / "state.sqlite3")) as (_, url):
         c = client(url)
-        conv = await in_thread(lambda: c.conversations.create(items=[]))
+        conv = await off_loop(lambda: c.conversations.create(items=[]))
         part: Any = [{"role": "user", "content": "y" * 1_000_000} for _ in range(5)]
         for _ in range(4):  # 20 MB in four requests
-            await in_thread(lambda: c.conversations.items.create(conv.id, items=part))
+            await off_loop(lambda: c.conversations.items.create(conv.id, items=part))
         stop, seen = threading.Event(), list[float]()
         watcher = threading.Thread(target=_health_times, args=(url, stop, seen))
         watcher.start()
         try:
             began, reads = time.monotonic(), 0
             while time.monotonic() - began < 1.5 or reads < 4:  # the last item reads it all
-                listed: Any = await in_thread(
+                listed: Any = await off_loop(
                     lambda: c.conversations.items.list(conv.id, limit=2, order="desc")
                 )
                 last = listed.data[-1].id
-                one = await in_thread(
+                one = await off_loop(
                     lambda last=last: c.conversations.items.retrieve(last, conversation_id=conv.id)
                 )
                 assert one.id == last
                 reads += 1
         finally:
             stop.set()
-            await in_thread(watcher.join)  # (the loop serves the request in flight)
+            await off_loop(watcher.join)  # (the loop serves the request in flight)
     assert len(seen) > 5 and max(seen) < 0.05, sorted(seen)[-5:]

@@ -49,7 +49,7 @@ def client(url: str, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", **kwargs)
 
 
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args))
 
 

@@ -458,3 +458,52 @@ def test_the_api_translators_are_pure() -> None:
         and not m.startswith(("kvrt.serve.state", "kvrt.serve.protocol"))
     }
     assert not reach
+
+
+ROLES = {
+    "KIND": "the kind of policy a policy module registers",
+    "add": "a command of the command line registering its parser",
+    "main": "a command's (or a figure script's) entry point",
+    "T": "a type variable",
+    "log": "a module's logger",
+    "write": "a model writer of kvrt.testing",
+    "kernel_verdict": "an engine's kernel probe",
+    "measure": "an engine's kernel probe",
+    "TEXT": "an engine's kernel probe",
+    "SEED": "an engine's kernel probe",
+    "CUT": "an engine's kernel probe",
+    "LONE": "an engine's kernel probe",
+    "SEQUENCES": "an engine's kernel probe",
+    "STEPS": "an engine's kernel probe",
+    "REFERENCE_NAME": "an engine's reference without kvrt",
+    "TRACE_NAMES": "an engine's reference without kvrt",
+    "reference_greedy_tps": "an engine's reference (and kvrt.bench's way to it)",
+    "reference_trace": "an engine's reference (and kvrt.bench's way to it)",
+    "MAX_SALT": "the cache_salt bound, restated by the server (it imports public kvrt only)",
+}
+"""Names several modules define on purpose, each in the same role."""
+
+
+def test_no_two_modules_define_the_same_public_name() -> None:
+    """One word, one meaning: a public name is defined by one module, unless it names
+    the same role in each (:data:`ROLES`)."""
+    where: dict[str, list[str]] = {}
+    for folder in ("kvrt", "adapters", "native_bridge", "policies"):
+        for path in modules(folder):
+            if path.name == "__init__.py" or (
+                folder == "kvrt" and path.relative_to(ROOT / "kvrt").parts[0] in GENERIC
+            ):
+                continue
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    names = [node.name]
+                elif isinstance(node, ast.Assign):
+                    names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names = [node.target.id]
+                else:
+                    names = []
+                for name in names:
+                    if not name.startswith("_") and name not in ROLES:
+                        where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

@@ -18,7 +18,7 @@ from kvrt._paging.planner import (
     Begin,
     Compute,
     Cursor,
-    Restore,
+    RestoreRun,
     Scene,
     Step,
     WaitFor,
@@ -120,7 +120,7 @@ CASES: list[tuple[str, Scene, Cursor, Step | None]] = [
         "adjacent planned cold blocks come back in one run",
         scene("hcch"),
         Cursor(),
-        Restore(1, (1, 2), frozenset({0})),
+        RestoreRun(1, (1, 2), frozenset({0})),
     ),
     (
         "a cold block the plan lets go stays cold",
@@ -132,19 +132,19 @@ CASES: list[tuple[str, Scene, Cursor, Step | None]] = [
         "a cold block the next computation follows comes back, required",
         scene("hcd", planned="p-p"),
         Cursor(index=1, computing=True),
-        Restore(1, (1,), frozenset({0}), required=True),
+        RestoreRun(1, (1,), frozenset({0}), required=True),
     ),
     (
         "a planned run ends at the first block the plan lets go",
         scene("ccch", planned="pp-p"),
         Cursor(),
-        Restore(0, (0, 1), NONE),
+        RestoreRun(0, (0, 1), NONE),
     ),
     (
         "the block before a run stays only when the plan keeps it",
         scene("hch", planned="-pp"),
         Cursor(index=1),
-        Restore(1, (1,), NONE),
+        RestoreRun(1, (1,), NONE),
     ),
     (
         "a block another session is computing is waited for",
@@ -180,7 +180,7 @@ CASES: list[tuple[str, Scene, Cursor, Step | None]] = [
         "a planned block pushed out comes back once every block is placed",
         scene("hchh", planned="pp-p"),
         Cursor(index=4, computing=True),
-        Restore(1, (1,), frozenset({0, 1, 3}), converging=True),
+        RestoreRun(1, (1,), frozenset({0, 1, 3}), converging=True),
     ),
 ]
 
@@ -195,7 +195,7 @@ def test_the_planner_picks_the_step(scene_: Scene, cursor: Cursor, expected: Ste
 
 
 def test_outcomes_move_the_cursor() -> None:
-    restore = Restore(2, (2, 3, 4), NONE)
+    restore = RestoreRun(2, (2, 3, 4), NONE)
     assert advance(Cursor(), restore, 3) == Cursor(index=5)
     assert advance(Cursor(), restore, 1) == Cursor(index=3)  # the rest come back later
     assert advance(Cursor(), restore, 0) == Cursor(index=2)  # the store let go: look again
@@ -206,7 +206,7 @@ def test_outcomes_move_the_cursor() -> None:
     compute = Compute(1, (1, 2), NONE, approximate=True)
     assert advance(COMPUTING, compute, 1) == Cursor(index=2, computing=True)  # a hit
     assert advance(COMPUTING, compute, 2) == Cursor(index=3, computing=True)
-    back = Restore(1, (1,), NONE, converging=True)
+    back = RestoreRun(1, (1,), NONE, converging=True)
     assert advance(COMPUTING, back, 1) == Cursor(index=2, converging=True)
     done = advance(COMPUTING, back, None)
     assert plan(scene("hchc", planned="pppp"), done) is None
@@ -332,7 +332,7 @@ class World:
     def run(self, step: Step) -> int | None:
         """The executor's contract, on the model."""
         match step:
-            case Restore(blocks=blocks, keep=keep, required=required):
+            case RestoreRun(blocks=blocks, keep=keep, required=required):
                 try:
                     return self.restore_run(blocks, set(keep))
                 except NoRoom:

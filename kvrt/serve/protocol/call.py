@@ -104,7 +104,7 @@ def sampling_options(request: Any, limits: Limits, *, default: int | None = None
         raise refusal(exc, SAMPLING_PARAMS) from None
     if bias is not None:
         options["sampling"] = {"logit_bias": bias}
-    options["logprobs"] = logprobs(request)
+    options["logprobs"] = requested_logprobs(request)
     return options
 
 
@@ -161,7 +161,7 @@ def tool_options(
     return options
 
 
-def logprobs(request: Any) -> int | None:
+def requested_logprobs(request: Any) -> int | None:
     """How many alternatives per token the request asks for, or None (no logprobs):
     chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions' integer
     ``logprobs``."""

@@ -29,7 +29,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "chat_response",
-    "check_salt",
+    "check_cache_salt",
     "check_schema_bytes",
     "check_tool_turns",
     "chunk",
@@ -130,7 +130,7 @@ def check_schema_bytes(body: bytes, limit: int, *, responses_api: bool = False) 
             )
 
 
-def read(body: bytes, kind: type[_Common]) -> Any:
+def _decode(body: bytes, kind: type[_Common]) -> Any:
     """The request, or a :class:`RequestError` naming what is wrong."""
     if len(body) > MAX_BODY:
         raise RequestError(f"the body is larger than {MAX_BODY} bytes", status=413)
@@ -166,7 +166,7 @@ def read(body: bytes, kind: type[_Common]) -> Any:
                     "no web search)",
                     param=name,
                 )
-    check_salt(request.cache_salt)
+    check_cache_salt(request.cache_salt)
     return request
 
 
@@ -174,7 +174,7 @@ MAX_SALT = 256
 """The longest ``cache_salt`` a request may give (characters)."""
 
 
-def check_salt(salt: str | None) -> None:
+def check_cache_salt(salt: str | None) -> None:
     """A 400 naming ``cache_salt`` unless it is 1 to :data:`MAX_SALT` printable
     characters (an unbounded salt is an unbounded key in every tier)."""
     if salt is None:
@@ -410,7 +410,7 @@ FINISH = {
 }
 
 
-def new_id(prefix: str) -> str:
+def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
@@ -538,7 +538,7 @@ def read_chat(body: bytes, limits: Limits) -> Call:
     part checked (its grammars compiled), or a :class:`RequestError` naming what is
     wrong."""
     check_schema_bytes(body, limits.max_grammar_bytes)
-    req = read(body, ChatRequest)
+    req = _decode(body, ChatRequest)
     limits.check_model(req.model)
     legacy = legacy_functions(req)
     try:
@@ -565,7 +565,7 @@ def read_chat(body: bytes, limits: Limits) -> Call:
 
 def read_completion(body: bytes, limits: Limits) -> Call:
     """``POST /v1/completions``'s body as the ``session.complete`` call it asks for."""
-    req = read(body, CompletionRequest)
+    req = _decode(body, CompletionRequest)
     limits.check_model(req.model)
     prompt = req.prompt
     if isinstance(prompt, list):

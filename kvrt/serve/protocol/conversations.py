@@ -22,7 +22,7 @@ from typing import Any
 import kvrt
 
 from .errors import RequestError
-from .responses import message_items, new_id, to_messages
+from .responses import message_items, object_id, to_messages
 
 ID = re.compile(r"conv_[0-9a-f]{32}")
 """What a conversation id looks like (anything else is a 404 before any file is
@@ -33,11 +33,11 @@ __all__ = [
     "body",
     "canonical_items",
     "conversation_id",
+    "conversation_items",
     "items_of",
     "messages",
     "metadata",
     "not_kept",
-    "output_items",
 ]
 
 
@@ -66,10 +66,10 @@ def canonical_items(items: Any, where: str = "items") -> list[dict[str, Any]]:
 
 def items_of(message: kvrt.Message) -> list[dict[str, Any]]:
     """A kept message as conversation items, with fresh ids."""
-    return message_items(message, new_id)
+    return message_items(message, object_id)
 
 
-def output_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def conversation_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as a conversation keeps them (their ids kept)."""
     found: list[dict[str, Any]] = []
     for item in output:

@@ -26,7 +26,7 @@ import msgspec
 import kvrt
 
 from .call import Call, Limits, sampling_options, tool_options
-from .chat import chat_logprob, check_salt, check_schema_bytes, check_tool_turns, usage
+from .chat import chat_logprob, check_cache_salt, check_schema_bytes, check_tool_turns, usage
 from .errors import MAX_BODY, RequestError, refusal
 
 __all__ = [
@@ -34,10 +34,9 @@ __all__ = [
     "ResponsesRequest",
     "input_items",
     "message_items",
-    "new_id",
+    "object_id",
     "output_messages",
     "page",
-    "read",
     "response_body",
     "responses_call",
     "to_messages",
@@ -78,7 +77,7 @@ INCLUDES = ("message.output_text.logprobs",)
 ``top_logprobs`` alternatives, 0 when not given)."""
 
 
-def read(body: bytes) -> ResponsesRequest:
+def _decode(body: bytes) -> ResponsesRequest:
     """The request, or a :class:`RequestError` naming the field that is wrong or that asks
     for what kvrt does not do."""
 
@@ -115,7 +114,7 @@ def read(body: bytes) -> ResponsesRequest:
         raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise RequestError("max_output_tokens must be at least 1", param="max_output_tokens")
-    check_salt(req.cache_salt)
+    check_cache_salt(req.cache_salt)
     return req
 
 
@@ -215,7 +214,7 @@ def read_request(body: bytes, limits: Limits) -> ResponsesRequest:
     """The request, checked as far as it can be before what it continues is read: its
     schemas' sizes, its fields, its model."""
     check_schema_bytes(body, limits.max_grammar_bytes, responses_api=True)
-    req = read(body)
+    req = _decode(body)
     limits.check_model(req.model)
     return req
 
@@ -405,7 +404,7 @@ def page(
     }
 
 
-def new_id(prefix: str) -> str:
+def object_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
@@ -434,7 +433,7 @@ def output_items(done: kvrt.Completion, ids: dict[str, str]) -> list[dict[str, A
         return [
             {
                 "type": "function_call",
-                "id": ids.get(c.id) or new_id("fc"),
+                "id": ids.get(c.id) or object_id("fc"),
                 "call_id": c.id,
                 "name": c.name,
                 "arguments": c.arguments,
@@ -442,7 +441,7 @@ def output_items(done: kvrt.Completion, ids: dict[str, str]) -> list[dict[str, A
             }
             for c in done.tool_calls
         ]
-    return [_message_item(ids.get("message") or new_id("msg"), done.text, "completed", done)]
+    return [_message_item(ids.get("message") or object_id("msg"), done.text, "completed", done)]
 
 
 def _message_item(mid: str, text: str, status: str, done: kvrt.Completion | None) -> dict[str, Any]:
@@ -555,7 +554,7 @@ class ResponseEvents:
         ids, index = self._ids, self._index
         if piece.text:
             if "message" not in ids:
-                out += self._open_message(new_id("msg"))
+                out += self._open_message(object_id("msg"))
             logprobs = [chat_logprob(piece.logprob)] if piece.logprob is not None else []
             if piece.logprob is not None:
                 self._chosen.append(piece.logprob)
@@ -572,7 +571,7 @@ class ResponseEvents:
         for delta in piece.tool_calls:
             key = f"call:{delta.index}"
             if delta.id is not None:
-                ids[key] = new_id("fc")
+                ids[key] = object_id("fc")
                 ids[delta.id] = ids[key]
                 index[key] = len(index)
                 item = {

@@ -43,7 +43,7 @@ from .records import (
     StateStats,
     decode_item,
 )
-from .threads import in_thread
+from .threads import off_loop
 
 __all__ = ["SharedState"]
 
@@ -518,7 +518,7 @@ class SharedState:
         if found is None:
             return None
         await self._touch(tenant, cid)
-        return await in_thread(self._decoded, cid, items_name, found)
+        return await off_loop(self._decoded, cid, items_name, found)
 
     async def item_page(
         self, tenant: str | None, cid: str, *, limit: int, order: str, after: str | None
@@ -549,7 +549,7 @@ class SharedState:
             return None
         await self._touch(tenant, cid)
         raw, more = found
-        return await in_thread(self._decoded, cid, items_name, raw), more
+        return await off_loop(self._decoded, cid, items_name, raw), more
 
     def _place_of(
         self, client: Client, cid: str, items_name: str, ids_name: str, iid: str
@@ -593,7 +593,7 @@ class SharedState:
         found = await self._run("reading an item", read)
         if found is None:
             return None
-        return (await in_thread(self._decoded, cid, items_name, [found]))[0]
+        return (await off_loop(self._decoded, cid, items_name, [found]))[0]
 
     def _next_place(self, client: Client, items_name: str, seq_name: str, count: int) -> int:
         """The place of the first of ``count`` new items: after the counter, unless the

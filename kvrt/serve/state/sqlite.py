@@ -40,7 +40,7 @@ from .records import (
     StateStats,
     decode_item,
 )
-from .threads import in_thread
+from .threads import off_loop
 
 __all__ = ["SqliteState"]
 
@@ -118,7 +118,7 @@ class SqliteState:
         """The store at ``path``, created if missing; a :class:`StateError` says why one
         cannot be used (damaged, not a regular file, unwritable). ``max_file_bytes`` caps
         the database file (past it a write is ``full``), beside the per-tenant bounds."""
-        return await in_thread(cls._open, path, bounds, max_file_bytes)
+        return await off_loop(cls._open, path, bounds, max_file_bytes)
 
     @classmethod
     def _open(cls, path: str, bounds: Bounds, max_file_bytes: int | None) -> SqliteState:
@@ -170,7 +170,7 @@ class SqliteState:
         return cls(db, where, bounds, None if memory else Path(path + ".reserve"))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await in_thread(self._locked, fn, *args, limiter=self._limiter)
+        return await off_loop(self._locked, fn, *args, limiter=self._limiter)
 
     def _locked(self, fn: Callable[..., T], *args: Any) -> T:
         with self._lock:
@@ -267,9 +267,9 @@ class SqliteState:
         :class:`StateError` when either cannot be kept."""
         record = None
         if response is not None:  # a conversation of many megabytes, at times
-            record = (response[0], await in_thread(_encode.encode, response[1]))
+            record = (response[0], await off_loop(_encode.encode, response[1]))
             self._check_response(len(record[1]))
-        encoded = await in_thread(_encoded, items)
+        encoded = await off_loop(_encoded, items)
         return await self._run(self._keep_turn, _tenant(tenant), record, cid, items, encoded)
 
     def _check_response(self, size: int) -> None:
@@ -384,7 +384,7 @@ class SqliteState:
     ) -> None:
         """A new conversation holding ``items``; ``full`` when the tenant holds as many
         as its bound, or its items would pass the bytes bound."""
-        encoded = await in_thread(_encoded, items)  # many megabytes, at times
+        encoded = await off_loop(_encoded, items)  # many megabytes, at times
         meta = msgspec.json.encode(head.metadata)
         await self._run(self._create, _tenant(tenant), cid, head.created_at, meta, items, encoded)
 

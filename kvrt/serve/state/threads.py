@@ -12,7 +12,7 @@ import kvrt
 
 from ..protocol.errors import RequestError
 
-__all__ = ["in_thread"]
+__all__ = ["off_loop"]
 
 T = TypeVar("T")
 
@@ -21,7 +21,7 @@ REFUSALS = (kvrt.KvrtError, RequestError, msgspec.MsgspecError)
 says why."""
 
 
-async def in_thread(
+async def off_loop(
     fn: Callable[..., T],
     *args: Any,
     limiter: anyio.CapacityLimiter | None = None,
