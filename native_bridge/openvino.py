@@ -396,10 +396,6 @@ class OvRows:
         """Entries a row spans, its padding and stand-ins included."""
         return int(self._mask.shape[1])
 
-    def held(self, row: int) -> int:
-        """Entries row ``row`` holds (its own, not padding nor stand-ins)."""
-        return int(self._mask[row].sum())
-
     def load(self, parts: Sequence[npt.NDArray[Any]]) -> None:
         """Hold ``parts`` (entries as :meth:`OvRequest.take` gives them), a row each, in
         place of what the rows held."""

@@ -41,8 +41,8 @@ PROFILES: dict[str, dict[str, str]] = {
 GATHER_SECONDS = 0.025
 """How long the runtime waits for a joint step's sessions to come back: a window missing
 from a step comes home and joins again later, a pass over every row each way (about 45 ms
-a miss measured, eight SmolLM2 windows of some 100 tokens), where a wait ends as soon as
-the last one is back."""
+a miss, estimated from two runs of eight SmolLM2 windows of some 100 tokens: 14.2 s with
+216 misses against 4.3 s with 7), where a wait ends as soon as the last one is back."""
 
 
 class _BuildProgress:

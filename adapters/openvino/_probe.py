@@ -273,7 +273,10 @@ def stepping(kernels: KernelVerdict, *, joins: bool) -> str:
     if not steps:
         return "sessions step one at a time: the kernel probe did not decode rows together"
     if kernels.batch_exact:
-        return "sessions step one at a time: engine.together is 1"
+        return (
+            "sessions step one at a time: engine.together is 1, or the KV precision "
+            "re-quantizes entries moved into a shared request"
+        )
     worst = max(st.max_delta for st in steps)
     return (
         "sessions step one at a time: sequences decoded as rows of one request differ "

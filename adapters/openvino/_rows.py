@@ -76,9 +76,15 @@ class Rows:
     @property
     def offered(self) -> bool:
         """Whether windows may step here: where the kernel probe found rows of one
-        request exact against requests of their own."""
+        request exact against requests of their own, on a KV precision whose entries
+        move in and out unchanged (a u8 cache re-quantizes them on every load)."""
         verdict = self._facts.kernels
-        return self.streams > 1 and verdict is not None and verdict.batch_exact
+        return (
+            self.streams > 1
+            and self._facts.exact_in_place
+            and verdict is not None
+            and verdict.batch_exact
+        )
 
     @property
     def nbytes(self) -> int:

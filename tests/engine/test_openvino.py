@@ -328,6 +328,8 @@ def test_rows_are_offered_only_where_the_probe_found_them_exact(
         verdict = _probe.settle(msgspec.structs.replace(k.probe, settings=(setting,)))
         facts = msgspec.structs.replace(ov_engine.facts, kernels=verdict)
         assert Rows(ov_engine._model, facts, streams=streams).offered is offered
+        requantized = msgspec.structs.replace(facts, kv_type="u8", exact_in_place=False)
+        assert not Rows(ov_engine._model, requantized, streams=streams).offered
         words_ = _probe.stepping(verdict, joins=offered)
         assert ("beside other sessions'" in words_) is offered
         assert ("differ from each alone" in words_) is (delta > 0)
