@@ -92,6 +92,7 @@ from ._reports import Usage as Usage
 from ._runtime import Runtime as Runtime
 from ._runtime import load_engine as load_engine
 from ._runtime import open_runtime as open_runtime
+from ._session import ChatCall as ChatCall
 from ._session import Prefetch as Prefetch
 from ._session import Reply as Reply
 from ._session import SavedSegment as SavedSegment
@@ -113,6 +114,7 @@ __all__ = [
     "Capabilities",
     "Capacity",
     "CapacityInputs",
+    "ChatCall",
     "ColdBlock",
     "ColdBlockMeta",
     "ColdBlockMismatchError",

@@ -3,6 +3,7 @@ below live in :mod:`kvrt._paging`).
 
 - :mod:`.handle` — the public :class:`Session`;
 - :mod:`.saving` — a context saved to a file and resumed in a later process;
+- :mod:`.call` — a chat call read and checked once (:class:`ChatCall`);
 - :mod:`.chat` — messages to segments in the model's template;
 - :mod:`.reply` — a generation as its caller holds it: pieces, the completion;
 - :mod:`.mailbox` — the one way commands reach the actor, shared by the handle and its
@@ -21,6 +22,7 @@ from .._paging.tokens import context_tokens as context_tokens
 from .._paging.tokens import segment_tokens as segment_tokens
 from .._paging.window import HotWindow as HotWindow
 from .actor import Actor as Actor
+from .call import ChatCall as ChatCall
 from .handle import Session as Session
 from .prefetch import Prefetch as Prefetch
 from .reply import Reply as Reply
@@ -32,6 +34,7 @@ from .saving import resume_session as resume_session
 LAYERS = (
     "handle",
     "saving",
+    "call",
     "chat",
     "reply",
     "mailbox",

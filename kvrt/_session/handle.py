@@ -13,8 +13,8 @@ import numpy.typing as npt
 from anyio.abc import TaskGroup
 
 from .._chat.call_formats import CallFormat, call_format
-from .._chat.grammar import Grammar, read_response_format
-from .._chat.tools import Tool, check_tool_schemas, read_tool_choice, read_tools
+from .._chat.grammar import Grammar
+from .._chat.tools import Tool
 from .._checks import check_bool, check_choice, check_int, check_number, check_text
 from .._engine.contract import SamplingParams
 from .._errors import (
@@ -29,7 +29,8 @@ from .._types import CacheClass
 from .._util import NoPublicConstructor
 from . import arguments
 from .actor import Actor, Admit, Ensure, Evict, NextLogits
-from .chat import ChatTemplate, Message, messages_of, with_tools
+from .call import ChatCall
+from .chat import ChatTemplate, Message, with_tools
 from .generation import Generate
 from .mailbox import Mailbox
 from .prefetch import Prefetch
@@ -189,9 +190,9 @@ class Session(metaclass=NoPublicConstructor):
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]] | Sequence[Message],
+        messages: Sequence[Mapping[str, Any]] | Sequence[Message] | ChatCall,
         *,
-        max_tokens: int = 256,
+        max_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
@@ -230,48 +231,67 @@ class Session(metaclass=NoPublicConstructor):
         or kvrt's ``regex`` and ``grammar``; or a :class:`kvrt.Grammar`) makes the answer
         match it. ``logprobs=N`` reports each token's log-probability and the ``N``
         likeliest alternatives.
+
+        ``messages`` may instead be a :class:`kvrt.ChatCall`, read and checked already
+        (``ChatCall.read`` takes the same arguments): it is answered as it is, and the
+        other arguments, but ``buffer``, are left out.
         """
-        read = messages_of(messages)
-        params = arguments.sampling(
-            sampling, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-        )
-        tool_list = read_tools(tools, check_schemas=False)
-        choice = read_tool_choice(tool_choice, tool_list)
-        grammar, schema = read_response_format(response_format)
-        if parallel_tool_calls is None:  # a named function is one call, as OpenAI makes it
-            parallel = not isinstance(choice, tuple)
-        else:
-            parallel = check_bool("parallel_tool_calls", parallel_tool_calls)
+        given: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "stop": stop,
+            "sampling": sampling,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
+            "response_format": response_format,
+            "logprobs": logprobs,
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        if not isinstance(messages, ChatCall):
+            return self._answer(ChatCall.read(messages, **given), buffer)
+        if given:
+            name = next(iter(given))
+            raise InvalidArgumentError(
+                f"{name} is given with a ChatCall, which carries its own: give the call alone",
+                param=name,
+            )
+        return self._answer(messages, buffer)
+
+    def _answer(self, call: ChatCall, buffer: int | None) -> Reply:
+        """The reply to ``call``: its messages shown in the model's template, with its
+        tools, then generated under its grammar."""
+        tool_list, choice, grammar = call.tools, call.tool_choice, call.response_format
         if tool_list and not self._chat.has_template:
             raise InvalidArgumentError(
                 "this model has no chat template (a base model), so it cannot be given tools: "
                 "use a chat model",
                 param="tools",
             )
-        active = bool(tool_list) and choice != "none"
-        if active:  # tool_choice none compiles no tool's grammar
-            check_tool_schemas(tool_list)
-        own = grammar is not None and schema is None  # a regex or grammar of the caller's
-        if active and own:
-            raise InvalidArgumentError(
-                "response_format with tools must be json_object or json_schema (a regex or "
-                "grammar cannot be combined with tool calls)",
-                param="response_format",
-            )
+        read = call.messages
         template = None
         if tool_list or any(m.role == "tool" or m.tool_calls for m in read):
             template = self._chat.tool_template()
         # The tools are shown whatever tool_choice is (the prompt, and its KV, stay the
         # same from step to step); the reply's grammar enforces the choice: under "none",
         # an answer in the form the model was taught, never a call.
+        own = grammar is not None and call.response_schema is None  # a regex or grammar
         answered = bool(tool_list) and not own
         calls = call_format(
             template.call_style if template is not None else None,
             tool_list,
-            wrapped=answered and schema is None,
+            wrapped=answered and call.response_schema is None,
         )
         if answered:
-            grammar = calls.grammar(tool_list, choice, parallel=parallel, response_schema=schema)
+            grammar = calls.grammar(
+                tool_list,
+                choice,
+                parallel=call.parallel_tool_calls,
+                response_schema=call.response_schema,
+            )
         shown, generated = with_tools(read, tool_list, self._actor.replies, calls)
         if template is not None:
             definitions = [tool.openai() for tool in tool_list] or None
@@ -300,16 +320,16 @@ class Session(metaclass=NoPublicConstructor):
                 else:
                     recall[seg.name] = content[-1]
         return self._reply(
-            max_tokens,
-            params,
-            stop,
+            call.max_tokens,
+            call.sampling,
+            call.stop,
             buffer,
             segment=conversation.reply,
             context=conversation.segments,
             replies=replies,
             recall=recall if self._actor.share else None,
             grammar=grammar,
-            logprobs=arguments.logprobs(logprobs),
+            logprobs=call.logprobs,
             calls=calls if answered else None,
         )
 

@@ -11,13 +11,15 @@ pins a conversation to a session of its own. Uses only kvrt's public API.
 ...     await kvrt.serve.serve(rt, kvrt.serve.ServeConfig(port=8000))
 
 The modules: the app in process for frameworks that take an ``openai`` client
-(:mod:`.inprocess`), the ASGI application and its routes (:mod:`.app`), API keys and
-tenants (:mod:`.auth`), the routes' state and work (:mod:`.server`), the routes over kept
-state (:mod:`.kept`), reading a request (:mod:`.reading`), ``/metrics`` (:mod:`.metrics`),
-the bounded session pool (:mod:`.pool`), replies streamed as server-sent events
-(:mod:`.streaming`) to clients whose connection state says what they took
-(:mod:`.stall`), and how the server serves (:mod:`.config`); the API surfaces' translators
-are in :mod:`kvrt.serve.protocol`, the server's own state in :mod:`kvrt.serve.state`.
+(:mod:`.inprocess`), the ASGI application and its routing table (:mod:`.app`), API keys
+and tenants (:mod:`.auth`), the server that lends each request's exchange a session and
+streams its events, naming no API (:mod:`.server`), reading a request
+(:mod:`.reading`), ``/metrics`` (:mod:`.metrics`), the bounded session pool
+(:mod:`.pool`), replies streamed as server-sent events (:mod:`.streaming`) to clients
+whose connection state says what they took (:mod:`.stall`), and how the server serves
+(:mod:`.config`). One exchange per API surface is in :mod:`kvrt.serve.exchanges`, the
+surfaces' pure translators in :mod:`kvrt.serve.protocol`, the server's own state in
+:mod:`kvrt.serve.state`.
 Dependencies run one way, in the order of :data:`LAYERS`; the architecture test holds it.
 """
 
@@ -121,7 +123,7 @@ def listen(host: str, port: int, *, send_buffer: int = 65536) -> socket.socket:
 
 
 async def _run_trio(
-    app: Any, hc: HypercornConfig, stop: anyio.Event, *, task_status: TaskStatus[Any]
+    app: Any, hc: HypercornConfig, stop: anyio.Event, *, task_status: TaskStatus[object]
 ) -> None:
     from hypercorn.trio import serve as run
 
@@ -154,7 +156,6 @@ LAYERS = (
     "app",
     "auth",
     "server",
-    "kept",
     "reading",
     "metrics",
     "pool",

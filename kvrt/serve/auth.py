@@ -5,10 +5,11 @@ from __future__ import annotations
 import hmac
 from collections import Counter
 
-from starlette.responses import JSONResponse
+import msgspec
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .protocol import error_body
+from .protocol import RequestError, error_body
 
 __all__ = ["KeyRequired"]
 
@@ -66,5 +67,5 @@ class KeyRequired:
         code: str | None,
     ) -> None:
         self.requests[("auth", status)] += 1
-        body = error_body(message, kind="invalid_request_error", param=None, code=code)
-        await JSONResponse(body, status_code=status)(scope, receive, send)
+        body = msgspec.json.encode(error_body(RequestError(message, status=status, code=code)))
+        await Response(body, status, media_type="application/json")(scope, receive, send)

@@ -96,6 +96,16 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
                     f"computed; give at least {MIN_STORE_BYTES:,}"
                 )
 
+    @property
+    def bounds(self) -> Bounds:
+        """What the state store keeps for each tenant: ``state_bounds`` with the store
+        sizes set."""
+        return msgspec.structs.replace(
+            self.state_bounds,
+            response_bytes=self.response_store_bytes,
+            conversation_bytes=self.conversation_store_bytes,
+        )
+
     def tenants(self) -> dict[str, str]:
         """Every key accepted, with its tenant."""
         keys = dict(self.api_keys)

@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import anyio
 import anyio.abc
@@ -30,6 +30,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream
+from starlette.types import ASGIApp, Message
 
 import kvrt
 
@@ -47,31 +48,64 @@ _log = logging.getLogger("kvrt.serve")
 BASE_URL = "http://kvrt.in-process"
 
 
+class _Url(Protocol):
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def raw_path(self) -> bytes: ...
+    @property
+    def query(self) -> bytes: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int | None: ...
+
+
+class _Headers(Protocol):
+    @property
+    def raw(self) -> list[tuple[bytes, bytes]]: ...
+
+
+class _Request(Protocol):
+    """What is read of an httpx request."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def url(self) -> _Url: ...
+    @property
+    def headers(self) -> _Headers: ...
+    def read(self) -> bytes: ...
+    async def aread(self) -> bytes: ...
+
+
 async def _exchange(
-    app: Any, tg: anyio.abc.TaskGroup, request: Any, body: bytes, buffer: int
-) -> tuple[dict[str, Any], MemoryObjectReceiveStream[dict[str, Any]], anyio.Event]:
+    app: ASGIApp, tg: anyio.abc.TaskGroup, request: _Request, body: bytes, buffer: int
+) -> tuple[Message, MemoryObjectReceiveStream[Message], anyio.Event]:
     """Run ``app`` on ``request`` (whose ``body`` was read) in a task of ``tg``: the
     response's head, the messages that follow it as the app sends them, and the event that
     tells the app its client has gone."""
-    send, received = anyio.create_memory_object_stream[dict[str, Any]](buffer)
+    send, received = anyio.create_memory_object_stream[Message](buffer)
     gone = anyio.Event()
     unread = [body]  # handed over once, then held no more (a cancelled wait below sits in
     del body  # a reference cycle with its frame until the garbage collector looks)
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         if unread:
             return {"type": "http.request", "body": unread.pop(), "more_body": False}
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    async def forward(message: dict[str, Any]) -> None:
+    async def forward(message: Message) -> None:
         try:
             await send.send(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             gone.set()  # the client closed the response: nothing more is read
 
     url = request.url
-    scope = {
+    scope: Message = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
@@ -97,7 +131,7 @@ async def _exchange(
     try:
         head = await received.receive()
     except anyio.EndOfStream:
-        head = {}
+        head = {"type": None}
     if head.get("type") != "http.response.start":
         received.close()
         raise ConnectionError(f"kvrt's app sent no response head ({head.get('type')!r})")
@@ -105,7 +139,7 @@ async def _exchange(
 
 
 @functools.cache
-def in_process_transport(http: ModuleType) -> type[Any]:
+def in_process_transport(http: ModuleType) -> Callable[..., object]:
     """The transport class, for the httpx module ``http`` (``httpx``, or ``httpx2`` that
     newer ``openai`` releases use): ``cls(app, task_group)`` runs an ASGI app in tasks of
     the group, the response handed back as soon as its head is sent and its body as it
@@ -113,9 +147,7 @@ def in_process_transport(http: ModuleType) -> type[Any]:
     generation stops where it is, as with a client that leaves ``kvrt serve``)."""
 
     class Body(http.AsyncByteStream):  # type: ignore[misc, name-defined]
-        def __init__(
-            self, received: MemoryObjectReceiveStream[dict[str, Any]], gone: anyio.Event
-        ) -> None:
+        def __init__(self, received: MemoryObjectReceiveStream[Message], gone: anyio.Event) -> None:
             self._received, self._gone = received, gone
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -132,10 +164,10 @@ def in_process_transport(http: ModuleType) -> type[Any]:
             self._received.close()
 
     class Transport(http.AsyncBaseTransport):  # type: ignore[misc, name-defined]
-        def __init__(self, app: Any, tg: anyio.abc.TaskGroup, *, buffer: int = 32) -> None:
+        def __init__(self, app: ASGIApp, tg: anyio.abc.TaskGroup, *, buffer: int = 32) -> None:
             self._app, self._tg, self._buffer = app, tg, buffer
 
-        async def handle_async_request(self, request: Any) -> Any:
+        async def handle_async_request(self, request: _Request) -> object:
             try:
                 body = await request.aread()
                 head, received, gone = await _exchange(
@@ -153,7 +185,7 @@ def in_process_transport(http: ModuleType) -> type[Any]:
     return Transport
 
 
-async def _next_body(received: MemoryObjectReceiveStream[dict[str, Any]]) -> bytes | None:
+async def _next_body(received: MemoryObjectReceiveStream[Message]) -> bytes | None:
     """The next piece of a response's body, b"" for a message that carries none, None at
     its end."""
     try:
@@ -167,15 +199,13 @@ async def _next_body(received: MemoryObjectReceiveStream[dict[str, Any]]) -> byt
     return bytes(message.get("body") or b"")
 
 
-async def _close_body(
-    received: MemoryObjectReceiveStream[dict[str, Any]], gone: anyio.Event
-) -> None:
+async def _close_body(received: MemoryObjectReceiveStream[Message], gone: anyio.Event) -> None:
     gone.set()
     received.close()
 
 
 @functools.cache
-def _sync_transport(http: ModuleType) -> type[Any]:
+def _sync_transport(http: ModuleType) -> Callable[..., object]:
     """The sync twin of :func:`in_process_transport`: ``cls(app, task_group, portal)``,
     each request and each piece of its body carried across ``portal`` to the event loop
     the app runs in."""
@@ -184,7 +214,7 @@ def _sync_transport(http: ModuleType) -> type[Any]:
         def __init__(
             self,
             portal: anyio.from_thread.BlockingPortal,
-            received: MemoryObjectReceiveStream[dict[str, Any]],
+            received: MemoryObjectReceiveStream[Message],
             gone: anyio.Event,
         ) -> None:
             self._portal, self._received, self._gone = portal, received, gone
@@ -201,7 +231,7 @@ def _sync_transport(http: ModuleType) -> type[Any]:
     class Transport(http.BaseTransport):  # type: ignore[misc, name-defined]
         def __init__(
             self,
-            app: Any,
+            app: ASGIApp,
             tg: anyio.abc.TaskGroup,
             portal: anyio.from_thread.BlockingPortal,
             *,
@@ -209,7 +239,7 @@ def _sync_transport(http: ModuleType) -> type[Any]:
         ) -> None:
             self._app, self._tg, self._portal, self._buffer = app, tg, portal, buffer
 
-        def handle_request(self, request: Any) -> Any:
+        def handle_request(self, request: _Request) -> object:
             body = request.read()
             try:
                 head, received, gone = self._portal.call(
@@ -275,7 +305,7 @@ class _Served:
     """kvrt's app running in one event loop: the app, the task group its requests run
     in, the api key a client uses and the model's id."""
 
-    def __init__(self, app: Any, tg: anyio.abc.TaskGroup, api_key: str, model: str) -> None:
+    def __init__(self, app: ASGIApp, tg: anyio.abc.TaskGroup, api_key: str, model: str) -> None:
         self.app, self.tg, self.api_key, self.model = app, tg, api_key, model
         self.thread = threading.current_thread()
         """The event loop's thread, which a sync client must not block."""
@@ -324,7 +354,7 @@ def _reraise(exc: BaseException) -> NoReturn:
 
 @asynccontextmanager
 async def openai_client(
-    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
+    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: object
 ) -> AsyncIterator[Any]:
     """An ``openai.AsyncOpenAI`` served by ``runtime`` in process (``config`` as for
     ``kvrt serve``; ``options`` go to the client), with the model's id as
@@ -343,7 +373,7 @@ async def openai_client(
             class Client(openai.AsyncOpenAI):  # type: ignore[misc, name-defined]
                 """An ``AsyncOpenAI`` that serves only the event loop it was made in."""
 
-                async def request(self, *args: Any, **kwargs: Any) -> Any:
+                async def request(self, *args: object, **kwargs: object) -> object:
                     owner.check()  # before the client retries or touches the app
                     return await super().request(*args, **kwargs)
 
@@ -351,7 +381,7 @@ async def openai_client(
 
 
 def _sync_client(
-    portal: anyio.from_thread.BlockingPortal, served: _Served, options: dict[str, Any]
+    portal: anyio.from_thread.BlockingPortal, served: _Served, options: dict[str, object]
 ) -> Any:
     openai, http = _openai()
     transport = _sync_transport(http)(served.app, served.tg, portal)
@@ -359,7 +389,7 @@ def _sync_client(
     class Client(openai.OpenAI):  # type: ignore[misc, name-defined]
         """An ``OpenAI`` that refuses the thread of the event loop its app runs in."""
 
-        def request(self, *args: Any, **kwargs: Any) -> Any:
+        def request(self, *args: object, **kwargs: object) -> object:
             if threading.current_thread() is served.thread:  # before the client retries
                 raise kvrt.InvalidArgumentError(
                     "a sync in-process client was called from the thread of the event loop "
@@ -371,7 +401,9 @@ def _sync_client(
     return _made(Client, served, http.Client(transport=transport, base_url=BASE_URL), options)
 
 
-def _made(cls: Any, served: _Served, client_http: Any, options: dict[str, Any]) -> Any:
+def _made(
+    cls: Callable[..., Any], served: _Served, client_http: object, options: dict[str, object]
+) -> Any:
     """An openai client of class ``cls`` on ``client_http``, with the model's id as
     ``kvrt_model`` and its httpx client as ``kvrt_http_client``."""
     client = cls(
@@ -387,7 +419,7 @@ def _made(cls: Any, served: _Served, client_http: Any, options: dict[str, Any]) 
 
 @asynccontextmanager
 async def threaded_openai_client(
-    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: Any
+    runtime: kvrt.Runtime, config: ServeConfig | None = None, **options: object
 ) -> AsyncIterator[Any]:
     """A sync ``openai.OpenAI`` served by ``runtime`` in process, for code that runs in
     other threads (a sync framework under ``anyio.to_thread.run_sync``): its requests cross
@@ -408,7 +440,7 @@ def sync_openai_client(
     *,
     model: str | None = None,
     async_backend: str = "asyncio",
-    **options: Any,
+    **options: object,
 ) -> Iterator[Any]:
     """A sync ``openai.OpenAI`` with kvrt in process, for sync programs (smolagents, DSPy,
     Instructor): a runtime opened with ``runtime_config`` (and ``model``, as

@@ -214,6 +214,62 @@ async def test_sampling_keywords(anyio_backend: str) -> None:
             s.generate(4, stop=[""])
 
 
+def test_a_chat_call_is_read_and_checked_without_a_session() -> None:
+    """``ChatCall.read`` takes ``Session.chat``'s arguments and refuses what the session
+    would, naming it, before any session exists; what it reads is frozen."""
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    call = kvrt.ChatCall.read(
+        [{"role": "user", "content": "Hi"}],
+        tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0.5,
+        stop="\n",
+        max_tokens=8,
+    )
+    assert call.messages == (kvrt.Message(role="user", content="Hi"),)
+    assert call.tool_choice == ("function", "get_weather")
+    assert not call.parallel_tool_calls  # a named function is one call
+    assert call.sampling.temperature == 0.5 and call.stop == ("\n",)
+    with pytest.raises(AttributeError):
+        call.max_tokens = 9  # type: ignore[misc]
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": -1}, "temperature"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [weather], "response_format": {"type": "regex", "regex": "a"}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+    ]
+    for given, param in refused:
+        with pytest.raises(kvrt.KvrtError) as info:
+            kvrt.ChatCall.read([{"role": "user", "content": "Hi"}], **given)
+        assert param in str(info.value), (given, str(info.value))
+
+
+async def test_a_chat_call_is_answered_as_its_keywords_are(anyio_backend: str) -> None:
+    """``session.chat(call)`` is ``session.chat(messages, **keywords)``: the same tokens
+    and log-probabilities; keywords beside a call are refused."""
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    keywords: dict[str, Any] = {"max_tokens": 12, "temperature": 0.9, "seed": 3, "logprobs": 2}
+    async with (
+        kvrt.open_runtime(engine=tiny("llama")) as rt,
+        rt.open_session(hot_tokens=512) as s,
+        rt.open_session(hot_tokens=512) as t,
+    ):
+        call = kvrt.ChatCall.read(messages, **keywords)
+        by_call = await s.chat(call)
+        by_keywords = await t.chat(messages, **keywords)
+        assert by_call.tokens == by_keywords.tokens and len(by_call.tokens) == 12
+        assert by_call.logprobs == by_keywords.logprobs
+        with pytest.raises(kvrt.InvalidArgumentError, match="max_tokens") as info:
+            s.chat(call, max_tokens=4)
+        assert info.value.param == "max_tokens"
+        assert (await s.chat(call, buffer=4)).tokens == by_call.tokens
+
+
 @pytest.mark.parametrize(
     ("messages", "error", "match"),
     [

@@ -144,6 +144,24 @@ def test_the_server_uses_only_public_kvrt() -> None:
     assert not wrong
 
 
+def test_the_server_names_no_api_surface() -> None:
+    """The server lends sessions and streams for every surface alike: what a surface's
+    request means is its exchange's (``kvrt/serve/exchanges``) and translator's; the
+    routing table (``app``) is the one place that names them."""
+    lines = (ROOT / "kvrt" / "serve" / "server.py").read_text().splitlines()
+    code = "\n".join(line for line in lines if not line.startswith(("from ", "import ")))
+    named = re.findall(r"(?i)\b(chat|completions|responses|conversations?|/v1/\w+)\b", code)
+    assert named == []
+    assert len(lines) <= 300
+
+
+def test_the_server_speaks_in_types() -> None:
+    """Bodies, events and calls are msgspec Structs: ``Any`` is left where a library's
+    own types end (redis-py's client, an httpx request, an ASGI app)."""
+    found = sum(len(re.findall(r"\bAny\b", p.read_text())) for p in modules("kvrt/serve"))
+    assert found <= 40
+
+
 def _private_names(path: Path) -> set[str]:
     """Each private module of kvrt ``path`` imports, and each private name it imports from
     any module of kvrt."""
@@ -234,6 +252,7 @@ PACKAGES = [
     "kvrt/cli",
     "kvrt/bench",
     "kvrt/serve",
+    "kvrt/serve/exchanges",
     "kvrt/serve/protocol",
     "kvrt/serve/state",
     "kvrt/testing",
@@ -465,6 +484,7 @@ ROLES = {
     "add": "a command of the command line registering its parser",
     "main": "a command's (or a figure script's) entry point",
     "T": "a type variable",
+    "Ts": "a type variable",
     "log": "a module's logger",
     "write": "a model writer of kvrt.testing",
     "kernel_verdict": "an engine's kernel probe",

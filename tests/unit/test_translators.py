@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 import kvrt
-from kvrt.serve.protocol import Call, Limits, RequestError, conversations, responses
+from kvrt.serve.protocol import Limits, RequestError, Turn, conversations, responses, sse
 from kvrt.serve.protocol import chat as chat_api
+from kvrt.serve.protocol import completions as completions_api
+from kvrt.serve.protocol.response_events import ResponseEvents
 
 LIMITS = Limits(model="m", context=2048, n_vocab=1000, default_max_tokens=64)
 BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**30}}}
@@ -32,17 +34,18 @@ def refused(read: Any, *args: Any) -> RequestError:
 
 
 def test_a_chat_request_is_one_typed_call() -> None:
-    call = chat_api.read_chat(
+    asked = chat_api.read_chat(
         chat_body(stream=True, stream_options={"include_usage": True}, cache_salt="s"), LIMITS
     )
-    assert isinstance(call, Call) and call.method == "chat"
-    assert call.messages == (kvrt.Message(role="user", content="Hi"),)
-    assert call.options["max_tokens"] == 64 and call.options["temperature"] == 1.0
-    assert call.stream and call.include_usage and call.cache_salt == "s"
-    assert call.history == call.messages
-    completion = chat_api.read_completion(body(prompt=["Once"]), LIMITS)
-    assert completion.method == "complete" and completion.history == "Once"
-    assert completion.options["max_tokens"] == 16
+    turn = asked.turn
+    assert isinstance(turn, Turn) and isinstance(turn.call, kvrt.ChatCall)
+    assert turn.call.messages == (kvrt.Message(role="user", content="Hi"),)
+    assert turn.call.max_tokens == 64 and turn.call.sampling.temperature == 1.0
+    assert turn.stream and asked.include_usage and turn.cache_salt == "s"
+    assert turn.history == turn.call.messages
+    completion = completions_api.read_completion(body(prompt=["Once"]), LIMITS).turn
+    assert completion.history == "Once"
+    assert not isinstance(completion.call, kvrt.ChatCall) and completion.call.max_tokens == 16
 
 
 @pytest.mark.parametrize(
@@ -87,10 +90,12 @@ def test_a_responses_request_continues_what_it_is_given() -> None:
         kvrt.Message(role="assistant", content="Yes"),
     ]
     req = responses_request(instructions="Be brief.", max_output_tokens=8, top_logprobs=2)
-    call, given = responses.responses_call(req, before, LIMITS)
+    turn, given = responses.responses_call(req, before, LIMITS)
+    call = turn.call
     assert given == [kvrt.Message(role="user", content="Hi")]
+    assert isinstance(call, kvrt.ChatCall)
     assert [m.content for m in call.messages] == ["Be brief.", "Earlier", "Yes", "Hi"]
-    assert call.options["max_tokens"] == 8 and call.options["logprobs"] == 2
+    assert call.max_tokens == 8 and call.logprobs == 2
 
 
 @pytest.mark.parametrize(
@@ -135,7 +140,7 @@ def test_the_responses_events_follow_the_reply() -> None:
     """Fed a reply's pieces and completion, the translator says what the Agents SDK reads:
     created, in progress, the message added, its deltas, its parts done, completed."""
     req = responses_request()
-    events = responses.ResponseEvents("resp_1", "m", req, created=0.0)
+    events = ResponseEvents("resp_1", "m", req, created=0.0)
     out = events.start()
     for i, text in enumerate(("Hel", "lo")):
         out += events.piece(kvrt.Piece(text=text, token=1, index=i))
@@ -177,7 +182,9 @@ def test_the_responses_events_follow_the_reply() -> None:
     )
     ended, final = events.finish(done)
     out += [*ended, events.completed(final)]
-    kinds = [e["type"] for e in out]
+    sent = [json.loads(sse(e).split(b"data: ", 1)[1]) for e in out]
+    assert [sse(e).split(b"\n")[0] for e in out] == [f"event: {e['type']}".encode() for e in sent]
+    kinds = [e["type"] for e in sent]
     assert kinds == [
         "response.created",
         "response.in_progress",
@@ -190,11 +197,12 @@ def test_the_responses_events_follow_the_reply() -> None:
         "response.output_item.done",
         "response.completed",
     ]
-    assert [e["sequence_number"] for e in out] == list(range(len(out)))
-    assert final["output"][0]["content"][0]["text"] == "Hello"
-    assert final["usage"]["input_tokens"] == 3
-    failed = events.failed(final, "state_full", "no room")
+    assert [e["sequence_number"] for e in sent] == list(range(len(out)))
+    assert sent[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
+    assert sent[-1]["response"]["usage"]["input_tokens"] == 3
+    failed = json.loads(sse(events.failed(final, "state_full", "no room")).split(b"data: ")[1])
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "state_full", "message": "no room"}
 
 
 def _stream_calls(events: list[bytes]) -> list[list[Any]]:
@@ -218,7 +226,8 @@ def test_a_streamed_tool_call_sends_one_entry_a_chunk() -> None:
             kvrt.ToolCallDelta(index=1, id="call_b", name="neg", arguments='{"x": 1}'),
         ),
     )
-    events = chat_api.piece_chunks("r", "m", piece, chat=True)
+    stream = chat_api.ChatStream("r", "m", include_usage=False, legacy=False)
+    events = [sse(chunk) for chunk in stream.piece(piece)]
     per_chunk = _stream_calls(events)
     assert [len(e) for e in per_chunk] == [1] * len(events)
     entries = [e[0] for e in per_chunk]
@@ -250,7 +259,8 @@ def test_a_streamed_legacy_function_call_keeps_its_arguments() -> None:
         index=0,
         tool_calls=(kvrt.ToolCallDelta(index=0, id="c", name="f", arguments='{"n": 1}'),),
     )
-    events = chat_api.piece_chunks("r", "m", piece, chat=True, legacy=True)
+    stream = chat_api.ChatStream("r", "m", include_usage=False, legacy=True)
+    events = [sse(chunk) for chunk in stream.piece(piece)]
     deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events]
     assert deltas == [
         {"function_call": {"name": "f", "arguments": ""}},

@@ -1,13 +1,14 @@
-"""What every API surface reads a request into: one typed kvrt call (:class:`Call`),
-checked against what the server allows (:class:`Limits`). Pure: no server, no event loop;
-the grammars a call needs are compiled here (kvrt keeps them), so the server does it in a
+"""What every API surface reads a request into: one :class:`Turn` (the typed kvrt call,
+a :class:`kvrt.ChatCall` or a :class:`Prompt`, and how it is to be served), checked
+against what the server allows (:class:`Limits`). Pure: no server, no event loop; the
+grammars a call needs are compiled here (kvrt keeps them), so the server does it in a
 worker thread."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -15,7 +16,7 @@ import kvrt
 
 from .errors import RequestError, refusal
 
-__all__ = ["Call", "Limits", "sampling_options", "tool_options"]
+__all__ = ["Limits", "Prompt", "Sampled", "Turn", "chat_call", "check_tool_turns", "sampled"]
 
 SAMPLING_PARAMS = {
     f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed", "logit_bias")
@@ -47,81 +48,140 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
-class Call(msgspec.Struct, kw_only=True):
-    """One kvrt call a request asks for, checked: ``session.chat(messages, **options)`` or
-    ``session.complete(prompt, **options)``, and how its result is to be answered."""
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``session.complete`` call, read and checked."""
 
-    method: Literal["chat", "complete"]
-    messages: tuple[kvrt.Message, ...] = ()
-    prompt: str = ""
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """The keyword arguments of the call."""
+    prompt: str
+    max_tokens: int
+    sampling: kvrt.SamplingParams
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request asks of a session: its call, and how the reply is served."""
+
+    call: kvrt.ChatCall | Prompt
     stream: bool = False
-    include_usage: bool = False
-    """A stream ends with a usage chunk."""
     cache_salt: str | None = None
-    legacy_functions: bool = False
-    """Asked with the legacy ``functions``: answered with ``function_call``."""
+    """Requests reuse cached KV only with requests of the same salt (and tenant)."""
 
     @property
     def history(self) -> tuple[kvrt.Message, ...] | str:
         """What the session must hold for the call: its messages, or its prompt."""
-        return self.messages if self.method == "chat" else self.prompt
+        call = self.call
+        return call.prompt if isinstance(call, Prompt) else call.messages
+
+    def held(self, done: kvrt.Completion) -> tuple[kvrt.Message, ...] | str:
+        """What the session holds after answering with ``done``: the reply as the client
+        will send it back (its content, or its tool calls)."""
+        wanted = self.history
+        if isinstance(wanted, str):
+            return wanted + done.text
+        calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
+        return (*wanted, kvrt.Message(role="assistant", content=done.text, tool_calls=calls))
 
     def start(self, session: kvrt.Session) -> kvrt.Reply:
         """The call made on ``session``: its reply, started."""
-        if self.method == "chat":
-            return session.chat(self.messages, **self.options)
-        return session.complete(self.prompt, **self.options)
+        call = self.call
+        if isinstance(call, kvrt.ChatCall):
+            return session.chat(call)
+        return session.complete(
+            call.prompt,
+            max_tokens=call.max_tokens,
+            sampling=call.sampling,
+            stop=call.stop,
+            logprobs=call.logprobs,
+        )
 
 
-def sampling_options(request: Any, limits: Limits, *, default: int | None = None) -> dict[str, Any]:
-    """The sampling keywords of a call (``max_tokens``, ``temperature`` ... ``logprobs``),
-    checked now (the bias against the vocabulary too): a 400 naming the field before any
-    work."""
-    options = {
-        "max_tokens": max_tokens(
-            request, default=default or limits.default_max_tokens, limit=limits.context
-        ),
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "seed": request.seed,
-        "stop": request.stop,
-    }
-    for name in ("temperature", "top_p"):
-        value = options[name]
+class Sampled(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's sampling and limits, checked."""
+
+    max_tokens: int
+    sampling: kvrt.SamplingParams
+    stop: tuple[str, ...]
+    logprobs: int | None
+
+
+def sampled(
+    limits: Limits,
+    *,
+    max_tokens: int | None,
+    max_tokens_param: str = "max_tokens",
+    default: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    logit_bias: Mapping[str, float] | None = None,
+    logprobs: int | None = None,
+) -> Sampled:
+    """The sampling of a call, checked now (the bias against the vocabulary too): a 400
+    naming the field before any work. ``temperature`` is 1 when not given, as the APIs
+    have it."""
+    limit = limits.context
+    if max_tokens is None:
+        tokens = min(default or limits.default_max_tokens, limit)
+    elif 1 <= max_tokens <= limit:
+        tokens = max_tokens
+    else:
+        raise RequestError(
+            f"{max_tokens_param} must be between 1 and {limit} (the session's planner context), "
+            f"got {max_tokens}",
+            param=max_tokens_param,
+        )
+    temperature = 1.0 if temperature is None else temperature
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
         if value is not None and not math.isfinite(value):
             raise RequestError(f"{name} must be a finite number", param=name)
-    sampling = ("temperature", "top_p", "top_k", "seed")
-    bias = logit_bias(request)
     try:
         params = kvrt.SamplingParams(
-            **{k: options[k] for k in sampling if options[k] is not None}, logit_bias=bias
+            temperature=temperature,
+            top_k=top_k or 0,
+            top_p=1.0 if top_p is None else top_p,
+            seed=seed,
+            logit_bias=_bias(logit_bias),
         )
         kvrt.Sampler(params, limits.n_vocab)
     except kvrt.KvrtError as exc:
         raise refusal(exc, SAMPLING_PARAMS) from None
-    if bias is not None:
-        options["sampling"] = {"logit_bias": bias}
-    options["logprobs"] = requested_logprobs(request)
-    return options
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return Sampled(max_tokens=tokens, sampling=params, stop=stops, logprobs=logprobs)
 
 
-def tool_options(
-    tools: Any,
-    tool_choice: Any,
-    parallel_tool_calls: bool | None,
-    response_format: Any,
+def _bias(given: Mapping[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` (token ids as strings, as JSON has them) with int keys, or None."""
+    if not given:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise RequestError(
+                f"logit_bias keys are token ids (decimal integers), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
+def chat_call(
+    messages: Sequence[kvrt.Message],
+    sampling: Sampled,
     limits: Limits,
     *,
+    tools: Sequence[Mapping[str, object]] | None,
+    tool_choice: str | Mapping[str, object] | None,
+    parallel_tool_calls: bool | None,
+    response_format: Mapping[str, object] | None,
     format_param: str = "response_format",
-) -> dict[str, Any]:
-    """Tools and structured output, checked now: a bad one is a 400 naming it as the client
-    sent it (kvrt's errors carry the path in the shape they were given: the Responses API's
-    flat ``tools[0].parameters``, its ``text.format``). Schemas past ``max_grammar_bytes``
-    are refused before they are compiled, and tool schemas a request cannot use
-    (``tool_choice: "none"``) are not compiled."""
+) -> kvrt.ChatCall:
+    """The :class:`kvrt.ChatCall` a request asks for, built and checked by kvrt (its
+    grammars compiled): a bad part is a 400 naming it as the client sent it (kvrt's
+    errors carry the path in the shape they were given: the Responses API's flat
+    ``tools[0].parameters``, its ``text.format``). Schemas past ``max_grammar_bytes``
+    are refused before they are compiled."""
     limit = limits.max_grammar_bytes
     for i, tool in enumerate(tools or ()):
         nested = isinstance(tool, Mapping) and "function" in tool
@@ -142,74 +202,49 @@ def tool_options(
                 "(max_grammar_bytes)",
                 param=format_param,
             )
-    options: dict[str, Any] = {}
     try:
-        read = kvrt.read_tools(tools, check_schemas=False)
-        choice = kvrt.read_tool_choice(tool_choice, read)
-        if read and choice != "none":
-            kvrt.read_tools(tools)  # their grammars, compiled (and kept) now
-        if response_format is not None:
-            kvrt.read_response_format(response_format, param=format_param)
+        return kvrt.ChatCall.read(
+            messages,
+            max_tokens=sampling.max_tokens,
+            sampling=sampling.sampling,
+            stop=sampling.stop,
+            logprobs=sampling.logprobs,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            response_format=response_format,
+            format_param=format_param,
+        )
     except kvrt.KvrtError as exc:
         raise refusal(exc, default="tools") from None
-    if read:
-        options["tools"] = tools
-        options["tool_choice"] = tool_choice
-        options["parallel_tool_calls"] = parallel_tool_calls
-    if response_format is not None:
-        options["response_format"] = response_format
-    return options
 
 
-def requested_logprobs(request: Any) -> int | None:
-    """How many alternatives per token the request asks for, or None (no logprobs):
-    chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions' integer
-    ``logprobs``."""
-    if hasattr(request, "top_logprobs"):  # chat, or a Responses request read as chat
-        top = request.top_logprobs
-        if top is not None and not 0 <= top <= 20:
-            raise RequestError("top_logprobs must be from 0 to 20", param="top_logprobs")
-        if request.logprobs is None or request.logprobs is False:
-            if top:
-                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-            return None
-        if request.logprobs is not True:
-            raise RequestError("logprobs must be true or false", param="logprobs")
-        return top or 0
-    value = request.logprobs
-    if value is None or value is False:
-        return None
-    if isinstance(value, bool) or not 0 <= value <= 5:
-        raise RequestError("logprobs must be an integer from 0 to 5", param="logprobs")
-    return int(value)
-
-
-def logit_bias(request: Any) -> dict[int, float] | None:
-    """``logit_bias`` (token ids as strings, as JSON has them) with int keys, or None."""
-    given = getattr(request, "logit_bias", None)
-    if not given:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in given.items():
-        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+def check_tool_turns(messages: Sequence[kvrt.Message], *, param: str = "messages") -> None:
+    """What OpenAI refuses in a conversation, refused the same way (a 400): a ``tool``
+    message without a ``tool_call_id``, or with one no earlier assistant call has, and an
+    assistant's call whose arguments are not JSON. Chat's messages are named by their
+    index; a Responses conversation (its earlier responses' items before the request's
+    own) only by ``param``, since its indices are not the client's."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]" if param == "messages" else param
+        for j, (call_id, _name, arguments) in enumerate(m.tool_calls):
+            try:
+                json.loads(arguments)
+            except ValueError:
+                raise RequestError(
+                    f"{where}.tool_calls[{j}].function.arguments is not JSON: {arguments!r}"[:300],
+                    param=param,
+                ) from None
+            called.add(call_id)
+        if m.role != "tool":
+            continue
+        if not m.tool_call_id:
+            raise RequestError(f"{where} is a tool message without a tool_call_id", param=param)
+        if m.tool_call_id not in called:
             raise RequestError(
-                f"logit_bias keys are token ids (decimal integers), got {key[:40]!r}",
-                param="logit_bias",
+                f"{where}.tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call"[
+                    :300
+                ],
+                param=param,
             )
-        bias[int(key)] = value
-    return bias
-
-
-def max_tokens(request: Any, *, default: int, limit: int) -> int:
-    given = getattr(request, "max_completion_tokens", None)
-    name = "max_completion_tokens"
-    if given is None:
-        given, name = request.max_tokens, "max_tokens"
-    if given is None:
-        return min(default, limit)
-    if not 1 <= given <= limit:
-        raise RequestError(
-            f"{name} must be between 1 and {limit} (the session's planner context), got {given}",
-            param=name,
-        )
-    return int(given)

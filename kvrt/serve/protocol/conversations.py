@@ -1,5 +1,5 @@
 """The Conversations API's translation (``/v1/conversations`` and its items, and the
-Responses API's ``conversation`` field), pure: its routes are :mod:`kvrt.serve.kept`.
+Responses API's ``conversation`` field), pure: its routes are :mod:`kvrt.serve.exchanges.conversations`.
 
 A conversation is a list of items the server keeps for its tenant,
 and a response created in one reads them before its own input, then adds its input and
@@ -17,12 +17,15 @@ per tenant, read and written off the event loop.
 from __future__ import annotations
 
 import re
-from typing import Any
+
+import msgspec
 
 import kvrt
 
 from .errors import RequestError
-from .responses import message_items, object_id, to_messages
+from .items import message_items, to_messages
+from .responses import FunctionCallItem, OutputItem
+from .wire import Item, object_id
 
 ID = re.compile(r"conv_[0-9a-f]{32}")
 """What a conversation id looks like (anything else is a 404 before any file is
@@ -30,9 +33,9 @@ touched)."""
 
 __all__ = [
     "ID",
-    "body",
+    "ConversationBody",
+    "DeletedBody",
     "canonical_items",
-    "conversation_id",
     "conversation_items",
     "items_of",
     "messages",
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 
-def metadata(value: Any, where: str = "metadata") -> dict[str, str]:
+def metadata(value: object, where: str = "metadata") -> dict[str, str]:
     """Metadata as OpenAI bounds it, or a 400 naming what is wrong."""
     if value is None:
         return {}
@@ -56,7 +59,7 @@ def metadata(value: Any, where: str = "metadata") -> dict[str, str]:
     return dict(value)
 
 
-def canonical_items(items: Any, where: str = "items") -> list[dict[str, Any]]:
+def canonical_items(items: object, where: str = "items") -> list[Item]:
     """Input items (as the Responses API takes them) checked and written in the one form
     a conversation keeps, each with a fresh id."""
     if not isinstance(items, list):
@@ -64,53 +67,51 @@ def canonical_items(items: Any, where: str = "items") -> list[dict[str, Any]]:
     return [item for message in to_messages(items, where) for item in items_of(message)]
 
 
-def items_of(message: kvrt.Message) -> list[dict[str, Any]]:
+def items_of(message: kvrt.Message) -> list[Item]:
     """A kept message as conversation items, with fresh ids."""
     return message_items(message, object_id)
 
 
-def conversation_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def conversation_items(output: list[OutputItem]) -> list[Item]:
     """A response's output items as a conversation keeps them (their ids kept)."""
-    found: list[dict[str, Any]] = []
+    found: list[Item] = []
     for item in output:
-        if item["type"] == "message":
-            text = "".join(p.get("text", "") for p in item.get("content", ()))
-            found.append(
-                {
-                    "type": "message",
-                    "id": item["id"],
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": text}],
-                    "status": "completed",
-                }
-            )
-        elif item["type"] == "function_call":
-            keys = ("type", "id", "call_id", "name", "arguments", "status")
-            found.append({k: item[k] for k in keys})
+        if isinstance(item, FunctionCallItem):
+            found.append(msgspec.to_builtins(item))
+            continue
+        text = "".join(p.text for p in item.content)
+        found.append(
+            {
+                "type": "message",
+                "id": item.id,
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text}],
+                "status": "completed",
+            }
+        )
     return found
 
 
-def as_input(item: dict[str, Any]) -> dict[str, Any]:
+def as_input(item: Item) -> Item:
     """A kept item as a request's input item (what ``to_messages`` reads)."""
     return {k: v for k, v in item.items() if k not in ("id", "status")}
 
 
-def conversation_id(value: Any) -> str | None:
-    """The Responses API's ``conversation``: an id, or ``{"id": ...}``."""
-    if value is None:
-        return None
-    if isinstance(value, dict) and set(value) == {"id"}:
-        value = value["id"]
-    if not isinstance(value, str) or not value:
-        raise RequestError(
-            'conversation must be a conversation id or {"id": ...}', param="conversation"
-        )
-    return value
-
-
-def body(cid: str, created_at: int, metadata: dict[str, str]) -> dict[str, Any]:
+class ConversationBody(msgspec.Struct, frozen=True, kw_only=True):
     """A conversation object."""
-    return {"id": cid, "object": "conversation", "created_at": created_at, "metadata": metadata}
+
+    id: str
+    object: str = "conversation"
+    created_at: int
+    metadata: dict[str, str]
+
+
+class DeletedBody(msgspec.Struct, frozen=True, kw_only=True):
+    """What a deleted object is answered with."""
+
+    id: str
+    object: str
+    deleted: bool = True
 
 
 def not_kept(cid: str, param: str | None = None) -> RequestError:
@@ -124,7 +125,7 @@ def not_kept(cid: str, param: str | None = None) -> RequestError:
     )
 
 
-def messages(items: list[dict[str, Any]]) -> list[kvrt.Message]:
+def messages(items: list[Item]) -> list[kvrt.Message]:
     """What a conversation holds, as the messages a response's context begins with (a
     conversation may be large: the server calls this in a worker thread)."""
     return to_messages([as_input(item) for item in items]) if items else []

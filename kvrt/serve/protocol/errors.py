@@ -4,11 +4,12 @@ parameter, and kvrt's own errors read as one (by their ``param``, never their te
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+
+import msgspec
 
 import kvrt
 
-__all__ = ["MAX_BODY", "RequestError", "error_body", "refusal"]
+__all__ = ["MAX_BODY", "ErrorBody", "RequestError", "error_body", "refusal"]
 
 MAX_BODY = 64 * 1024 * 1024
 """The largest request body read (64 MiB: far more than any context fits)."""
@@ -33,8 +34,24 @@ class RequestError(Exception):
         self.kind = kind
 
 
-def error_body(message: str, *, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    """What was refused: the message, its type, the parameter and the code."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """A refusal's body, as OpenAI answers one."""
+
+    error: ErrorDetail
+
+
+def error_body(exc: RequestError) -> ErrorBody:
+    """``exc``'s body."""
+    return ErrorBody(ErrorDetail(message=str(exc), type=exc.kind, param=exc.param, code=exc.code))
 
 
 def refusal(

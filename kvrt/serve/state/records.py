@@ -4,11 +4,13 @@ error a store raises."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 import kvrt
+
+from ..protocol.wire import Item as Item
 
 __all__ = [
     "Bounds",
@@ -75,6 +77,19 @@ class StateStats(msgspec.Struct, frozen=True, kw_only=True):
     failures: int
     """Writes the store could not make (full, read-only, unreachable)."""
 
+    @classmethod
+    def unreadable(cls) -> StateStats:
+        """What is reported of a store that cannot be opened or read: one failure."""
+        return cls(
+            where="",
+            responses=0,
+            response_bytes=0,
+            conversations=0,
+            conversation_bytes=0,
+            refused=0,
+            failures=1,
+        )
+
 
 StateProblem = Literal["full", "unavailable", "damaged", "too_large"]
 
@@ -90,11 +105,7 @@ class StateError(kvrt.KvrtError):
         self.kind = kind
 
 
-Item = dict[str, Any]
-"""A conversation item in its canonical form (with its ``id``)."""
-
-
-_item = msgspec.json.Decoder(dict[str, Any])
+_item = msgspec.json.Decoder(Item)
 
 
 def decode_item(cid: str, n: int, stored: bytes) -> Item:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 import anyio
 import msgspec
@@ -15,6 +15,7 @@ from ..protocol.errors import RequestError
 __all__ = ["off_loop"]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 REFUSALS = (kvrt.KvrtError, RequestError, msgspec.MsgspecError)
 """What a worker raises for what it was given (a request, a row): expected, its message
@@ -22,8 +23,8 @@ says why."""
 
 
 async def off_loop(
-    fn: Callable[..., T],
-    *args: Any,
+    fn: Callable[[*Ts], T],
+    *args: *Ts,
     limiter: anyio.CapacityLimiter | None = None,
     abandon_on_cancel: bool = False,
 ) -> T:

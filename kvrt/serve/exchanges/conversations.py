@@ -1,111 +1,31 @@
-"""The routes over the server's state store: kept responses read back, listed and
-deleted, and the Conversations API; and the lookups a response makes of what it
-continues. The translation is :mod:`kvrt.serve.protocol`; the store :mod:`kvrt.serve.state`."""
+"""The Conversations API's routes over the server's state store, and the lookups a
+response makes of the conversation it continues. The translation is
+:mod:`kvrt.serve.protocol.conversations`; the store :mod:`kvrt.serve.state`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from .protocol import RequestError
-from .protocol.conversations import ID, body, canonical_items, metadata, not_kept
-from .protocol.responses import input_items, object_id, page
-from .reading import listing, read_json, tenant_of
-from .state import ConversationHead, KeptResponse, StateError, StateStore, refusal
-from .state.threads import off_loop
+from ..protocol import RequestError
+from ..protocol.conversations import (
+    ID,
+    ConversationBody,
+    DeletedBody,
+    canonical_items,
+    metadata,
+    not_kept,
+)
+from ..protocol.wire import Item, listed, object_id, page
+from ..reading import listing, read_json, tenant_of
+from ..state import ConversationHead, StateError, StateStore, refusal
+from ..state.threads import off_loop
 
-__all__ = [
-    "ConversationRoutes",
-    "ResponseRoutes",
-    "items_in",
-    "kept_response",
-    "response_not_kept",
-]
-
-
-class ResponseRoutes:
-    """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
-    (the server's, which counts it)."""
-
-    def __init__(
-        self,
-        store: Callable[[], Awaitable[StateStore]],
-        error: Callable[[RequestError], Response],
-    ) -> None:
-        self.state, self.error = store, error
-
-    async def one(self, request: Request) -> Response:
-        """``GET`` a kept response as it was answered, or ``DELETE`` it."""
-        rid, tenant = request.path_params["rid"], tenant_of(request)
-        try:
-            store = await self.state()
-            if request.method == "DELETE":
-                if not await store.forget_response(tenant, rid):
-                    raise response_not_kept(rid)
-                return JSONResponse({"id": rid, "object": "response", "deleted": True})
-            found = await kept_response(store, tenant, rid)
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return Response(found.body, media_type="application/json")
-
-    async def inputs(self, request: Request) -> Response:
-        """``GET /v1/responses/{id}/input_items``: the items its request's input gave
-        (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
-        ``after`` an item id)."""
-        rid, query = request.path_params["rid"], request.query_params
-        try:
-            store = await self.state()
-            limit, order = listing(request, default_order="desc")
-            found = await kept_response(store, tenant_of(request), rid)
-            start, end = found.inputs
-            listed = page(
-                input_items(rid, found.messages[start:end]),
-                limit=limit,
-                order=order,
-                after=query.get("after"),
-            )
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return JSONResponse(listed)
-
-
-def response_not_kept(rid: str, param: str | None = None) -> RequestError:
-    """The 404 of a response that is not kept (unknown, expired, deleted, another
-    tenant's, or stored with ``store: false``)."""
-    if param == "previous_response_id":
-        return RequestError(
-            f"previous response {rid!r} is not kept (unknown, expired, or stored with "
-            "store: false)",
-            status=404,
-            param=param,
-            code="previous_response_not_found",
-        )
-    return RequestError(
-        f"response {rid!r} is not kept (unknown, expired, deleted, or stored with store: false)",
-        status=404,
-        param=param,
-        code="response_not_found",
-    )
-
-
-async def kept_response(
-    store: StateStore, tenant: str | None, rid: str, param: str | None = None
-) -> KeptResponse:
-    """The kept response ``rid``, or the 404 :func:`response_not_kept` says (a damaged one is a
-    :class:`StateError`)."""
-    found = await store.response(tenant, rid)
-    if found is None:
-        raise response_not_kept(rid, param)
-    return found
+__all__ = ["Conversations", "items_in", "json_body", "json_response"]
 
 
 async def head_of(
@@ -119,7 +39,7 @@ async def head_of(
 
 async def items_in(
     store: StateStore, tenant: str | None, cid: str, param: str | None = None
-) -> list[dict[str, Any]]:
+) -> list[Item]:
     """A kept conversation's items, or its 404."""
     found = await store.items(tenant, cid) if ID.fullmatch(cid) else None
     if found is None:
@@ -127,13 +47,22 @@ async def items_in(
     return found
 
 
-async def json_response(content: Any) -> Response:
+async def json_response(content: msgspec.Struct) -> Response:
     """``content`` as a JSON response, encoded in a worker thread (items may be large)."""
     encoded = await off_loop(msgspec.json.encode, content)
     return Response(encoded, media_type="application/json")
 
 
-class ConversationRoutes:
+def json_body(body: msgspec.Struct) -> Response:
+    """``body`` as a JSON response (small: encoded on the loop)."""
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _conversation(cid: str, head: ConversationHead) -> Response:
+    return json_body(ConversationBody(id=cid, created_at=head.created_at, metadata=head.metadata))
+
+
+class Conversations:
     """The Conversations API's routes over a state store; ``error`` makes a refusal's
     response (the server's, which counts it)."""
 
@@ -165,7 +94,7 @@ class ConversationRoutes:
             head = ConversationHead(int(time.time()), metadata(sent.get("metadata")))
             cid = object_id("conv")
             await store.create_conversation(tenant_of(request), cid, head, items)
-            return JSONResponse(body(cid, head.created_at, head.metadata))
+            return _conversation(cid, head)
 
         return await self._answer(work)
 
@@ -178,14 +107,13 @@ class ConversationRoutes:
             if request.method == "DELETE":
                 if not ID.fullmatch(cid) or not await store.delete_conversation(tenant, cid):
                     raise not_kept(cid)
-                return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+                return json_body(DeletedBody(id=cid, object="conversation.deleted"))
             if request.method == "POST":
                 sent = await read_json(request)
                 meta = metadata(sent.get("metadata"))
                 if not ID.fullmatch(cid) or not await store.set_metadata(tenant, cid, meta):
                     raise not_kept(cid)
-            head = await head_of(store, tenant, cid)
-            return JSONResponse(body(cid, head.created_at, head.metadata))
+            return _conversation(cid, await head_of(store, tenant, cid))
 
         return await self._answer(work)
 
@@ -201,7 +129,9 @@ class ConversationRoutes:
                 added = await off_loop(canonical_items, sent.get("items"))
                 if not ID.fullmatch(cid) or not await store.add_items(tenant, cid, added):
                     raise not_kept(cid)
-                return JSONResponse(page(added, limit=len(added) or 1, order="asc", after=None))
+                return await json_response(
+                    page(added, limit=len(added) or 1, order="asc", after=None)
+                )
             limit, order = listing(request, default_order="asc")
             after = request.query_params.get("after")
             try:
@@ -216,16 +146,7 @@ class ConversationRoutes:
                 ) from None
             if found is None:
                 raise not_kept(cid)
-            data, more = found
-            return await json_response(
-                {
-                    "object": "list",
-                    "data": data,
-                    "first_id": data[0]["id"] if data else None,
-                    "last_id": data[-1]["id"] if data else None,
-                    "has_more": more,
-                }
-            )
+            return await json_response(listed(*found))
 
         return await self._answer(work)
 
@@ -246,8 +167,7 @@ class ConversationRoutes:
                     raise not_kept(cid)
                 if not removed:
                     raise RequestError(f"item {iid!r} is not in conversation {cid!r}", status=404)
-                head = await head_of(store, tenant, cid)
-                return JSONResponse(body(cid, head.created_at, head.metadata))
+                return _conversation(cid, await head_of(store, tenant, cid))
             try:
                 found = await store.item(tenant, cid, iid) if ID.fullmatch(cid) else None
             except KeyError:
@@ -256,6 +176,7 @@ class ConversationRoutes:
                 ) from None
             if found is None:
                 raise not_kept(cid)
-            return await json_response(found)
+            encoded = await off_loop(msgspec.json.encode, found)
+            return Response(encoded, media_type="application/json")
 
         return await self._answer(work)
