@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrt import (
-    ColdBlockMismatchError,
     EngineError,
     HotWindowFullError,
     InvalidRangeError,
@@ -39,21 +38,9 @@ from kvrt.backend import (
     SamplingParams,
 )
 
-__all__ = ["KvWindow", "as_position", "check_tokens", "chunk_bounds"]
+from ._given import as_position, check_block, check_tokens
 
-
-def as_position(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidRangeError(f"{name} must be an integer position, got {value!r}")
-    return int(value)
-
-
-def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
-    for tok in tokens:
-        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-            raise InvalidTokenError(f"token ids must be integers, got {tok!r}")
-        if not 0 <= tok < n_vocab:
-            raise InvalidTokenError(f"token id {tok} is outside the vocabulary [0, {n_vocab})")
+__all__ = ["KvWindow", "chunk_bounds"]
 
 
 def chunk_bounds(n: int, step: int) -> list[int]:
@@ -413,29 +400,6 @@ class KvWindow(abc.ABC):
         to fall back to one export per piece."""
         return None
 
-    def _check_block(self, block: ColdBlock) -> None:
-        meta = block.meta
-        if meta.fingerprint != self.fingerprint:
-            raise ColdBlockMismatchError(
-                f"cold block belongs to another model or KV layout "
-                f"(block {meta.fingerprint[:12]}, context {self.fingerprint[:12]})"
-            )
-        if meta.kv_type != self._facts.kv_type:
-            raise ColdBlockMismatchError(
-                f"cold block holds {meta.kv_type} KV, this context uses {self._facts.kv_type}"
-            )
-        data = block.data
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
-            raise ColdBlockMismatchError("cold block bytes must be a 1-D uint8 array")
-        if data.size != meta.n_bytes or not meta.tokens:
-            raise ColdBlockMismatchError(
-                f"cold block holds {data.size} bytes for {len(meta.tokens)} tokens; "
-                f"its metadata says {meta.n_bytes}"
-            )
-        if meta.start < 0:
-            raise ColdBlockMismatchError(f"cold block starts at a negative position {meta.start}")
-        check_tokens(meta.tokens, self._facts.n_vocab)
-
     def admit(
         self, block: ColdBlock, mode: AdmitMode = AdmitMode.IN_PLACE, *, skip: int = 0
     ) -> int:
@@ -448,7 +412,7 @@ class KvWindow(abc.ABC):
         recomputed and restored KV).
         """
         mode = AdmitMode(mode)
-        self._check_block(block)
+        check_block(block, self.fingerprint, self._facts)
         meta = block.meta
         n = meta.n_tokens
         if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < n:
@@ -488,7 +452,7 @@ class KvWindow(abc.ABC):
         :meth:`_put_run` to do it once for the run.
         """
         for block in blocks:
-            self._check_block(block)
+            check_block(block, self.fingerprint, self._facts)
         for a, b in itertools.pairwise(blocks):
             if a.meta.end != b.meta.start:
                 raise InvalidRangeError(

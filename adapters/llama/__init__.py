@@ -1,5 +1,6 @@
 """kvrt's llama.cpp backend: the engine without kvrt, for benchmarks (:mod:`._reference`);
-one loaded GGUF model (:mod:`._engine`) and its kernel probe (:mod:`._probe`); one KV
+one loaded GGUF model (:mod:`._engine`), what it is as kvrt pages it (:mod:`._facts`) and
+its kernel probe (:mod:`._probe`); one KV
 window (:mod:`._context`), composed of how large its context is (:mod:`._sizing`), a
 hybrid's recurrent state kept after block ends (:mod:`._checkpoints`), its cells as bytes
 (:mod:`._cells`) and keys read back for relevance (:mod:`._keys`); windows decoding
@@ -19,6 +20,7 @@ from ._reference import same_weights as same_weights
 LAYERS = (
     "_reference",
     "_engine",
+    "_facts",
     "_probe",
     "_context",
     "_sizing",

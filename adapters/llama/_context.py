@@ -56,7 +56,8 @@ from kvrt.native_bridge.llama import LlamaModel
 from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, LlamaContext
 
 from .._errors import translate_errors
-from .._window import KvWindow, check_tokens, chunk_bounds
+from .._given import check_tokens
+from .._window import KvWindow, chunk_bounds
 from ._cells import Cells
 from ._checkpoints import RecurrentStates
 from ._keys import KeyReader, QueryKeys

@@ -18,8 +18,8 @@ from kvrt.native_bridge.llama_keys import key_rotation, read_keys, unrotate
 from kvrt.native_bridge.rope import Rope
 
 from .._errors import translate_errors
+from .._given import check_tokens
 from .._sketch import QUERY_TOKENS, block_sketch
-from .._window import check_tokens
 from ._rope import ModelRope
 
 __all__ = ["KeyReader", "QueryKeys"]

@@ -19,8 +19,9 @@ from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.openvino import OvModel, OvRequest, rotate_keys, unpack, unrotate_keys
 
 from .._errors import translate_errors
+from .._given import check_tokens
 from .._sketch import QUERY_TOKENS, block_sketch
-from .._window import KvWindow, check_tokens
+from .._window import KvWindow
 from ._probe import stepping
 from ._rows import Rows
 

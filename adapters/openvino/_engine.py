@@ -23,7 +23,7 @@ from kvrt.backend import (
 from kvrt.native_bridge.openvino import COLD_BYTES, DETERMINISTIC, KV_PRECISIONS, OvModel
 
 from .._errors import translate_errors
-from .._window import check_tokens
+from .._given import check_tokens
 from ._context import EXACT_KV, OpenVinoEngineContext
 from ._prepare import IrInfo, prepare_ir
 from ._probe import TEXT as PROBE_TEXT

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import zoo
+from . import weights, zoo
 
 __all__ = ["QUANTS", "write"]
 
@@ -38,7 +38,7 @@ def _metadata(writer: Any, *, width: int, layers: int, heads: int, kv_heads: int
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_rope_dimension_count(width // heads)
-    for key, (value, vtype, sub) in zoo._tokenizer().items():
+    for key, (value, vtype, sub) in weights.tokenizer_fields().items():
         writer.add_key_value(key, value, vtype, sub_type=sub)
 
 
@@ -72,7 +72,7 @@ def write(
     }[quant]
     rng = np.random.default_rng(2048)
     head = width // heads
-    vocab = len(zoo._tokenizer()["tokenizer.ggml.tokens"][0])
+    vocab = len(weights.tokenizer_fields()["tokenizer.ggml.tokens"][0])
 
     def matrix(rows: int, cols: int, scale: float) -> tuple[Any, Any]:
         values = (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float32)

@@ -1,8 +1,8 @@
 """The server's own state — kept responses (``previous_response_id``, ``GET
 /v1/responses/{id}``) and conversations — in a real database, behind one protocol:
 
-- :mod:`.sqlite` — SQLite, the default: one file beside the disk tier (WAL, synced
-  writes), so both survive a restart; several processes of one host may share it;
+- :mod:`.sqlite` — SQLite, the default: one file beside the disk tier (a rollback
+  journal, synced writes), so both survive a restart; several processes of one host may share it;
 - :mod:`.shared` — the replicas' Redis/Valkey server when ``remote.url`` is set, signed
   like the blocks, so every replica reads what any of them kept.
 
@@ -11,8 +11,10 @@ they cannot do with a :class:`StateError` the routes turn into a clear error (ne
 for what was not kept, never a traceback for bad content).
 
 Dependencies run one way, in the order of :data:`LAYERS`: the two stores (:mod:`.sqlite`,
-:mod:`.shared`) stand on work off the event loop (:mod:`.threads`) and on what any store
-holds (:mod:`.records`); the architecture test holds it.
+:mod:`.shared`) stand on their parts (the SQLite file, :mod:`.database`; what a replica
+may believe of the shared server's values, :mod:`.signed`), on work off the event loop
+(:mod:`.threads`) and on what any store holds (:mod:`.records`); the architecture test
+holds it.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def refusal(exc: StateError, param: str | None = None) -> RequestError:
 LAYERS = (
     "sqlite",
     "shared",
+    "database",
+    "signed",
     "threads",
     "records",
 )

@@ -1,36 +1,21 @@
-"""The API state in one SQLite database (the default: a file beside the disk tier).
-
-A rollback journal, every write in one transaction committed with a full sync before it
-is acknowledged, several processes of one host sharing the file. (Not write-ahead
-logging: its index is a file every process maps into memory, and one that cannot be
-written, an immutable file or a full disk, ends the process with SIGBUS when it is
-touched; a journal's failures are errors.) Every call runs in a worker thread, one at a
-time (the event loop never waits on the disk). Bounds are kept per tenant
-(:class:`~.records.Bounds`): responses past them go, least recently used first;
-conversations past them are refused, and both expire once unused for their age.
+"""The API state in one SQLite database (the default: a file beside the disk tier), its
+file kept by :mod:`.database` (a rollback journal, synced transactions, a reserve for
+deletions on a full disk). Bounds are kept per tenant (:class:`~.records.Bounds`):
+responses past them go, least recently used first; conversations past them are refused,
+and both expire once unused for their age.
 
 What cannot be kept is an error, never silence: a full disk or a bound is ``full``, a
 read-only or unreachable file ``unavailable``. A row that does not decode is refused as
-``damaged``, naming what it holds; every other row stays readable. A deletion on a full
-disk goes through: the store keeps a reserve file beside the database, given up to let a
-deletion write its journal (and taken again once there is room).
+``damaged``, naming what it holds; every other row stays readable.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sqlite3
-import stat
-import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
 
-import anyio
 import msgspec
 
+from .database import Database
 from .records import (
     Bounds,
     ConversationHead,
@@ -43,8 +28,6 @@ from .records import (
 from .threads import off_loop
 
 __all__ = ["SqliteState"]
-
-T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -61,10 +44,6 @@ CREATE TABLE IF NOT EXISTS items (
 CREATE INDEX IF NOT EXISTS items_by_id ON items (tenant, conversation, id);
 """
 
-FULL = {"SQLITE_FULL"}
-DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_CORRUPT_INDEX", "SQLITE_CORRUPT_VTAB"}
-RESERVE_BYTES = 1 << 20
-"""The reserve kept beside the database for deletions on a full disk."""
 TOUCH_AFTER = 60.0
 """Seconds after which reading a row records its use again (not on every read)."""
 
@@ -82,34 +61,16 @@ def _tenant(tenant: str | None) -> str:
     return "-" if tenant is None else "+" + tenant
 
 
-def _problem(exc: sqlite3.Error, where: str) -> StateError:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    if name in FULL or name.startswith("SQLITE_FULL"):
-        return StateError(f"the state database {where} is full: {exc}", kind="full")
-    if name in DAMAGED or name.startswith("SQLITE_CORRUPT"):
-        return StateError(f"the state database {where} is damaged: {exc}", kind="damaged")
-    return StateError(f"the state database {where} cannot be used: {exc}", kind="unavailable")
-
-
 class SqliteState:
     """Kept responses and conversations in the SQLite database at ``path`` (``:memory:``:
     in this process only). Open it with :meth:`open`."""
 
-    def __init__(
-        self,
-        connection: sqlite3.Connection,
-        where: str,
-        bounds: Bounds,
-        reserve: Path | None = None,
-    ) -> None:
-        self._db = connection
-        self._reserve = reserve
-        self._keep_reserve()
-        self.where = where
+    def __init__(self, database: Database, bounds: Bounds) -> None:
+        self._file = database
+        self._db = database.connection
+        self.where = database.where
         self.bounds = bounds
-        self._lock = threading.Lock()
-        self._limiter = anyio.CapacityLimiter(1)
-        self.refused = self.failures = 0
+        self.refused = 0
 
     @classmethod
     async def open(
@@ -118,135 +79,15 @@ class SqliteState:
         """The store at ``path``, created if missing; a :class:`StateError` says why one
         cannot be used (damaged, not a regular file, unwritable). ``max_file_bytes`` caps
         the database file (past it a write is ``full``), beside the per-tenant bounds."""
-        return await off_loop(cls._open, path, bounds, max_file_bytes)
+        return cls(await off_loop(Database.open, path, SCHEMA, max_file_bytes), bounds)
 
-    @classmethod
-    def _open(cls, path: str, bounds: Bounds, max_file_bytes: int | None) -> SqliteState:
-        where = f"sqlite:{path}"
-        memory = path == ":memory:"
-        if not memory:
-            file = Path(path).expanduser()
-            try:
-                file.parent.mkdir(parents=True, exist_ok=True)
-                mode = file.stat().st_mode if file.exists() else None
-            except OSError as exc:
-                raise StateError(
-                    f"the state database {path} cannot be used: {exc.strerror or exc}",
-                    kind="unavailable",
-                ) from None
-            if mode is not None and not stat.S_ISREG(mode):
-                raise StateError(
-                    f"the state database {path} is not a regular file", kind="unavailable"
-                )
-            path = str(file)
-        try:
-            db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise _problem(exc, path) from None
-        try:
-            db.execute("PRAGMA busy_timeout = 10000")
-            if not memory:
-                db.execute("PRAGMA journal_mode = DELETE")
-                db.execute("PRAGMA synchronous = FULL")
-            db.executescript(SCHEMA)
-            if max_file_bytes is not None:
-                (page,) = db.execute("PRAGMA page_size").fetchone()
-                db.execute(f"PRAGMA max_page_count = {max(1, max_file_bytes // page)}")
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if check is None or check[0] != "ok":
-                raise StateError(
-                    f"the state database {path} is damaged ({check[0] if check else 'no answer'}):"
-                    " move it away, or give another (--state)",
-                    kind="damaged",
-                )
-        except sqlite3.Error as exc:
-            db.close()
-            raise _problem(exc, path) from None
-        except BaseException:
-            db.close()
-            raise
-        if not memory:
-            os.chmod(path, 0o600)
-        return cls(db, where, bounds, None if memory else Path(path + ".reserve"))
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await off_loop(self._locked, fn, *args, limiter=self._limiter)
-
-    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        with self._lock:
-            try:
-                return fn(*args)
-            except sqlite3.Error as exc:
-                problem = _problem(exc, self.where)
-                self.failures += problem.kind != "damaged"
-                self._rollback()
-                raise problem from None
-
-    def _write(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in one transaction, committed (synced) before it returns."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn()
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
-        return result
-
-    def _freeing(self, fn: Callable[[], T]) -> T:
-        """A write that frees space (a deletion), run in one transaction even on a full
-        disk: there, the reserve is given up and the write made again."""
-        try:
-            return self._write(fn)
-        except sqlite3.Error as exc:
-            if _problem(exc, self.where).kind != "full" or not self._give_up_reserve():
-                raise
-        try:
-            return self._write(fn)
-        finally:
-            self._keep_reserve()
-
-    def _give_up_reserve(self) -> bool:
-        if self._reserve is None:
-            return False
-        try:
-            self._reserve.unlink()
-        except OSError:
-            return False
-        return True
-
-    def _keep_reserve(self) -> None:
-        """Take the reserve again where there is room (a disk that has none goes on
-        without it)."""
-        if self._reserve is None or self._reserve.exists():
-            return
-        try:
-            with self._reserve.open("wb") as file:
-                file.truncate(RESERVE_BYTES)
-                os.posix_fallocate(file.fileno(), 0, RESERVE_BYTES)
-        except OSError:
-            with contextlib.suppress(OSError):
-                self._reserve.unlink()
-
-    def _rollback(self) -> None:
-        """Undo the transaction under way, if SQLite has not already (it does on a full
-        disk)."""
-        if self._db.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.execute("ROLLBACK")
-
-    def _touch(self, table: str, tenant: str, key: str, now: float) -> None:
-        """Record a row's use, where the database can be written (a read never fails for
-        want of it)."""
-        with contextlib.suppress(sqlite3.Error):
-            self._write(
-                lambda: self._db.execute(
-                    f"UPDATE {table} SET used = ? WHERE tenant = ? AND id = ?", (now, tenant, key)
-                )
-            )
+    @property
+    def failures(self) -> int:
+        """Writes the database could not make."""
+        return self._file.failures
 
     async def aclose(self) -> None:
-        await self._run(self._db.close)
+        await self._file.aclose()
 
     # -- responses --
 
@@ -270,7 +111,7 @@ class SqliteState:
             record = (response[0], await off_loop(_encode.encode, response[1]))
             self._check_response(len(record[1]))
         encoded = await off_loop(_encoded, items)
-        return await self._run(self._keep_turn, _tenant(tenant), record, cid, items, encoded)
+        return await self._file.run(self._keep_turn, _tenant(tenant), record, cid, items, encoded)
 
     def _check_response(self, size: int) -> None:
         b = self.bounds
@@ -303,7 +144,7 @@ class SqliteState:
                 self._keep_record(tenant, *record, now)
             return True
 
-        return self._write(write)
+        return self._file.write(write)
 
     def _keep_record(self, tenant: str, rid: str, record: bytes, now: float) -> None:
         b = self.bounds
@@ -331,7 +172,7 @@ class SqliteState:
     async def response(self, tenant: str | None, rid: str) -> KeptResponse | None:
         """The kept response, None when unknown or expired; ``damaged`` when its row does
         not decode."""
-        return await self._run(self._response, _tenant(tenant), rid)
+        return await self._file.run(self._response, _tenant(tenant), rid)
 
     def _response(self, tenant: str, rid: str) -> KeptResponse | None:
         row = self._db.execute(
@@ -352,10 +193,10 @@ class SqliteState:
                 kind="damaged",
             ) from None
         if used < now - TOUCH_AFTER:
-            self._touch("responses", tenant, rid, now)
+            self._file.touch("responses", tenant, rid, now)
         return kept
 
-    def _number(self, value: Any, what: str) -> float:
+    def _number(self, value: object, what: str) -> float:
         """A number column's value, or ``damaged`` naming the row (a row written by
         something else than this store)."""
         if isinstance(value, int | float):
@@ -365,10 +206,10 @@ class SqliteState:
 
     async def forget_response(self, tenant: str | None, rid: str) -> bool:
         """Delete a kept response; whether there was one."""
-        return await self._run(self._forget_response, _tenant(tenant), rid)
+        return await self._file.run(self._forget_response, _tenant(tenant), rid)
 
     def _forget_response(self, tenant: str, rid: str) -> bool:
-        gone = self._freeing(
+        gone = self._file.freeing(
             lambda: (
                 self._db.execute(
                     "DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid)
@@ -386,7 +227,9 @@ class SqliteState:
         as its bound, or its items would pass the bytes bound."""
         encoded = await off_loop(_encoded, items)  # many megabytes, at times
         meta = msgspec.json.encode(head.metadata)
-        await self._run(self._create, _tenant(tenant), cid, head.created_at, meta, items, encoded)
+        await self._file.run(
+            self._create, _tenant(tenant), cid, head.created_at, meta, items, encoded
+        )
 
     def _create(
         self,
@@ -416,7 +259,7 @@ class SqliteState:
             )
             self._append(tenant, cid, items, encoded, now)
 
-        self._write(write)
+        self._file.write(write)
 
     def _expire(self, tenant: str, now: float) -> None:
         old = self._db.execute(
@@ -459,7 +302,7 @@ class SqliteState:
 
     async def conversation(self, tenant: str | None, cid: str) -> ConversationHead | None:
         """The conversation without its items; None when unknown or expired."""
-        return await self._run(self._head, _tenant(tenant), cid)
+        return await self._file.run(self._head, _tenant(tenant), cid)
 
     def _head(self, tenant: str, cid: str) -> ConversationHead | None:
         row = self._db.execute(
@@ -480,7 +323,7 @@ class SqliteState:
             self.refused += 1
             meta = {}
         if used < now - TOUCH_AFTER:
-            self._touch("conversations", tenant, cid, now)
+            self._file.touch("conversations", tenant, cid, now)
         return ConversationHead(int(created_at), meta, int(items), int(size))
 
     def _live(self, tenant: str, cid: str, now: float) -> bool:
@@ -496,7 +339,7 @@ class SqliteState:
     async def items(self, tenant: str | None, cid: str) -> list[Item] | None:
         """Every item, in order; None when the conversation is unknown; ``damaged`` when
         an item does not decode."""
-        return await self._run(self._items, _tenant(tenant), cid)
+        return await self._file.run(self._items, _tenant(tenant), cid)
 
     def _items(self, tenant: str, cid: str) -> list[Item] | None:
         if self._head(tenant, cid) is None:
@@ -513,7 +356,7 @@ class SqliteState:
         """``limit`` items after the item ``after`` in ``order`` (``asc``, ``desc``), and
         whether more follow; None when the conversation is unknown; a ``KeyError`` when
         it holds no item ``after``. Only those items are read."""
-        return await self._run(self._page, _tenant(tenant), cid, limit, order, after)
+        return await self._file.run(self._page, _tenant(tenant), cid, limit, order, after)
 
     def _page(
         self, tenant: str, cid: str, limit: int, order: str, after: str | None
@@ -542,7 +385,7 @@ class SqliteState:
     async def item(self, tenant: str | None, cid: str, iid: str) -> Item | None:
         """Item ``iid`` (that one alone read); None when the conversation is unknown; a
         ``KeyError`` when it holds no such item."""
-        return await self._run(self._item, _tenant(tenant), cid, iid)
+        return await self._file.run(self._item, _tenant(tenant), cid, iid)
 
     def _item(self, tenant: str, cid: str, iid: str) -> Item | None:
         if self._head(tenant, cid) is None:
@@ -556,7 +399,7 @@ class SqliteState:
             raise KeyError(iid)
         return self._decoded(cid, row[0], row[1])
 
-    def _decoded(self, cid: str, n: int, blob: Any) -> Item:
+    def _decoded(self, cid: str, n: int, blob: bytes) -> Item:
         try:
             return decode_item(cid, n, blob)
         except StateError:
@@ -570,7 +413,7 @@ class SqliteState:
     async def set_metadata(self, tenant: str | None, cid: str, metadata: dict[str, str]) -> bool:
         """Replace the conversation's metadata; False when it is unknown."""
         meta = msgspec.json.encode(metadata)
-        return await self._run(self._set_metadata, _tenant(tenant), cid, meta)
+        return await self._file.run(self._set_metadata, _tenant(tenant), cid, meta)
 
     def _set_metadata(self, tenant: str, cid: str, meta: bytes) -> bool:
         now = time.time()
@@ -584,12 +427,12 @@ class SqliteState:
             )
             return True
 
-        return self._write(write)
+        return self._file.write(write)
 
     async def remove_item(self, tenant: str | None, cid: str, iid: str) -> bool | None:
         """Remove one item; False when the conversation has none of that id, None when the
         conversation is unknown."""
-        return await self._run(self._remove_item, _tenant(tenant), cid, iid)
+        return await self._file.run(self._remove_item, _tenant(tenant), cid, iid)
 
     def _remove_item(self, tenant: str, cid: str, iid: str) -> bool | None:
         now = time.time()
@@ -615,14 +458,14 @@ class SqliteState:
             )
             return True
 
-        return self._freeing(write)
+        return self._file.freeing(write)
 
     async def delete_conversation(self, tenant: str | None, cid: str) -> bool:
         """Delete a conversation and its items; whether there was one."""
-        return await self._run(self._delete_conversation, _tenant(tenant), cid)
+        return await self._file.run(self._delete_conversation, _tenant(tenant), cid)
 
     def _delete_conversation(self, tenant: str, cid: str) -> bool:
-        return self._freeing(lambda: self._delete(tenant, cid))
+        return self._file.freeing(lambda: self._delete(tenant, cid))
 
     def _delete(self, tenant: str, cid: str) -> bool:
         self._db.execute("DELETE FROM items WHERE tenant = ? AND conversation = ?", (tenant, cid))
@@ -633,7 +476,7 @@ class SqliteState:
         )
 
     async def stats(self) -> StateStats:
-        return await self._run(self._stats)
+        return await self._file.run(self._stats)
 
     def _stats(self) -> StateStats:
         responses = self._db.execute(
