@@ -8,6 +8,7 @@ them again. This module is the whole public surface; everything else is private.
 import msgspec as _msgspec
 
 from . import backend as backend
+from . import cold as cold
 from . import models as models
 from . import policy as policy
 from ._chat.grammar import Grammar as Grammar
@@ -18,11 +19,14 @@ from ._chat.tools import ToolCall as ToolCall
 from ._chat.tools import ToolCallDelta as ToolCallDelta
 from ._chat.tools import read_tool_choice as read_tool_choice
 from ._chat.tools import read_tools as read_tools
+from ._checks import read_small_file as read_small_file
 from ._cold import ColdKey as ColdKey
 from ._cold import ColdStats as ColdStats
 from ._cold import DiskStats as DiskStats
 from ._cold import RemoteStats as RemoteStats
 from ._cold import SharedStore as SharedStore
+from ._config import CONFIG_ENV as CONFIG_ENV
+from ._config import SETTINGS as SETTINGS
 from ._config import Config as Config
 from ._config import DiskConfig as DiskConfig
 from ._config import EngineConfig as EngineConfig
@@ -30,6 +34,7 @@ from ._config import MemoryConfig as MemoryConfig
 from ._config import PolicyConfig as PolicyConfig
 from ._config import RemoteConfig as RemoteConfig
 from ._config import SessionConfig as SessionConfig
+from ._config import Setting as Setting
 from ._config import load_config as load_config
 from ._describe import ModelInfo as ModelInfo
 from ._describe import describe_model as describe_model
@@ -90,6 +95,7 @@ from ._reports import TokenLogprob as TokenLogprob
 from ._reports import TokenOrigins as TokenOrigins
 from ._reports import Usage as Usage
 from ._runtime import Runtime as Runtime
+from ._runtime import check_policies as check_policies
 from ._runtime import load_engine as load_engine
 from ._runtime import open_runtime as open_runtime
 from ._session import ChatCall as ChatCall
@@ -98,15 +104,19 @@ from ._session import Reply as Reply
 from ._session import SavedSegment as SavedSegment
 from ._session import SavedSession as SavedSession
 from ._session import Session as Session
+from ._session import context_tokens as context_tokens
 from ._session.chat import Message as Message
 from ._session.chat import messages_of as read_messages
 from ._types import CacheClass as CacheClass
 from ._types import Residency as Residency
+from ._units import format_size as format_size
 from ._units import parse_size as parse_size
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CONFIG_ENV",
+    "SETTINGS",
     "AdmitMode",
     "ArgumentTypeError",
     "BlockReport",
@@ -175,6 +185,7 @@ __all__ = [
     "SessionConfig",
     "SessionCounters",
     "SessionReport",
+    "Setting",
     "SharedStore",
     "SharedValueError",
     "Timings",
@@ -187,8 +198,12 @@ __all__ = [
     "UnknownSegmentError",
     "Usage",
     "backend",
+    "check_policies",
+    "cold",
+    "context_tokens",
     "describe_model",
     "embedded_model_path",
+    "format_size",
     "load_config",
     "load_engine",
     "models",
@@ -199,6 +214,7 @@ __all__ = [
     "read_memory",
     "read_messages",
     "read_response_format",
+    "read_small_file",
     "read_tool_choice",
     "read_tools",
     "resolve_capacity",
@@ -208,3 +224,28 @@ for _name in __all__:
     _value = globals()[_name]
     if isinstance(_value, type) and issubclass(_value, _msgspec.Struct):
         _document_fields(_value)
+
+_ROOMS = (
+    ("kvrt.__main__",),  # python -m kvrt
+    ("kvrt.cli", "kvrt.bench"),  # the command line and kvrt bench
+    ("kvrt.serve",),  # the OpenAI-compatible server
+    ("kvrt.testing", "kvrt.adapters"),  # fixtures; the engines' adapters
+    ("kvrt.native_bridge",),  # the only code touching C APIs
+    ("kvrt", "kvrt.backend", "kvrt.cold"),  # the public faces (an engine's, a tier's)
+    ("kvrt._runtime", "kvrt._tiers", "kvrt._describe"),  # a runtime, assembled
+    ("kvrt._session",),  # the session as its caller sees it
+    ("kvrt._paging",),  # where blocks live and how they move
+    ("kvrt._reports",),  # what calls return
+    ("kvrt._chat",),  # conversations to tokens and back: no engine state, no await
+    ("kvrt._cold",),  # the cold store and its tiers
+    ("kvrt.models",),  # model names -> files
+    ("kvrt._engine",),  # talking to an engine
+    ("kvrt.policies",),  # the built-in policies
+    ("kvrt.policy",),  # the policy contract
+    ("kvrt._threads", "kvrt._config", "kvrt._units", "kvrt._checks", "kvrt._types"),
+    ("kvrt._errors",),
+    ("kvrt._util", "kvrt._docs"),
+)
+"""kvrt's rooms from the top down, those of one rank together: a module imports only its
+own room's and the rooms after it (the architecture test reads this and holds it). Inside
+each package, its ``LAYERS`` order its modules the same way."""

@@ -47,6 +47,7 @@ KvType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "
 BackendName = Literal["llama", "openvino"]
 
 CONFIG_ENV = "KVRT_CONFIG"
+"""The environment variable naming a config file."""
 MAX_CONFIG_BYTES = 1 << 20
 """The largest config file read."""
 
@@ -214,12 +215,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class Setting(msgspec.Struct, frozen=True):
-    """One configurable field, its environment variable and its command-line flag."""
+    """One configurable field, its environment variable and its command-line flag
+    (:data:`SETTINGS` lists them all)."""
 
     section: str
+    """The config file's section (``memory``)."""
     name: str
+    """The field in that section (``cold``)."""
     env: str
+    """The environment variable that sets it (``KVRT_MEM_COLD``)."""
     kind: Literal["size", "fraction", "value"] = "value"
+    """How its text is read: a size (``512MiB``), a fraction of 1, or as the field is."""
 
     @property
     def flag(self) -> str:
@@ -273,6 +279,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policies", "message_class", "KVRT_MESSAGE_CLASS_POLICY"),
     Setting("policies", "engine_turn", "KVRT_ENGINE_TURN_POLICY"),
 )
+"""Every setting a config file, an environment variable and a command-line flag can make."""
 _BY_PATH = {s.path: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -122,6 +122,11 @@ class Runtime(metaclass=NoPublicConstructor):
         return self._cold.stats()
 
     @property
+    def cold_store(self) -> ColdStore:
+        """The cold store the runtime's sessions share (:mod:`kvrt.cold`)."""
+        return self._cold
+
+    @property
     def close_report(self) -> str | None:
         """Once the runtime has closed: what closing did with block writes still queued
         for the tiers below RAM — finished (and how long that took), or how many were

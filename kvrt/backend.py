@@ -72,6 +72,7 @@ from ._engine.model_files import GgufMetadata as GgufMetadata
 from ._engine.model_files import expand_path as expand_path
 from ._engine.model_files import file_digest as file_digest
 from ._engine.model_files import read_gguf_metadata as read_gguf_metadata
+from ._engine.registry import adapter_package as adapter_package
 from ._types import KernelSetting as KernelSetting
 from ._types import KernelTrial as KernelTrial
 from ._types import KeySketch as KeySketch

@@ -3,8 +3,8 @@ sequence, put in position order, cut in block-long pieces, their keys turned.
 
 A window moves its cells this way to lay them out again as a fresh context's, to grow into
 a larger context, to slide its tail with keys turned in kvrt's code and to come home from
-the engine's streams; what each of those does with them is the window's
-(:mod:`._context`).
+the engine's streams, and to splice a cold block in; what each of those does with them is
+the window's (:mod:`._context`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvrt import ColdBlockMismatchError
 from kvrt.backend import ModelFacts
 from kvrt.native_bridge.llama import KV_TYPES
 from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, STATE_HEAD, LlamaContext
@@ -85,3 +86,54 @@ class Cells:
             return []
         first, last = positions[0], positions[-1] + 1
         return [self.ordered(self.read(ctx, s, e)) for s, e in self.spans(positions, first, last)]
+
+    def slide(
+        self, ctx: LlamaContext, positions: Sequence[int], start: int, end: int, stop: int
+    ) -> None:
+        """Remove [start, end) of the window in ``ctx`` and move [end, stop) down to
+        ``start``, the keys turned here: the tail goes out in block-long pieces (windowed
+        layers keep every position) and comes back turned. If loading it back fails, the
+        window's cells are partly gone: the caller empties it."""
+        delta = start - end
+        pieces = [
+            self.turned(self.read(ctx, s, e), delta) for s, e in self.spans(positions, end, stop)
+        ]
+        ctx.seq_rm(MAIN_SEQ, start, stop)
+        for piece in pieces:
+            self.load(ctx, piece, start, stop + delta)
+
+    def splice(
+        self,
+        ctx: LlamaContext,
+        data: npt.NDArray[np.uint8],
+        start: int,
+        n: int,
+        target: int,
+        skip: int = 0,
+        *,
+        turn: bool,
+    ) -> None:
+        """A block's bytes (positions [start, start + n)) into the window in ``ctx`` at
+        ``target`` on, but its first ``skip``: through the scratch sequence, the keys of a
+        moved block turned here (``turn``) or by llama.cpp's shift. A
+        :class:`ColdBlockMismatchError` where the bytes hold other positions than their
+        metadata says (nothing of them is then in the window)."""
+        moved = target != start
+        if moved and turn:
+            data = self.turned(data, target - start)
+        first = target if moved and turn else start
+        ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
+        try:
+            got = (ctx.pos_min(SCRATCH_SEQ), ctx.pos_max(SCRATCH_SEQ) + 1)
+            if self._recurrent:  # the recurrent part's single cell sits at the end
+                got = (first, got[1]) if got[0] >= first else got
+            if got != (first, first + n):
+                raise ColdBlockMismatchError(
+                    f"cold block bytes hold positions [{got[0]}, {got[1]}), "
+                    f"its metadata says [{start}, {start + n})"
+                )
+            if moved and not turn:
+                ctx.seq_add(SCRATCH_SEQ, start, start + n, target - start)
+            ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target + skip, target + n)
+        finally:
+            ctx.seq_clear(SCRATCH_SEQ)

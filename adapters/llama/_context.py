@@ -19,47 +19,37 @@ would scale YaRN or LongRoPE keys again, or crash on quantized keys, the window 
 itself: out as bytes, turned in numpy (:class:`~._cells.Cells`), back in at the new
 positions.
 
-A context smaller than its window (:mod:`._sizing`) grows as the window fills: its cells
-go out in position order and come back into a larger context, the old one freed first, so
-the memory a session holds follows the tokens it holds. Sizes stay multiples of 256 cells,
-llama.cpp's padding of the cells attention reads: a grown context computes what a
-full-size one does, bit for bit. Contexts whose keys or state depend on the size, or that
-keep a recurrent state or a sliding window, are built full size. A closed window hands its
-context to the engine, which keeps one for the next window to start in, wiped: making a
-context allocates and clears its buffer and reserves its graph (15-21 ms for SmolLM2's
-1,024-1,536 cells, against 3-4 ms to zero them), on the path of every session opened.
+A context smaller than its window grows as the window fills (:mod:`._sizing` says how
+large): its cells go out in position order and come back into a larger context, the old
+one freed first, so the memory a session holds follows the tokens it holds. A closed
+window hands its context to the engine, which keeps one for the next window to start in,
+wiped: making a context allocates and clears its buffer and reserves its graph (15-21 ms
+for SmolLM2's 1,024-1,536 cells, against 3-4 ms to zero them), on the path of every
+session opened.
 
-On a model with recurrent layers (a hybrid), the recurrent state is one per sequence: it
-has integrated every token computed, in order, and is never evicted. The window
-checkpoints it (:mod:`._checkpoints`, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) after the
-positions the session names (block ends) and after each prefill; a block exported where
-its checkpoint is held carries it in place of the current state, so it can end a restored
-context in any session. Removing the window's tail puts the state back to the nearest
-checkpoint before it and computes the resident tokens from there again; a block admitted
-before resident tokens leaves the state as it was.
+A model with recurrent layers gets a window of its own kind (:mod:`._hybrid`), which keeps
+the recurrent state beside the cells. What a window promises is :mod:`._capabilities`'.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
-import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrt import ColdBlockMismatchError, InvalidRangeError
-from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts, Recompute
+from kvrt import InvalidRangeError
+from kvrt.backend import Capabilities, ColdBlock, Logits, ModelFacts
 from kvrt.native_bridge.llama import LlamaModel
-from kvrt.native_bridge.llama_context import MAIN_SEQ, SCRATCH_SEQ, LlamaContext
+from kvrt.native_bridge.llama_context import MAIN_SEQ, LlamaContext
 
 from .._errors import translate_errors
 from .._given import check_tokens
-from .._window import KvWindow, chunk_bounds
+from .._window import KvWindow
+from ._capabilities import window_capabilities
 from ._cells import Cells
-from ._checkpoints import RecurrentStates
 from ._keys import KeyReader, QueryKeys
 from ._rope import ModelRope
 from ._sizing import first_size, fits_spare, padded
@@ -92,9 +82,6 @@ class LlamaEngineContext(KvWindow):
         """Where the context goes when the window closes (the engine's spare), if not freed."""
         self._model: LlamaModel = ctx.model
         self._rope = rope
-        self._state_only = facts.recurrent == "recurrent"
-        """A recurrent model (Mamba-2): no attention KV at all, its state is the whole
-        window, so only the window's tail can leave it."""
         windowed = bool(facts.sliding_window_live)
         recurrent = bool(facts.checkpoint_bytes)
         # Keys never move on a model with recurrent layers (some, as Nemotron-H's, have no RoPE).
@@ -120,10 +107,6 @@ class LlamaEngineContext(KvWindow):
         self._in_order = True
         """Cell ``k`` holds position ``k`` for every resident position, which are ``0...n-1``:
         the layout of a fresh context. Cleared by anything that may leave it otherwise."""
-        self._recurrent = bool(facts.checkpoint_bytes)
-        self._states = RecurrentStates()
-        """A hybrid's recurrent state after the positions that may end a context."""
-        self._run_end: int | None = None
         self._carried: Logits | None = None
         """The last logits, brought over from the context this one grew out of (until
         the next compute)."""
@@ -269,54 +252,12 @@ class LlamaEngineContext(KvWindow):
 
     @property
     def capabilities(self) -> Capabilities:
-        notes = ["tail admission re-rotates keys (each layer by its own RoPE base): not bit-exact"]
-        if self._turn:
-            notes.append(
-                "keys are turned by kvrt when a range moves: llama.cpp's own shift would "
-                "scale YaRN or LongRoPE keys again, or crash on these quantized keys"
-            )
-        elif self._facts.key_shift == "none":
-            notes.append("ranges come back at their own positions only: no key shift fits")
-        if self._keys is None:
-            notes.append(
-                "key relevance cannot read this model's keys (sliding-window caches or a "
-                "multi-axis RoPE): a relevance policy scores its tokens instead"
-            )
-        if self._facts.sliding_window_live:
-            notes.append(
-                "windowed layers keep every position, so in-place restores inside and beyond "
-                "the sliding window are bit-exact"
-            )
-        if self._recurrent:
-            notes = [
-                "recurrent layers: their state has seen every token computed, in order; it "
-                "is checkpointed after each block and each prefill, and removing the tail "
-                "computes again from the nearest checkpoint before it",
-                "ranges come back at their own positions only (a recurrent state cannot move)",
-            ]
-            if self._state_only:
-                notes.append(
-                    "no attention KV: only the window's tail can leave it, and a block comes "
-                    "back only as the window's end, with the checkpoint after it"
-                )
-        kernels = self._facts.kernels
-        if kernels is not None and not kernels.exact:
-            notes.insert(0, f"kernels: {kernels.reason}")
-        if self._together is not None:
-            notes.append(
-                "a reply's steps run beside other sessions' in one engine call, each window "
-                "in a KV stream of its own: bit-exact, as the kernel probe measured here"
-            )
-        return Capabilities(
-            remove_middle=not self._state_only,
-            position_shift=self.can_shift,
-            exact_in_place=self._facts.exact_in_place,
-            exact_compute=kernels is None or kernels.exact,
-            exact_tail=False,
-            sliding_window=self._facts.sliding_window_live,
-            kv_type=self._facts.kv_type,
-            notes=tuple(notes),
-            recurrent=self._recurrent,
+        return window_capabilities(
+            self._facts,
+            can_shift=self.can_shift,
+            turned_here=self._turn,
+            keys_read=self._keys is not None,
+            together=self._together is not None,
         )
 
     def _is_end(self, token: int) -> bool:
@@ -397,74 +338,6 @@ class LlamaEngineContext(KvWindow):
             self._ctx = self._rebuilt(self._ctx, self._ctx.n_ctx, ())
         self._drop_all()
 
-    # -- the recurrent state --
-
-    @property
-    def _keeps_states(self) -> bool:
-        return self._recurrent
-
-    def _keep_state(self, position: int, asked: bool) -> None:
-        with translate_errors("checkpointing the recurrent state"):
-            self._states.keep(position, self._ctx.checkpoint_get(MAIN_SEQ), asked=asked)
-
-    def _resumable(self, end: int) -> bool:
-        return not self._recurrent or end in self._states or end == self.next_position
-
-    def recomputed_by_evict(self, start: int, end: int) -> Recompute | None:
-        if not self._recurrent:
-            return None
-        _, _, i, j = self._resident_slice(start, end)
-        if j != len(self._positions):
-            return None  # a middle range: its attention cells go, nothing is computed
-        _, k, cut = self._states.rewind_span(self._positions, i)
-        if k == cut == i:
-            return None  # a checkpoint right before the range: nothing to compute
-        p = self._positions
-        first = p[k] if k < cut else p[cut]
-        return Recompute(first, p[cut - 1] + 1 if k < cut else first, p[cut])
-
-    def _rewind(self, i: int) -> int:
-        """Remove the window's tail, record entries ``i:`` on (see
-        :meth:`RecurrentStates.rewind_span` for where they start); the first entry
-        removed. The recurrent state goes back to the nearest checkpoint at or before the
-        last token kept (or to the start), the cells from there go, and the resident
-        tokens between are computed again. If computing fails, the window is left empty
-        (the record too) and the error raised.
-
-        Tokens computed again attend over the cells before them in cache order, so those
-        are laid out in position order first where they may not be (as before any
-        computation on a whole context): what is computed again then equals what was, as
-        long as no token before them left the window (the session labels it otherwise)."""
-        at, k, i = self._states.rewind_span(self._positions, i)
-        last = self._positions[i - 1] + 1 if i else 0
-        redo = self._tokens[k:i]
-        if redo and k:
-            self.relayout()  # the record still matches the engine here
-        if at is None:
-            self._ctx.clear()
-        else:
-            state = self._states.get(at)
-            assert state is not None
-            self._ctx.checkpoint_set(MAIN_SEQ, state)
-            self._ctx.seq_rm(MAIN_SEQ, at, 1 << 30)  # the tail: the cells left keep their order
-        if not k:
-            self._in_order = True  # no cell is left
-        self._states.forget(last)
-        if not redo:
-            return i
-        first = self._positions[k]
-        try:
-            for a, b in itertools.pairwise(chunk_bounds(len(redo), self.chunk_tokens)):
-                self._ctx.decode(redo[a:b], first + a)
-        except BaseException:
-            self._drop_all()
-            raise
-        self._in_order = self._in_order and first == k
-        self._counters.prefill_tokens += len(redo)
-        self._states.put(last, self._ctx.checkpoint_get(MAIN_SEQ))
-        self._logits_pos = last - 1
-        return i
-
     @property
     def cells_in_order(self) -> bool:
         """Whether the cache is known to hold the window as a fresh context would."""
@@ -478,8 +351,8 @@ class LlamaEngineContext(KvWindow):
         The cells go out and back in pieces of at most :attr:`ModelFacts.max_block_tokens`
         positions, so a windowed layer's KV is kept for every position, as in a block.
         """
-        if self._in_order or not self._positions or self._state_only:
-            self._in_order = True  # a recurrent model's state has no cells to order
+        if self._in_order or not self._positions:
+            self._in_order = True
             return
         first, last = self._positions[0], self._positions[-1] + 1
         with translate_errors("laying the window out in position order"):
@@ -512,45 +385,21 @@ class LlamaEngineContext(KvWindow):
 
     def _remove(self, i: int, j: int, start: int, end: int, shift_tail: bool) -> int:
         with translate_errors(f"evicting [{start}, {end})"):
-            if self._recurrent and j == len(self._positions):
-                return self._rewind(i)
-            if self._state_only:
-                raise InvalidRangeError(
-                    f"[{start}, {end}) is not the end of the window: a recurrent model "
-                    f"({self._facts.architecture}) keeps no KV, only a state that has "
-                    "integrated every token, so only the window's tail can leave it"
-                )
             last = self._positions[-1]
-            if self._recurrent:  # a rewind into a gap has nothing to compute from
-                self._states.forget(start, end)
             self._in_order = self._in_order and j == len(self._positions) and not shift_tail
-            if shift_tail and self._turn:
-                self._slide_turning(start, end, last + 1)
+            if shift_tail and self._turn:  # the tail out, turned, back in: all or nothing
+                try:
+                    self._cells.slide(self._ctx, self._positions, start, end, last + 1)
+                except BaseException:
+                    self._drop_all()
+                    raise
                 return i
             self._ctx.seq_rm(MAIN_SEQ, start, end)
             if shift_tail:
                 self._ctx.seq_add(MAIN_SEQ, end, last + 1, start - end)
         return i
 
-    def _slide_turning(self, start: int, end: int, stop: int) -> None:
-        """Remove [start, end) and move [end, stop) down to ``start``, the keys turned in
-        kvrt's code. The tail goes out in block-long pieces (windowed layers keep every
-        position) and comes back turned; if loading it back fails, the window is left
-        empty (the record too) and the error raised."""
-        delta = start - end
-        cells, ctx = self._cells, self._ctx
-        spans = cells.spans(self._positions, end, stop)
-        pieces = [cells.turned(cells.read(ctx, s, e), delta) for s, e in spans]
-        ctx.seq_rm(MAIN_SEQ, start, stop)
-        try:
-            for piece in pieces:
-                cells.load(ctx, piece, start, stop + delta)
-        except BaseException:
-            self._drop_all()
-            raise
-
     def _drop_all(self) -> None:
-        self._states.clear()
         if not self._ctx.closed:
             self._ctx.clear()
         self._positions.clear()
@@ -568,88 +417,19 @@ class LlamaEngineContext(KvWindow):
                 f"{most} positions of a range)"
             )
         with translate_errors(f"exporting [{start}, {end})"):
-            state = self._states.get(end) if self._recurrent else None
-            if state is not None and end != self.next_position:
-                return self._ctx.range_with_checkpoint(start, end, state)
-            return self._cells.read(self._ctx, start, end)
+            return self._read_range(start, end)
 
-    def admit_run(self, blocks: Sequence[ColdBlock]) -> None:
-        """As :meth:`KvWindow.admit_run`; on a model with recurrent layers a run ending the
-        window must end with a resumable block (its recurrent state comes in with it)."""
-        if not self._recurrent or not blocks:
-            super().admit_run(blocks)
-            return
-        last = blocks[-1].meta
-        if bisect.bisect_left(self._positions, last.end) == len(self._positions):
-            self._check_resumable(blocks[-1])
-        self._run_end = last.end
-        try:
-            super().admit_run(blocks)
-        except BaseException:
-            # a block of the run may end the window without its recurrent state
-            if self._positions and not self._resumable(self.next_position):
-                self.evict(blocks[0].meta.start, self.next_position)
-            raise
-        finally:
-            self._run_end = None
-
-    def _check_resumable(self, block: ColdBlock) -> None:
-        if not block.meta.resumable:
-            raise ColdBlockMismatchError(
-                f"the cold block [{block.meta.start}, {block.meta.end}) carries no "
-                "checkpoint of the recurrent state after it: it can come back only before "
-                "resident tokens, not as the end of the window"
-            )
+    def _read_range(self, start: int, end: int) -> npt.NDArray[np.uint8]:
+        return self._cells.read(self._ctx, start, end)
 
     def _put(self, block: ColdBlock, i: int, target: int, skip: int = 0) -> None:
         meta = block.meta
-        tail = self._recurrent and i == len(self._positions)
-        if self._state_only and not tail:
-            raise InvalidRangeError(
-                f"a recurrent model ({self._facts.architecture}) keeps no KV: a block comes "
-                f"back only at the end of the window, not before position {self._positions[i]}"
-            )
         self._room(meta.n_tokens)  # the block comes in whole, then its skipped tokens go
-        if tail and (self._run_end is None or meta.end >= self._run_end):
-            self._check_resumable(block)
-        if self._state_only and not meta.resumable:
-            # Within a run: its bytes are the state at some later point, not after it,
-            # and the run's last block's state replaces whatever it holds.
-            return
-        with translate_errors("checkpointing the recurrent state"):
-            before = (
-                self._ctx.checkpoint_get(MAIN_SEQ)
-                if self._recurrent and not tail and self._positions
-                else None
-            )
         self._in_order = self._in_order and i == len(self._positions) == target + skip
-        moved = target != meta.start
         with translate_errors(f"admitting [{meta.start}, {meta.end})"):
-            data = block.data
-            if moved and self._turn:
-                data = self._cells.turned(data, target - meta.start)
-            first = target if moved and self._turn else meta.start
-            self._ctx.state_set(SCRATCH_SEQ, np.ascontiguousarray(data))
-            try:
-                got = (self._ctx.pos_min(SCRATCH_SEQ), self._ctx.pos_max(SCRATCH_SEQ) + 1)
-                if self._recurrent:  # the recurrent part's single cell sits at the end
-                    got = (first, got[1]) if got[0] >= first else got
-                if got != (first, first + meta.n_tokens):
-                    raise ColdBlockMismatchError(
-                        f"cold block bytes hold positions [{got[0]}, {got[1]}), "
-                        f"its metadata says [{meta.start}, {meta.end})"
-                    )
-                if moved and not self._turn:
-                    self._ctx.seq_add(SCRATCH_SEQ, meta.start, meta.end, target - meta.start)
-                self._ctx.seq_cp(SCRATCH_SEQ, MAIN_SEQ, target + skip, target + meta.n_tokens)
-            finally:
-                self._ctx.seq_clear(SCRATCH_SEQ)
-            # Copying a range in brings its recurrent state along: the block's own after it
-            # at the tail, the window's own back before resident tokens.
-            if before is not None:
-                self._ctx.checkpoint_set(MAIN_SEQ, before)
-            elif tail and meta.resumable:
-                self._states.keep(meta.end, self._ctx.checkpoint_get(MAIN_SEQ), asked=True)
+            self._cells.splice(
+                self._ctx, block.data, meta.start, meta.n_tokens, target, skip, turn=self._turn
+            )
 
     # -- key sketches (kvrt.backend.KeySketching) --
 
@@ -680,7 +460,6 @@ class LlamaEngineContext(KvWindow):
             self._own.clear()
         self._carried = None
         self._in_order = True
-        self._states.clear()
 
     @property
     def closed(self) -> bool:

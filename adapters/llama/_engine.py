@@ -22,6 +22,7 @@ from .._errors import translate_errors
 from .._given import check_tokens
 from ._context import LlamaEngineContext
 from ._facts import model_facts, read_metadata
+from ._hybrid import HybridWindow
 from ._probe import cached_verdict
 from ._rope import ModelRope
 from ._together import Together
@@ -165,7 +166,8 @@ class LlamaEngine:
             raise EngineError("the engine is closed")
         with self._spare_lock:
             spare, self._spare = self._spare, None
-        return LlamaEngineContext.create(
+        window = HybridWindow if self._facts.checkpoint_bytes else LlamaEngineContext
+        return window.create(
             self._model,
             self._facts,
             self._rope,

@@ -277,7 +277,7 @@ class DiskTier:
             last_error=self.last_error,
         )
 
-    def _path(self, key: ColdKey) -> Path:
+    def path_of(self, key: ColdKey) -> Path:
         digest = key.digest()
         return self.folder / digest[:2] / f"{digest}{SUFFIX}"
 
@@ -329,7 +329,7 @@ class DiskTier:
             return False
         try:
             await anyio.to_thread.run_sync(
-                self._write_file, self._path(entry.key), head, payload, limiter=self._limiter
+                self._write_file, self.path_of(entry.key), head, payload, limiter=self._limiter
             )
         except OSError as exc:
             self.write_failures += 1
@@ -341,7 +341,7 @@ class DiskTier:
         self._next_id += 1
         self._clock += 1
         self._index[entry.key] = _Record(
-            self._next_id, self._path(entry.key), size, entry.cache_class, self._clock
+            self._next_id, self.path_of(entry.key), size, entry.cache_class, self._clock
         )
         self._bytes += size
         self.writes += 1

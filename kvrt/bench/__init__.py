@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvrt._session import context_tokens
+from kvrt import context_tokens
 
 __all__ = ["context_tokens", "own_disk_tier"]
 

@@ -22,8 +22,7 @@ import anyio
 import msgspec
 import psutil
 
-from kvrt import CacheClass, Config, KvrtError, Runtime, Segment, open_runtime
-from kvrt._session import context_tokens
+from kvrt import CacheClass, Config, KvrtError, Runtime, Segment, context_tokens, open_runtime
 from kvrt.bench.quick import QuickBench, run_quick_bench, text_of
 from kvrt.bench.reference import reference_trace
 from kvrt.cli.messages import message

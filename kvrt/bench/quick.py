@@ -19,8 +19,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from kvrt import Config, Engine, Segment, Session, open_runtime
-from kvrt._session import context_tokens
+from kvrt import Config, Engine, Segment, Session, context_tokens, open_runtime
 from kvrt.bench.reference import reference_greedy_tps
 from kvrt.cli.messages import message
 

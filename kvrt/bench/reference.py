@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from kvrt import EngineConfig
-from kvrt._engine.registry import adapter_package
+from kvrt.backend import adapter_package
 
 __all__ = ["reference_greedy_tps", "reference_trace"]
 

@@ -23,7 +23,7 @@ import msgspec
 
 import kvrt
 from kvrt import AdmitMode, CacheClass, ColdKey, Config, EngineContext, EvictMode
-from kvrt._cold import ColdEntry, DiskTier, RemoteTier, Signer, blockfile, token_digest
+from kvrt.cold import ColdEntry, DiskTier, RemoteTier, Signer, encode_block, token_digest
 
 from .quick import text_of
 
@@ -151,7 +151,7 @@ async def block_rows(
                 admit = partial(_admit, ctx)
                 ram_ms = _median_ms(partial(admit, block), repeat)
                 await disk.write(entry)
-                path = disk._path(key)
+                path = disk.path_of(key)
                 disk_read, disk_total, plain = [], [], []
                 for _ in range(repeat):
                     dropped &= _drop_cache(path)
@@ -188,7 +188,7 @@ async def block_rows(
                         admit(got.block)
                         times.append(time.perf_counter() - began)
                     remote_signed_ms = statistics.median(times) * 1e3
-                head, payload = blockfile.encode(entry)
+                head, payload = encode_block(entry)
                 name = secret.name("blk", key.digest().encode())
                 sign_ms = _median_ms(partial(_seal_and_check, secret, name, head, payload), repeat)
                 fresh = engine.open_context(max(512, n + 64))
@@ -238,7 +238,7 @@ async def decode_while_spilling(config: Config, decode: int) -> tuple[float, flo
         i = 0
         while not stop.is_set():
             key = ColdKey(block.meta.fingerprint, token_digest([i]), "spill", 0)
-            await rt._cold.put(ColdEntry(key, CacheClass.VOLATILE, block))
+            await rt.cold_store.put(ColdEntry(key, CacheClass.VOLATILE, block))
             i += 1
 
     results = []

@@ -9,9 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvrt import Config, ConfigError, KvrtError, load_config
-from kvrt._config import CONFIG_ENV, SETTINGS
-from kvrt._units import format_size, parse_size
+from kvrt import (
+    CONFIG_ENV,
+    SETTINGS,
+    Config,
+    ConfigError,
+    KvrtError,
+    format_size,
+    load_config,
+    parse_size,
+)
 
 __all__ = [
     "LOCAL_CONFIG",

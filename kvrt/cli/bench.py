@@ -10,8 +10,7 @@ from typing import Any
 
 import msgspec
 
-from kvrt import ConfigError
-from kvrt._units import format_size
+from kvrt import ConfigError, format_size
 
 from .arguments import check_writable, common, config_from, count, int_list
 

@@ -8,9 +8,7 @@ from typing import Any
 
 import msgspec
 
-from kvrt import ModelInfo, describe_model
-from kvrt._runtime import check_policies
-from kvrt._units import format_size
+from kvrt import ModelInfo, check_policies, describe_model, format_size
 
 from .arguments import common, config_from
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvrt._units import format_size
+from kvrt import format_size
 
 from .arguments import common, config_from, count
 

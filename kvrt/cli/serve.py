@@ -10,9 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrt import ConfigError
-from kvrt._checks import read_small_file
-from kvrt._runtime import check_policies
+from kvrt import ConfigError, check_policies, read_small_file
 from kvrt.native_bridge.memory import fix_mmap_threshold
 
 from .arguments import common, config_from, count, seconds, size
@@ -145,7 +143,7 @@ def _state(given: str | None) -> str | None:
     """``--state``: a database file, ``none``, or the default beside the blocks."""
     if given is not None:
         return None if given.lower() == "none" else given
-    from kvrt._cold import default_disk_path
+    from kvrt.cold import default_disk_path
 
     return str(default_disk_path().parent / "state.sqlite3")
 

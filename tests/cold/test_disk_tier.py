@@ -476,7 +476,7 @@ async def test_what_is_not_a_regular_file_never_makes_the_tier_wait(tmp_path: Pa
     store = store_over(reopened, ram_blocks=8)
     async with serving(store):
         with anyio.fail_after(10):
-            grown = next(i for i in range(3) if reopened._path(block(i).key) == files[1])
+            grown = next(i for i in range(3) if reopened.path_of(block(i).key) == files[1])
             assert await store.fetch(block(grown).key) is None  # refused, never allocated
             other = (grown + 1) % 3
             found = await store.fetch(block(other).key)
