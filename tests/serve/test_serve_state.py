@@ -129,3 +129,30 @@ async def test_a_20_mb_conversation_read_leaves_health_fast(
             stop.set()
             await off_loop(watcher.join)  # (the loop serves the request in flight)
     assert len(seen) > 5 and max(seen) < 0.05, sorted(seen)[-5:]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_store_that_cannot_open_refuses_with_its_reason(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """An app mounted without ``Server.open`` meets its store on the first request: a
+    store that cannot be opened (here a folder where the database file should be) is a 503
+    naming it, never a 500 without a body."""
+    import httpx
+
+    import kvrt
+    from tests.support.models import tiny
+
+    config = kvrt.serve.ServeConfig(state_path=str(tmp_path))
+    async with kvrt.open_runtime(engine=tiny("llama")) as rt:
+        app = kvrt.serve.create_app(rt, config)
+        model = kvrt.serve.model_id(rt, config)
+        sent = {"model": model, "input": "Hi", "max_output_tokens": 1}
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvrt") as c:
+                answer = await c.post("/v1/responses", json=sent)
+        finally:
+            await app.state.server.aclose()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "state_unavailable"

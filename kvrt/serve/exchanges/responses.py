@@ -45,9 +45,9 @@ class Responses:
         created = time.time()
         req = await desk.off_loop(read_request, body, desk.limits)
         cid = req.conversation_id
-        state = await desk.state()
         before: list[kvrt.Message] = []
         try:
+            state = await desk.state()
             if cid is not None:
                 items = await items_in(state, tenant, cid, "conversation")
                 before = await desk.off_loop(conversation_api.messages, items)
@@ -55,8 +55,9 @@ class Responses:
                 rid = req.previous_response_id
                 found = await kept_response(state, tenant, rid, "previous_response_id")
                 before = list(found.messages)
-        except StateError as exc:
-            raise refusal(exc, "conversation" if cid else "previous_response_id") from None
+        except StateError as exc:  # the store cannot be opened, or what it holds is damaged
+            continued = "previous_response_id" if req.previous_response_id else None
+            raise refusal(exc, "conversation" if cid else continued) from None
         turn, given = await desk.off_loop(responses_call, req, before, desk.limits)
         return ResponseExchange(req, turn, before, given, state, tenant, desk.limits.model, created)
 
