@@ -56,6 +56,16 @@ class PoolSlot:
     """Idle sessions this one's request closes first (the one it takes the place of, those
     past ``idle_sessions``)."""
 
+    def answered(self, wanted: History, done: kvrt.Completion) -> None:
+        """The session answered ``wanted`` with ``done``: it holds them both now, the
+        reply as the client will send it back (its content, or its tool calls)."""
+        if isinstance(wanted, str):
+            self.history = wanted + done.text
+            return
+        calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
+        reply = kvrt.Message(role="assistant", content=done.text, tool_calls=calls)
+        self.history = (*wanted, reply)
+
 
 def shared(history: History, wanted: History) -> int:
     """How many of ``wanted``'s messages a session holding ``history`` already has: all of

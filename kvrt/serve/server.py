@@ -161,7 +161,7 @@ class Server:
             except RequestError as exc:
                 return self.refuse(route, exc)
             self._count(done)
-            slot.history = turn.held(done)
+            slot.answered(wanted, done)
         if left.gone:  # the generation stopped where it was, the session is free
             self.gone["answer"] += 1
             return Response(status_code=400)
@@ -242,7 +242,7 @@ class Server:
                 return
             done = await answer
             self._count(done)
-            slot.history = exchange.turn.held(done)
+            slot.answered(exchange.turn.history, done)
         self.requests[(route, 200)] += 1
 
     def _stalled(self) -> None:

@@ -72,15 +72,6 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
         call = self.call
         return call.prompt if isinstance(call, Prompt) else call.messages
 
-    def held(self, done: kvrt.Completion) -> tuple[kvrt.Message, ...] | str:
-        """What the session holds after answering with ``done``: the reply as the client
-        will send it back (its content, or its tool calls)."""
-        wanted = self.history
-        if isinstance(wanted, str):
-            return wanted + done.text
-        calls = tuple((c.id, c.name, c.arguments) for c in done.tool_calls)
-        return (*wanted, kvrt.Message(role="assistant", content=done.text, tool_calls=calls))
-
     def start(self, session: kvrt.Session) -> kvrt.Reply:
         """The call made on ``session``: its reply, started."""
         call = self.call
