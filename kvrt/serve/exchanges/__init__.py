@@ -8,7 +8,8 @@ streams its events; it names no surface.
 - :mod:`.conversations`: the Conversations API's routes
 - :mod:`.completions`: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 - :mod:`.exchange`: what a surface is to the server (:class:`Surface`,
-  :class:`Exchange`) and what the server lends it (:class:`Desk`)
+  :class:`Exchange`), what the server lends it (:class:`Desk`), and the base of the
+  routes over the state store alone (:class:`StateRoutes`)
 
 Dependencies run one way, in the order of :data:`LAYERS`; the architecture test holds it.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from .completions import ChatCompletions, Completions
 from .conversations import Conversations
-from .exchange import Desk, Exchange, Surface
+from .exchange import Desk, Exchange, StateRoutes, Surface
 from .responses import KeptResponses, Responses
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Exchange",
     "KeptResponses",
     "Responses",
+    "StateRoutes",
     "Surface",
 ]
 

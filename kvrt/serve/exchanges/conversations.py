@@ -5,7 +5,6 @@ response makes of the conversation it continues. The translation is
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
@@ -22,8 +21,9 @@ from ..protocol.conversations import (
 )
 from ..protocol.wire import Item, listed, object_id, page
 from ..reading import listing, read_json, tenant_of
-from ..state import ConversationHead, StateError, StateStore, refusal
+from ..state import ConversationHead, StateStore
 from ..state.threads import off_loop
+from .exchange import StateRoutes
 
 __all__ = ["Conversations", "items_in", "json_body", "json_response"]
 
@@ -62,24 +62,8 @@ def _conversation(cid: str, head: ConversationHead) -> Response:
     return json_body(ConversationBody(id=cid, created_at=head.created_at, metadata=head.metadata))
 
 
-class Conversations:
-    """The Conversations API's routes over a state store; ``error`` makes a refusal's
-    response (the server's, which counts it)."""
-
-    def __init__(
-        self,
-        store: Callable[[], Awaitable[StateStore]],
-        error: Callable[[RequestError], Response],
-    ) -> None:
-        self.state, self.error = store, error
-
-    async def _answer(self, work: Callable[[], Awaitable[Response]]) -> Response:
-        try:
-            return await work()
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
+class Conversations(StateRoutes):
+    """The Conversations API's routes over the state store."""
 
     async def create(self, request: Request) -> Response:
         """``POST /v1/conversations``: ``items`` (input items) and ``metadata``."""
@@ -96,7 +80,7 @@ class Conversations:
             await store.create_conversation(tenant_of(request), cid, head, items)
             return _conversation(cid, head)
 
-        return await self._answer(work)
+        return await self.answered(work)
 
     async def one(self, request: Request) -> Response:
         """``GET`` a conversation, ``POST`` its new ``metadata``, or ``DELETE`` it."""
@@ -115,7 +99,7 @@ class Conversations:
                     raise not_kept(cid)
             return _conversation(cid, await head_of(store, tenant, cid))
 
-        return await self._answer(work)
+        return await self.answered(work)
 
     async def items(self, request: Request) -> Response:
         """``GET`` a conversation's items (``limit``, ``order`` asc by default, ``after``),
@@ -148,7 +132,7 @@ class Conversations:
                 raise not_kept(cid)
             return await json_response(listed(*found))
 
-        return await self._answer(work)
+        return await self.answered(work)
 
     async def item(self, request: Request) -> Response:
         """``GET`` one item of a conversation, or ``DELETE`` it (answered with the
@@ -179,4 +163,4 @@ class Conversations:
             encoded = await off_loop(msgspec.json.encode, found)
             return Response(encoded, media_type="application/json")
 
-        return await self._answer(work)
+        return await self.answered(work)

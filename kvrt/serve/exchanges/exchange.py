@@ -5,18 +5,19 @@ none."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar, TypeVarTuple, Unpack
 
 import msgspec
+from starlette.responses import Response
 
 import kvrt
 
-from ..protocol import Limits, Turn
-from ..state import StateStore
+from ..protocol import Limits, RequestError, Turn
+from ..state import StateError, StateStore, refusal
 from ..streaming import Started
 
-__all__ = ["Desk", "Exchange", "Surface"]
+__all__ = ["Desk", "Exchange", "StateRoutes", "Surface"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -74,3 +75,25 @@ class Surface(Protocol):
         """The exchange ``body`` asks for, or a :class:`~kvrt.serve.protocol.RequestError`
         naming what is wrong."""
         ...
+
+
+class StateRoutes:
+    """Routes over the state store alone (kept responses read back, the Conversations
+    API): ``store`` opens it, ``error`` makes a refusal's response (the server's, which
+    counts it)."""
+
+    def __init__(
+        self,
+        store: Callable[[], Awaitable[StateStore]],
+        error: Callable[[RequestError], Response],
+    ) -> None:
+        self.state, self.error = store, error
+
+    async def answered(self, work: Callable[[], Awaitable[Response]]) -> Response:
+        """What ``work`` answers, or the refusal of what it raised."""
+        try:
+            return await work()
+        except RequestError as exc:
+            return self.error(exc)
+        except StateError as exc:
+            return self.error(refusal(exc))

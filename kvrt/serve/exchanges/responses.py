@@ -5,7 +5,7 @@ what it adds kept, whole or not at all; and the routes that read kept responses 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.requests import Request
@@ -31,7 +31,7 @@ from ..reading import listing, tenant_of
 from ..state import KeptResponse, StateError, StateStore, refusal
 from ..streaming import Started
 from .conversations import items_in, json_body
-from .exchange import Desk
+from .exchange import Desk, StateRoutes
 
 __all__ = ["KeptResponses", "Responses", "kept_response"]
 
@@ -164,39 +164,31 @@ async def kept_response(
     return found
 
 
-class KeptResponses:
-    """Kept responses read back, listed and deleted; ``error`` makes a refusal's response
-    (the server's, which counts it)."""
-
-    def __init__(
-        self,
-        store: Callable[[], Awaitable[StateStore]],
-        error: Callable[[RequestError], Response],
-    ) -> None:
-        self.state, self.error = store, error
+class KeptResponses(StateRoutes):
+    """Kept responses read back, listed and deleted."""
 
     async def one(self, request: Request) -> Response:
         """``GET`` a kept response as it was answered, or ``DELETE`` it."""
         rid, tenant = request.path_params["rid"], tenant_of(request)
-        try:
+
+        async def work() -> Response:
             store = await self.state()
             if request.method == "DELETE":
                 if not await store.forget_response(tenant, rid):
                     raise response_not_kept(rid)
                 return json_body(conversation_api.DeletedBody(id=rid, object="response"))
             found = await kept_response(store, tenant, rid)
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return Response(found.body, media_type="application/json")
+            return Response(found.body, media_type="application/json")
+
+        return await self.answered(work)
 
     async def inputs(self, request: Request) -> Response:
         """``GET /v1/responses/{id}/input_items``: the items its request's input gave
         (``limit`` 1 to 100, default 20; ``order`` ``desc`` (default) or ``asc``;
         ``after`` an item id)."""
-        rid, query = request.path_params["rid"], request.query_params
-        try:
+        rid = request.path_params["rid"]
+
+        async def work() -> Response:
             store = await self.state()
             limit, order = listing(request, default_order="desc")
             found = await kept_response(store, tenant_of(request), rid)
@@ -205,10 +197,8 @@ class KeptResponses:
                 input_items(rid, found.messages[start:end]),
                 limit=limit,
                 order=order,
-                after=query.get("after"),
+                after=request.query_params.get("after"),
             )
-        except RequestError as exc:
-            return self.error(exc)
-        except StateError as exc:
-            return self.error(refusal(exc))
-        return json_body(listed)
+            return json_body(listed)
+
+        return await self.answered(work)
