@@ -107,9 +107,15 @@ def stops(stop: Any) -> tuple[str, ...]:
         stop = [stop]
     if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Iterable):
         raise ArgumentTypeError(
-            f"stop must be a string or a list of strings, got {type(stop).__name__}"
+            f"stop must be a string or a list of strings, got {type(stop).__name__}",
+            param="stop",
         )
-    out = tuple(check_text("a stop sequence", s, empty=False) for s in stop)
+    out = tuple(stop)
     if len(out) > 16:
-        raise InvalidArgumentError(f"at most 16 stop sequences, got {len(out)}")
+        raise InvalidArgumentError(f"at most 16 stop sequences, got {len(out)}", param="stop")
+    for i, s in enumerate(out):
+        try:
+            check_text("a stop sequence", s, empty=False)
+        except (ArgumentTypeError, InvalidArgumentError) as exc:
+            raise type(exc)(f"stop[{i}]: {exc}", param=f"stop[{i}]") from None
     return out

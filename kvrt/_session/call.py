@@ -13,7 +13,7 @@ from .._chat.grammar import Grammar, read_response_format
 from .._chat.tools import Tool, ToolChoice, read_tool_choice, read_tools
 from .._checks import check_bool, check_int
 from .._engine.contract import SamplingParams
-from .._errors import InvalidArgumentError
+from .._errors import ArgumentTypeError, InvalidArgumentError
 from . import arguments
 from .chat import Message, messages_of
 
@@ -50,6 +50,54 @@ class ChatCall(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     """How many alternatives each token's log-probability comes with, or None."""
 
+    def __post_init__(self) -> None:
+        """A call built by hand (or changed with ``msgspec.structs.replace``) is held to
+        what :meth:`read` makes: each field of its type and in its range, a named tool
+        among its tools, no grammar of the caller's beside tools it may call."""
+        for name, value, kind in (
+            ("messages", self.messages, Message),
+            ("tools", self.tools, Tool),
+        ):
+            if not isinstance(value, tuple) or not all(isinstance(v, kind) for v in value):
+                raise ArgumentTypeError(
+                    f"ChatCall.{name} must be a tuple of kvrt.{kind.__name__} "
+                    "(ChatCall.read makes one from OpenAI-style values)",
+                    param=name,
+                )
+        if not self.messages:
+            raise InvalidArgumentError(
+                "messages is empty: give at least one message", param="messages"
+            )
+        choice, names = self.tool_choice, {t.name for t in self.tools}
+        named = isinstance(choice, tuple) and len(choice) == 2 and choice[0] == "function"
+        if not (choice in ("none", "auto", "required") or (named and choice[1] in names)):
+            raise InvalidArgumentError(
+                f"ChatCall.tool_choice {choice!r} is not 'none', 'auto', 'required' or "
+                "('function', name) of one of its tools",
+                param="tool_choice",
+            )
+        typed: tuple[tuple[str, object, type | tuple[type, ...]], ...] = (
+            ("parallel_tool_calls", self.parallel_tool_calls, bool),
+            ("response_format", self.response_format, (Grammar, type(None))),
+            ("response_schema", self.response_schema, (dict, type(None))),
+            ("sampling", self.sampling, SamplingParams),
+        )
+        for field, given, types in typed:
+            if not isinstance(given, types):
+                raise ArgumentTypeError(
+                    f"ChatCall.{field} cannot be a {type(given).__name__}", param=field
+                )
+        check_int("max_tokens", self.max_tokens, low=0)
+        arguments.stops(self.stop)
+        arguments.logprobs(self.logprobs)
+        own = self.response_format is not None and self.response_schema is None
+        if self.tools and choice != "none" and own:
+            raise InvalidArgumentError(
+                "response_format with tools must be json_object or json_schema (a regex or "
+                "grammar cannot be combined with tool calls)",
+                param="response_format",
+            )
+
     @classmethod
     def read(
         cls,
@@ -83,12 +131,6 @@ class ChatCall(msgspec.Struct, frozen=True, kw_only=True):
         if tool_list and choice != "none":  # tool_choice none compiles no tool's grammar
             read_tools(tools)
         grammar, schema = read_response_format(response_format, param=format_param)
-        if tool_list and choice != "none" and grammar is not None and schema is None:
-            raise InvalidArgumentError(
-                f"{format_param} with tools must be json_object or json_schema (a regex or "
-                "grammar cannot be combined with tool calls)",
-                param=format_param,
-            )
         if parallel_tool_calls is None:  # a named function is one call, as OpenAI makes it
             parallel = not isinstance(choice, tuple)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import anyio
+import msgspec
 import pytest
 
 import kvrt
@@ -247,6 +248,22 @@ def test_a_chat_call_is_read_and_checked_without_a_session() -> None:
         with pytest.raises(kvrt.KvrtError) as info:
             kvrt.ChatCall.read([{"role": "user", "content": "Hi"}], **given)
         assert param in str(info.value), (given, str(info.value))
+    # Built by hand or changed after reading, it is held to the same: never a traceback
+    # from deep inside a session.
+    changed: list[tuple[dict[str, Any], str]] = [
+        ({"messages": ("Hi",)}, "messages"),
+        ({"messages": ()}, "messages"),
+        ({"tool_choice": ("function", "nowhere")}, "tool_choice"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"stop": ("",)}, "stop[0]"),
+        ({"sampling": {"temperature": 2}}, "sampling"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"response_format": kvrt.Grammar.regex("a+")}, "response_format"),
+    ]
+    for given, param in changed:
+        with pytest.raises((kvrt.InvalidArgumentError, kvrt.ArgumentTypeError)) as info:
+            msgspec.structs.replace(call, **given)
+        assert info.value.param == param, (given, str(info.value))
 
 
 async def test_a_chat_call_is_answered_as_its_keywords_are(anyio_backend: str) -> None:

@@ -64,6 +64,8 @@ def test_a_chat_request_is_one_typed_call() -> None:
             "tools[0].function.parameters",
         ),
         ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"stop": ["", "x"]}, "stop[0]"),
+        ({"stop": ["x"] * 17}, "stop"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": BAD_SCHEMA}}},
             "response_format.json_schema.schema",
